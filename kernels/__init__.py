@@ -1,0 +1,172 @@
+"""Paged KV-cache kernels: store, decode attention, prefill/extend attention.
+
+Two implementations share one contract (see ``kernels/reference.py``):
+
+* ``torch``  - pure PyTorch reference (any device; the CPU engine uses it),
+* ``triton`` - Triton GPU kernels (``kernels/store_kvcache_triton.py``,
+  ``kernels/paged_attention.py``).  The store module is *not* called
+  ``kernels/store_kvcache.py``: importing it would make Python bind the
+  submodule to ``kernels.store_kvcache``, replacing the function below.
+
+The module-level functions are the ``auto`` backend: Triton for CUDA tensors,
+the reference otherwise.  To force one, ask for it explicitly::
+
+    backend = get_backend("torch")
+    out = backend.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+
+Triton is imported lazily (first CUDA call or ``get_backend("triton")``) so the
+CPU engine works on machines without triton installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels.reference import (
+    paged_decode_attention_reference,
+    paged_prefill_attention_reference,
+    store_kvcache_reference,
+)
+
+__all__ = [
+    "BACKEND_NAMES",
+    "KernelBackend",
+    "check_backend_support",
+    "get_backend",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "store_kvcache",
+]
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
+TRITON_MAX_BLOCK_SIZE = 256
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """The three kernel entry points of one implementation."""
+
+    name: str
+    store_kvcache: Callable[..., None]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    paged_prefill_attention: Callable[..., torch.Tensor]
+
+
+def _triton_modules():
+    """Import the Triton kernels on demand (sys.modules caches them)."""
+    store = importlib.import_module("kernels.store_kvcache_triton")
+    attention = importlib.import_module("kernels.paged_attention")
+    return store, attention
+
+
+def _triton_backend() -> KernelBackend:
+    store, attention = _triton_modules()
+    return KernelBackend(
+        name="triton",
+        store_kvcache=store.store_kvcache,
+        paged_decode_attention=attention.paged_decode_attention,
+        paged_prefill_attention=attention.paged_prefill_attention,
+    )
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write K/V of each token into ``slot_mapping`` slots (-1 = skip), in place."""
+    if key.is_cuda:
+        _triton_modules()[0].store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kvcache_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
+    """Decode attention over the paged cache; see kernels.reference for the contract."""
+    if query.is_cuda:
+        return _triton_modules()[1].paged_decode_attention(
+            query, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_reference(
+        query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
+    """Causal prefill/extend attention over the paged cache; see kernels.reference."""
+    if query.is_cuda:
+        return _triton_modules()[1].paged_prefill_attention(
+            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    return paged_prefill_attention_reference(
+        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+
+def get_backend(name: str) -> KernelBackend:
+    """Return the ``auto``, ``torch`` or ``triton`` backend (a new frozen object)."""
+    if name == "auto":
+        return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention)
+    if name == "torch":
+        return KernelBackend(
+            "torch",
+            store_kvcache_reference,
+            paged_decode_attention_reference,
+            paged_prefill_attention_reference,
+        )
+    if name == "triton":
+        return _triton_backend()
+    raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
+
+
+def check_backend_support(backend_name: str, block_size: int, head_dim: int,
+                          dtype: torch.dtype, device) -> None:
+    """Raise ValueError (naming what is supported) if the backend can't run this config.
+
+    Rules:
+      * every backend: dtype in float32/float16/bfloat16, block_size >= 1,
+        head_dim >= 1;
+      * triton: block_size a power of two in [1, 256]; head_dim in
+        {64, 80, 96, 128, 256}; a CUDA device (or CPU under TRITON_INTERPRET=1);
+        triton importable;
+      * auto: the triton rules on CUDA, the torch rules elsewhere.
+    """
+    if backend_name not in BACKEND_NAMES:
+        raise ValueError(f"unknown kernel backend {backend_name!r}; expected one of {BACKEND_NAMES}")
+    device = torch.device(device)
+    resolved = backend_name
+    if backend_name == "auto":
+        resolved = "triton" if device.type == "cuda" else "torch"
+    _check_common(block_size, head_dim, dtype)
+    if resolved == "triton":
+        _check_triton(block_size, head_dim, device)
+
+
+def _check_common(block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
+
+
+def _check_triton(block_size: int, head_dim: int, device: torch.device) -> None:
+    power_of_two = block_size & (block_size - 1) == 0
+    if not power_of_two or block_size > TRITON_MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"triton backend: block_size must be a power of two in [1, {TRITON_MAX_BLOCK_SIZE}], "
+            f"got {block_size}")
+    if head_dim not in TRITON_HEAD_DIMS:
+        raise ValueError(
+            f"triton backend: head_dim must be one of {TRITON_HEAD_DIMS}, got {head_dim}")
+    # Read at call time on purpose: the interpreter is a per-process choice.
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"triton backend needs a CUDA device (or TRITON_INTERPRET=1 on CPU), got {device}")
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:
+        raise ValueError(
+            "triton backend needs the 'triton' package (pip install 'pagedserve[triton]')"
+        ) from exc

@@ -1,0 +1,123 @@
+"""EngineConfig: every knob of the engine in one frozen, validated object.
+
+The config is built once (from the CLI, the offline `LLM(...)` call or a test),
+validated on construction and then passed explicitly to whatever needs it.
+Nothing mutates it afterwards, so every component sees the same numbers.
+
+Fields that depend on the model (`max_model_len` when left at 0, the model's
+own limits) are resolved by `EngineConfig.for_model`, which reads the model's
+HF config and returns a new, fully resolved EngineConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+MAX_BLOCK_SIZE = 128
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $XDG_CACHE_HOME/pagedserve (never in the repo)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagedserve"
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"
+    seed: int = 0
+    # Paged KV cache.
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    kv_cache_memory_bytes: int = 1 << 30  # CPU budget for the KV cache (1 GiB)
+    num_gpu_blocks_override: int | None = None  # tests: an exact number of KV blocks
+    enable_prefix_caching: bool = True
+    # Scheduler.
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 0  # 0: the model's own limit
+    # Parallelism and kernels.
+    tensor_parallel_size: int = 1
+    kernel_backend: str = "auto"
+    device: str = "auto"  # "auto" -> cuda when available, else cpu
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        self._check_ints()
+        self._check_choices()
+        if not _is_power_of_two(self.block_size) or self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size={self.block_size} is not supported: use a power of two "
+                f"from 1 to {MAX_BLOCK_SIZE} (1, 2, 4, 8, 16, 32, 64, 128)"
+            )
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
+                f"block_size={self.block_size}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
+                f"only 1 (tensor parallelism is a planned feature)"
+            )
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir))
+
+    def _check_ints(self) -> None:
+        minimums = {
+            "block_size": 1,
+            "max_num_seqs": 1,
+            "max_num_batched_tokens": 1,
+            "max_model_len": 0,
+            "tensor_parallel_size": 1,
+            "kv_cache_memory_bytes": 1,
+            "seed": 0,
+        }
+        for name, minimum in minimums.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value < minimum:
+                raise ValueError(f"{name}={value} must be >= {minimum}")
+        blocks = self.num_gpu_blocks_override
+        if blocks is not None and (not isinstance(blocks, int) or blocks < 2):
+            raise ValueError(f"num_gpu_blocks_override={blocks!r} must be an integer >= 2")
+
+    def _check_choices(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported: choose one of {DTYPES}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(
+                f"kernel_backend={self.kernel_backend!r} is not supported: "
+                f"choose one of {KERNEL_BACKENDS}"
+            )
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A new validated config with some fields changed (the original stays as it was)."""
+        return dataclasses.replace(self, **changes)
+
+    def resolve_max_model_len(self, model_limit: int) -> "EngineConfig":
+        """Fill in max_model_len from the model's own limit, refusing values beyond it."""
+        if self.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's limit "
+                f"(max_position_embeddings={model_limit})"
+            )
+        return self.replace(max_model_len=self.max_model_len or model_limit)

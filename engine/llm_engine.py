@@ -1,0 +1,220 @@
+"""LLMEngine: add_request / step / abort_request — the synchronous core.
+
+    add_request ──> Scheduler.waiting
+    step():  Scheduler.schedule() ─> SchedulerOutput
+             ModelRunner.execute() ─> sampled tokens
+             Scheduler.update()     ─> tokens appended
+             stop checks, detokenize ─> RequestOutput for every request that moved
+
+One engine is driven by one thread at a time (the offline LLM, or the service's
+engine thread); it holds no locks of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_hf_config, load_tokenizer, resolve_model_path
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampler import make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    reported: list[int] = field(default_factory=list)  # tokens already handed out, per seq
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        model_path = resolve_model_path(config.model, config.cache_dir)
+        hf_config = load_hf_config(model_path)
+        self.config = config.resolve_max_model_len(hf_config.max_position_embeddings)
+        self.tokenizer = load_tokenizer(config.tokenizer or model_path)
+        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+        self.runner = ModelRunner(self.config, hf_config, model_path, self.eos_token_ids)
+        self.vocab_size = self.runner.model.args.vocab_size
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+            model_path.name, self.runner.device, self.runner.dtype,
+            self.runner.num_blocks, self.config.block_size,
+        )
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+    ) -> None:
+        """Queue a request: a text prompt (tokenized here) or prompt token ids.
+
+        `add_special_tokens=False` is for text that already has them, such as a
+        rendered chat template.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt, add_special_tokens)
+        self._check_prompt(token_ids)
+        seqs, detokenizers = [], []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                index=index,
+                prompt_token_ids=token_ids,
+                params=params,
+                generator=None if seed is None else make_generator(seed, self.runner.device),
+            )
+            seqs.append(seq)
+            detokenizers.append(IncrementalDetokenizer(self.tokenizer, token_ids, params))
+        self.requests[request_id] = Request(
+            request_id, text, token_ids, seqs, detokenizers, [0] * params.n
+        )
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and give its blocks back. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _tokenize(self, prompt: str | list[int], add_special_tokens: bool):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt token ids")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return None, list(prompt)
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, which leaves no room for output "
+                f"within max_model_len={limit}"
+            )
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    # -- stepping -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step and the model; report every request that moved."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.execute(scheduled)
+        sampled = result.sampled
+        tokens = dict(zip(result.seq_ids, sampled.token_ids))
+        row_of = {seq_id: row for row, seq_id in enumerate(result.seq_ids)}
+        moved: dict[str, Request] = {}
+        for seq in self.scheduler.update(scheduled, tokens):
+            request = self.requests[seq.request_id]
+            row = row_of[seq.seq_id]
+            if seq.params.logprobs is not None:
+                seq.output_logprobs.append(sampled.logprobs[row])
+                seq.output_top_logprobs.append(sampled.top_logprobs[row])
+            self._check_stop(seq, request.detokenizers[seq.index])
+            moved[request.request_id] = request
+        outputs = [self._output(request) for request in moved.values()]
+        for request in moved.values():
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _check_stop(self, seq: Sequence, detokenizer: IncrementalDetokenizer) -> None:
+        """Finish `seq` if its newest token ends it; feed the detokenizer otherwise."""
+        params = seq.params
+        token = seq.output_token_ids[-1]
+        num_out = len(seq.output_token_ids)
+        may_stop = num_out >= params.min_tokens
+        if may_stop and token in params.stop_token_ids:
+            if params.include_stop_str_in_output:
+                detokenizer.update([token])
+            self.scheduler.finish(seq, "stop", token)
+            return
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
+            self.scheduler.finish(seq, "stop")
+            return
+        stop_string = detokenizer.update([token])
+        if stop_string is not None and may_stop:
+            self.scheduler.finish(seq, "stop", stop_string)
+        elif num_out >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for i, (seq, detok) in enumerate(zip(request.seqs, request.detokenizers)):
+            start = request.reported[i]
+            request.reported[i] = len(seq.output_token_ids)
+            wants_logprobs = seq.params.logprobs is not None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=detok.output_text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.output_logprobs) if wants_logprobs else None,
+                    top_logprobs=list(seq.output_top_logprobs) if wants_logprobs else None,
+                    delta_text=detok.get_delta(seq.is_finished),
+                    delta_token_ids=seq.output_token_ids[start:],
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            num_cached_tokens=min(seq.num_cached_tokens for seq in request.seqs),
+        )
+
+    # -- introspection ------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+
+def _eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (hf_config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)

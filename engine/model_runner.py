@@ -1,0 +1,192 @@
+"""The model runner: KV-cache tensors, batch preparation, forward, sampling.
+
+It sees one thing per step, the scheduler's `SchedulerOutput`, and turns it
+into the flat tensors the model wants:
+
+    scheduled:  seq A decode (pos 9)   seq B prefill chunk (pos 0..3)   seq C decode (pos 4)
+    reordered:  decodes first, then prefills (each attention kernel takes a contiguous slice)
+    input_ids:  [ a9  c4 | b0 b1 b2 b3 ]
+    positions:  [  9   4 |  0  1  2  3 ]
+    slots:      [ table_A[9 // bs] * bs + 9 % bs, ... ]     where each new K/V row is written
+    logits:     only at the last token of each sequence that samples this step
+
+The KV cache is one tensor, [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim];
+layer i reads kv_cache[0][i] (K) and kv_cache[1][i] (V).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from engine.models.loader import iter_safetensors
+from engine.sampler import Sampler, SamplerOutput
+from engine.scheduler import ScheduledSequence, SchedulerOutput
+from kernels import check_backend_support, get_backend
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelRunnerOutput:
+    seq_ids: list[int]  # the sequences that sampled, in the order of the sampler's rows
+    sampled: SamplerOutput
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, hf_config) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype (float32 when it names none)."""
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype)
+    return dtype if dtype in DTYPES.values() else torch.float32
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_path, eos_token_ids) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, hf_config)
+        self.kernels = get_backend(config.kernel_backend)
+        self.model = self._load_model(hf_config, model_path)
+        args = self.model.args
+        check_backend_support(
+            config.kernel_backend, config.block_size, args.head_dim, self.dtype, self.device
+        )
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_cache = torch.zeros(
+            2, args.num_layers, self.num_blocks, self.block_size, args.num_kv_heads,
+            args.head_dim, dtype=self.dtype, device=self.device,
+        )
+        self.sampler = Sampler(eos_token_ids, args.vocab_size, seed=config.seed)
+
+    # -- start-up -------------------------------------------------------------------
+    def _load_model(self, hf_config, model_path) -> LlamaForCausalLM:
+        model = LlamaForCausalLM(hf_config, self.config.max_model_len, self.kernels)
+        model.load_weights(iter_safetensors(model_path))
+        return model.to(device=self.device, dtype=self.dtype).eval()
+
+    def bytes_per_block(self) -> int:
+        args = self.model.args
+        elements = 2 * args.num_layers * self.block_size * args.num_kv_heads * args.head_dim
+        return elements * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _num_kv_blocks(self) -> int:
+        """How many KV blocks fit in the memory budget; refuse if one long sequence doesn't."""
+        config = self.config
+        if config.num_gpu_blocks_override is not None:
+            num_blocks, budget = config.num_gpu_blocks_override, "num_gpu_blocks_override"
+        elif self.device.type == "cuda":
+            num_blocks, budget = self._profile_cuda_blocks(), "gpu_memory_utilization"
+        else:
+            num_blocks = config.kv_cache_memory_bytes // self.bytes_per_block()
+            budget = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+        needed = -(-config.max_model_len // self.block_size) + 1  # + the null block
+        if num_blocks < needed:
+            raise ValueError(
+                f"KV cache too small: {budget} gives {num_blocks} blocks of "
+                f"{self.block_size} tokens ({self.bytes_per_block()} bytes each), but one "
+                f"max_model_len={config.max_model_len} sequence needs {needed} blocks. "
+                f"Raise the KV budget or lower max_model_len."
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self) -> int:
+        """(total * utilisation - weights - peak activations) / bytes per block."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        self._dummy_forward(num_tokens)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        available = total * self.config.gpu_memory_utilization - used_by_others - peak
+        return max(int(available) // self.bytes_per_block(), 0)
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One prefill of `num_tokens` tokens into a one-block scratch cache (slots -1)."""
+        args = self.model.args
+        scratch = torch.zeros(
+            2, args.num_layers, 2, self.block_size, args.num_kv_heads, args.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        tokens = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        meta = self._metadata([], [], [-1] * num_tokens)
+        # Attention itself is skipped (no prefill sequences), the rest runs at full size.
+        hidden = self.model(tokens, tokens, scratch, meta)
+        self.model.compute_logits(hidden[-1:])
+
+    # -- one step --------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        decodes = [s for s in output.sequences if s.num_new_tokens == 1]
+        prefills = [s for s in output.sequences if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids, positions, slots = self._flatten(ordered)
+        meta = self._metadata(decodes, prefills, slots)
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_cache, meta)
+        rows, requests, seq_ids, end = [], [], [], 0
+        for s in ordered:
+            end += s.num_new_tokens
+            if s.sampling is not None:
+                rows.append(end - 1)
+                requests.append(s.sampling)
+                seq_ids.append(s.seq_id)
+        if not rows:
+            return ModelRunnerOutput([], SamplerOutput([], [], []))
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        return ModelRunnerOutput(seq_ids, self.sampler(logits, requests))
+
+    def _flatten(self, ordered: list[ScheduledSequence]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in ordered:
+            input_ids.extend(s.token_ids)
+            span = range(s.start_position, s.context_len)
+            positions.extend(span)
+            table = s.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+        return input_ids, positions, slots
+
+    def _metadata(self, decodes, prefills, slots) -> AttentionMetadata:
+        cu_seqlens = [0]
+        for s in prefills:
+            cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
+        return AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._block_tables(decodes),
+            decode_context_lens=self._tensor([s.context_len for s in decodes], torch.int32),
+            prefill_block_tables=self._block_tables(prefills),
+            prefill_cu_seqlens_q=self._tensor(cu_seqlens, torch.int32),
+            prefill_context_lens=self._tensor([s.context_len for s in prefills], torch.int32),
+        )
+
+    def _block_tables(self, seqs: list[ScheduledSequence]) -> torch.Tensor:
+        """Rows padded with the null block (0) to the longest table in the group."""
+        width = max((len(s.block_table) for s in seqs), default=0)
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        if not rows:
+            return torch.zeros(0, 0, dtype=torch.int32, device=self.device)
+        return self._tensor(rows, torch.int32)
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)

@@ -1,0 +1,290 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+The math follows HF transformers' modeling_llama step for step (same RMSNorm
+casts, same rotate-half RoPE, same residual order), so that in float32 greedy
+outputs match `generate()` token for token. What differs is the data layout:
+
+    HF:    hidden [batch, seq_len, dim], one padded rectangle per batch
+    here:  hidden [num_tokens, dim], the scheduled tokens of every sequence
+           concatenated, decodes first, then prefill chunks:
+
+           | d0 | d1 | d2 |  p0 p0 p0 p0 p0  |  p1 p1 p1 |
+            one token each    chunk of seq 3    chunk of seq 4
+
+No padding is computed, and attention reads K/V through block tables
+(`AttentionMetadata`), never from a per-request contiguous cache.
+
+Two pairs of projections are fused into one matmul each (q/k/v -> qkv_proj,
+gate/up -> gate_up_proj); `load_weights` packs the checkpoint's separate
+tensors into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flat token batch maps onto sequences and KV-cache slots."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    num_decode_tokens: int  # the first num_decode_tokens rows are decodes, one per sequence
+    decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor  # int32 [num_decodes]
+    prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
+    prefill_cu_seqlens_q: torch.Tensor  # int32 [num_prefills + 1]
+    prefill_context_lens: torch.Tensor  # int32 [num_prefills]
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The few numbers of an HF config the model needs, checked once."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, config) -> "LlamaArgs":
+        architectures = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
+        architecture = architectures[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {architecture!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        qkv_bias = architecture == "Qwen2ForCausalLM" or bool(
+            getattr(config, "attention_bias", False)
+        )
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=qkv_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, then cast back before the weight, exactly as HF does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, built once from HF's own RoPE maths.
+
+    The inverse frequencies and the attention scaling come from transformers'
+    rotary-embedding class for this config, so every RoPE variant it knows
+    (default, linear, llama3, yarn, ...) is computed the way the model was trained.
+    """
+
+    def __init__(self, hf_config, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scaling = _rope_parameters(hf_config)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [tokens, 1, head_dim]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_parameters(hf_config) -> tuple[torch.Tensor, float]:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(
+            f"RoPE type {rope_type!r} depends on the sequence length and is not supported; "
+            f"supported: default, linear, llama3, yarn"
+        )
+    rotary = LlamaRotaryEmbedding(config=hf_config)
+    return rotary.inv_freq, float(rotary.attention_scaling)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_index: int, kernels) -> None:
+        super().__init__()
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.layer_index = layer_index
+        self.kernels = kernels
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+
+    def forward(self, positions, hidden, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        k_cache, v_cache = kv_cache[0][self.layer_index], kv_cache[1][self.layer_index]
+        self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        d = meta.num_decode_tokens
+        if d:
+            out[:d] = self.kernels.paged_decode_attention(
+                q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        if d < q.shape[0]:
+            out[d:] = self.kernels.paged_prefill_attention(
+                q[d:], k_cache, v_cache, meta.prefill_block_tables,
+                meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale,
+            )
+        return self.o_proj(out.view(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_index: int, kernels) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_index, kernels)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, positions, hidden, rope, kv_cache, meta):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# Checkpoint tensors that are packed into one of our fused projections:
+# checkpoint name -> (fused name, index of the shard inside it).
+PACKED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config, max_positions: int, kernels) -> None:
+        super().__init__()
+        self.args = args = LlamaArgs.from_hf_config(hf_config)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, kernels) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rope = RotaryEmbedding(hf_config, max_positions)
+        self.lm_head = None
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of every scheduled token: [num_tokens, hidden_size]."""
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, self.rope, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    # -- weights -------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the model, packing fused projections."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, offset = self._target_of(name)
+            if target is None:
+                continue
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            rows = tensor.shape[0]
+            start = self._shard_offset(target, offset)
+            param.data[start : start + rows].copy_(tensor)
+            loaded.add(f"{target}#{offset}")
+        self._check_all_loaded(params, loaded)
+
+    def _target_of(self, name: str) -> tuple[str | None, int]:
+        name = name.removeprefix("model.")
+        if "rotary_emb.inv_freq" in name:
+            return None, 0
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None, 0  # tied: the embedding is the head
+        for part, (fused, index) in PACKED_SHARDS.items():
+            if f".{part}." in name:
+                return name.replace(part, fused), index
+        return name, 0
+
+    def _shard_offset(self, target: str, index: int) -> int:
+        args = self.args
+        if ".qkv_proj." in target:
+            q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+            return (0, q, q + kv)[index]
+        if ".gate_up_proj." in target:
+            return index * args.intermediate_size
+        return 0
+
+    def _check_all_loaded(self, params: dict, loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            shards = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
+            if any(f"{name}#{i}" not in loaded for i in range(shards)):
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")

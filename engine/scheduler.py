@@ -1,0 +1,176 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step has a token budget (`max_num_batched_tokens`) and a cap on running
+sequences (`max_num_seqs`). The scheduler spends the budget in two passes:
+
+    1. running sequences, oldest first: a decode costs 1 token, an unfinished
+       prefill the rest of its prompt (or as much as the budget allows: a
+       *chunk*). Decodes therefore keep flowing while a long prompt is
+       prefilled a chunk per step.
+    2. waiting sequences, in arrival order, while budget, seats and blocks last.
+
+When a running sequence needs a block and none is free, the newest running
+sequence is preempted: its blocks are freed and it goes back to the front of
+the waiting queue with `num_computed_tokens = 0`. When it is admitted again it
+recomputes its prompt *and* the tokens it already generated (recompute, not
+swap), then carries on exactly where it stopped. Nothing new is admitted in a
+step that preempted, so the freed memory goes to the sequences that needed it.
+
+The result is a `SchedulerOutput`: plain data, the only thing the model
+runner sees.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sampler import SamplingRequest
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq_id: int
+    token_ids: list[int]  # the tokens whose K/V this step computes
+    start_position: int  # position of token_ids[0] == num_computed_tokens before the step
+    block_table: list[int]  # covers start_position + len(token_ids) tokens
+    sampling: SamplingRequest | None  # set when this step's logits are sampled
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+    preempted_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management ----------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence (stop, length or abort) and give its blocks back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.finish(reason, stop_reason)
+
+    # -- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.max_num_batched_tokens)
+        if not output.preempted_seq_ids:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, num_new, output):
+                break  # `seq` itself was preempted: everything after it is gone too
+            output.sequences.append(self._scheduled(seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _reserve(self, seq: Sequence, num_new: int, output: SchedulerOutput) -> bool:
+        """Find blocks for `seq`'s next tokens, preempting the newest sequences if needed."""
+        total = seq.num_computed_tokens + num_new
+        while self.block_manager.append_slots(seq.seq_id, total) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            output.preempted_seq_ids.append(victim.seq_id)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new) is None:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            output.sequences.append(self._scheduled(seq, num_new))
+            budget -= num_new
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        reaches_end = start + num_new == seq.num_tokens
+        sampling = None
+        if reaches_end:
+            sampling = SamplingRequest(
+                params=seq.params,
+                generator=seq.generator,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+            )
+        return ScheduledSequence(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_slice(start, start + num_new),
+            start_position=start,
+            block_table=self.block_manager.block_table(seq.seq_id),
+            sampling=sampling,
+        )
+
+    # -- after the model ran -----------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance computed counts; append sampled tokens. Returns the sequences that grew."""
+        grew = []
+        by_id = {seq.seq_id: seq for seq in self.running}
+        for scheduled in output.sequences:
+            seq = by_id.get(scheduled.seq_id)
+            if seq is None:  # finished or aborted while the step ran
+                continue
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            token_id = sampled.get(scheduled.seq_id)
+            if token_id is not None:
+                seq.append_token(token_id)
+                grew.append(seq)
+        return grew

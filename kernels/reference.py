@@ -1,0 +1,183 @@
+"""Pure-PyTorch reference implementations of the paged KV-cache kernels.
+
+These are the ground truth for the Triton kernels and the CPU engine's
+attention path, so they favour being obviously right over being fast:
+
+* gather the block table into a contiguous [tokens, kv_heads, head_dim] view,
+* compute ``scale * q @ k^T`` and the softmax in fp32 (the engine must match
+  HF transformers' greedy output token-for-token in float32, so no reduced
+  precision anywhere inside),
+* mask ragged lengths / causal offsets explicitly,
+* handle GQA/MQA by reshaping the query heads into ``[kv_heads, group]``
+  rather than copying K/V ``group`` times.
+
+Paged layout (one layer)::
+
+    k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+    sequence positions   0 1 2 3 | 4 5 6 7 | 8 9
+    block_table          [  7    ,   2     ,  5 ]     (block_size = 4)
+    slot of position p = block_table[p // 4] * 4 + p % 4
+                         (block 0 is the null block that pads tables)
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Bound on the fp32 elements of gathered K (and again V) per decode chunk, so a
+# batch with one very long sequence does not materialise
+# batch * longest_context * kv_heads * head_dim floats at once.
+_DECODE_GATHER_BUDGET = 1 << 26
+
+
+def store_kvcache_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V into its cache slot, in place; slot -1 = skip."""
+    slots = slot_mapping.to(device=key.device, dtype=torch.long)
+    keep = slots >= 0
+    slots = slots[keep]
+    # view (not reshape) so an incompatible cache layout errors instead of
+    # silently writing into a copy.
+    flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+    flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+    flat_k[slots] = key[keep].to(k_cache.dtype)
+    flat_v[slots] = value[keep].to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """Paged cache -> contiguous fp32 ``[rows, length, kv_heads, head_dim]``.
+
+    ``block_tables`` is ``[rows, max_blocks]``; positions >= a row's own
+    context length come from padding blocks and must be masked by the caller.
+    """
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    ids = block_tables[:, :num_blocks].to(device=cache.device, dtype=torch.long)
+    pages = cache[ids]  # [rows, num_blocks, block_size, kv_heads, head_dim]
+    rows = pages.shape[0]
+    flat = pages.reshape(rows, num_blocks * block_size, cache.shape[2], cache.shape[3])
+    return flat[:, :length].float()
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped attention in fp32.
+
+    q: [rows, kv_heads, group * nq, head_dim]   (query heads folded per kv head)
+    k, v: [rows, kv_heads, length, head_dim]
+    allowed: bool, broadcastable to [rows, 1, group * nq, length]
+    Rows with nothing allowed produce zeros (not NaN).
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A fully masked row is softmax(-inf, ...) = NaN; those are padding rows.
+    probs = torch.nan_to_num(probs, nan=0.0)
+    return torch.matmul(probs, v)
+
+
+def _decode_rows(query, k_cache, v_cache, block_tables, context_lens, scale):
+    rows, num_heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    length = int(context_lens.max().item()) if rows else 0
+    if length == 0:
+        return torch.zeros(rows, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    positions = torch.arange(length, device=query.device)
+    allowed = positions[None, :] < context_lens.to(query.device, torch.long)[:, None]  # [rows, L]
+    # Rows shorter than the longest gather garbage (e.g. NaN in the null
+    # block) past their end; zero it, since 0 * NaN would survive the mask.
+    keep = allowed[:, :, None, None]
+    k = _gather_context(k_cache, block_tables, length).where(keep, 0.0).transpose(1, 2)  # [rows, kvh, L, D]
+    v = _gather_context(v_cache, block_tables, length).where(keep, 0.0).transpose(1, 2)
+    # Heads h = kv * group + g share kv head `kv` (the HF repeat_kv convention).
+    q = query.float().view(rows, kv_heads, group, head_dim)
+    out = _masked_attention(q, k, v, allowed[:, None, None, :], scale)
+    return out.reshape(rows, num_heads, head_dim)
+
+
+def paged_decode_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence attending to its whole cached context.
+
+    query: [num_seqs, num_heads, head_dim]; the query token is the last of the
+    ``context_lens[i]`` cached tokens.  context_len 0 gives a zero row.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _check_heads(num_heads, k_cache.shape[2])
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    longest = max(int(context_lens.max().item()), 1)
+    per_row = longest * k_cache.shape[2] * head_dim
+    chunk = max(1, _DECODE_GATHER_BUDGET // per_row)
+    for start in range(0, num_seqs, chunk):
+        end = min(start + chunk, num_seqs)
+        out[start:end] = _decode_rows(
+            query[start:end], k_cache, v_cache, block_tables[start:end],
+            context_lens[start:end], scale,
+        ).to(query.dtype)
+    return out
+
+
+def paged_prefill_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context.
+
+    Sequence i owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; they are
+    the last ``nq`` of its ``context_lens[i]`` cached tokens::
+
+        context:  [ cached prefix ........ | q0 q1 q2 ]      (nq = 3)
+        position:   0 ..... L-nq-1           L-3 L-2 L-1
+        q_j at position L - nq + j sees positions 0 .. L - nq + j
+    """
+    total_q, num_heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    _check_heads(num_heads, kv_heads)
+    group = num_heads // kv_heads
+    out = torch.zeros(total_q, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    starts = cu_seqlens_q.tolist()
+    lengths = context_lens.tolist()
+    for i, length in enumerate(lengths):
+        q_start, q_end = starts[i], starts[i + 1]
+        nq = q_end - q_start
+        if nq == 0:
+            continue
+        if nq > length:
+            raise ValueError(f"sequence {i}: {nq} query tokens but context_len {length}")
+        k = _gather_context(k_cache, block_tables[i:i + 1], length)[0].transpose(0, 1)
+        v = _gather_context(v_cache, block_tables[i:i + 1], length)[0].transpose(0, 1)
+        # [nq, H, D] -> [kv_heads, group * nq, D], rows ordered (g, token).
+        q = query[q_start:q_end].float().view(nq, kv_heads, group, head_dim)
+        q = q.permute(1, 2, 0, 3).reshape(kv_heads, group * nq, head_dim)
+        q_pos = torch.arange(length - nq, length, device=query.device).repeat(group)
+        k_pos = torch.arange(length, device=query.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [group * nq, L]
+        o = _masked_attention(q, k, v, allowed[None], scale)  # [kvh, group*nq, D]
+        o = o.view(kv_heads, group, nq, head_dim).permute(2, 0, 1, 3)
+        out[q_start:q_end] = o.reshape(nq, num_heads, head_dim).to(query.dtype)
+    return out
+
+
+def _check_heads(num_heads: int, kv_heads: int) -> None:
+    if kv_heads == 0 or num_heads % kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv_heads})")

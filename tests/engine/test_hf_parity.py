@@ -1,0 +1,130 @@
+"""The engine against HF transformers: greedy float32 outputs, token for token.
+
+vLLM's HfRunner-vs-engine pattern. The reference is `generate(do_sample=False)`
+one prompt at a time (no padding to blur it). The engine runs every prompt in
+one batch under configurations that exercise every scheduling path: block
+sizes 4, 16 and 128, a token budget small enough to chunk every prefill, and
+a KV budget small enough to force preemption.
+
+The only tolerance is vLLM's `check_logprobs_close` rule: at the first position
+where the tokens differ, each side's token must be among the other side's
+top-k candidates (a near-tie that batching arithmetic may flip); after that the
+sequences are no longer comparable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+NUM_NEW_TOKENS = 32
+TOP_K = 5
+
+TEXT = (
+    "The history of computing is a story of layers. Early machines were programmed by "
+    "rewiring panels; stored programs made software possible; compilers let people write "
+    "for humans first and machines second. Operating systems then hid the hardware behind "
+    "processes and virtual memory, where pages of a fixed size are handed out on demand and "
+    "a table maps each virtual page to a physical frame. The same idea now serves language "
+    "models: the attention cache of every request is split into blocks, and a block table "
+    "says where each block lives, so memory is never reserved for tokens that may not come. "
+)
+
+
+def make_prompts(tokenizer) -> list[list[int]]:
+    """Eight prompts from 1 token to several 128-token blocks."""
+    ids = tokenizer.encode(TEXT * 4, add_special_tokens=False)
+    lengths = [1, 3, 7, 16, 17, 45, 150, 300]
+    assert len(ids) >= max(lengths)
+    return [ids[i * 3 : i * 3 + n] for i, n in enumerate(lengths)]
+
+
+def hf_greedy(model_path, prompts):
+    """Token ids and top-k logprobs of HF greedy generation, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # always NUM_NEW_TOKENS, like ignore_eos
+    results = []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NUM_NEW_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        tops = []
+        for logits in out.logits:
+            logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+            values, indices = logprobs.topk(TOP_K)
+            tops.append(dict(zip(indices.tolist(), values.tolist())))
+        results.append((tokens, tops))
+    return results
+
+
+def check_logprobs_close(expected, actual, name: str) -> None:
+    """vLLM's rule: equal until the first mismatch, which must be a near-tie."""
+    for i, ((hf_tokens, hf_tops), (our_tokens, our_tops)) in enumerate(zip(expected, actual)):
+        assert len(our_tokens) == len(hf_tokens), f"{name} prompt {i}: lengths differ"
+        for pos, (hf_token, our_token) in enumerate(zip(hf_tokens, our_tokens)):
+            if hf_token == our_token:
+                continue
+            context = f"{name} prompt {i} position {pos}: hf {hf_token} vs ours {our_token}"
+            assert our_token in hf_tops[pos], f"{context}: ours not in HF top-{TOP_K}"
+            assert hf_token in our_tops[pos], f"{context}: HF's not in our top-{TOP_K}"
+            break
+
+
+def engine_greedy(model_path, prompts, **engine_args):
+    llm = LLM(str(model_path), **engine_args)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP_K
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    results = []
+    for output in outputs:
+        completion = output.outputs[0]
+        tops = [dict(pairs) for pairs in completion.top_logprobs]
+        results.append((completion.token_ids, tops))
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    engine.block_manager.check_invariants()
+    return results, engine.scheduler.num_preemptions
+
+
+# (name, engine arguments, must the run preempt?)
+CONFIGS = [
+    ("block4", dict(block_size=4), False),
+    ("block16", dict(block_size=16), False),
+    ("block128", dict(block_size=128), False),
+    ("block16-chunked", dict(block_size=16, max_num_batched_tokens=32), False),
+    ("block128-chunked", dict(block_size=128, max_num_batched_tokens=128), False),
+    ("block4-preempt", dict(block_size=4, max_model_len=400, num_gpu_blocks_override=110), True),
+    ("block16-chunked-preempt",
+     dict(block_size=16, max_num_batched_tokens=48, max_model_len=400, num_gpu_blocks_override=30),
+     True),
+]
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "smollm2"])
+def model_case(request, tiny_llama_path, smollm2_path):
+    from transformers import AutoTokenizer
+
+    path = tiny_llama_path if request.param == "tiny-llama" else smollm2_path
+    prompts = make_prompts(AutoTokenizer.from_pretrained(str(path)))
+    return request.param, path, prompts, hf_greedy(path, prompts)
+
+
+@pytest.mark.parametrize("name,engine_args,preempts", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_greedy_matches_hf(model_case, name, engine_args, preempts):
+    model_name, path, prompts, expected = model_case
+    actual, num_preemptions = engine_greedy(path, prompts, **engine_args)
+    if preempts:
+        assert num_preemptions > 0, "the KV budget was meant to force preemption"
+    check_logprobs_close(expected, actual, f"{model_name}/{name}")

@@ -1,0 +1,115 @@
+"""Run Triton kernel cases against the reference, in a child process.
+
+Usage (the tests do this):  python kernel_case_runner.py < request.json
+with request = {"device": "cpu" | "cuda", "cases": [{"case": {...}, "seed": int}, ...]}.
+
+For each case it prints one line ``@@RESULT {"id": ..., "error": null | str, "seconds": float}``
+and flushes, so when the interpreter segfaults mid-batch the parent knows
+which case was running (the first one without a result) and can rerun the
+rest.  On CPU it sets TRITON_INTERPRET=1 before triton is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+RESULT_PREFIX = "@@RESULT "
+
+
+def run_case(case: dict, seed: int, device: str) -> str | None:
+    """None on success, else what went wrong."""
+    import kernel_cases as kc
+
+    if case["kernel"] == "decode":
+        return _run_decode(kc, case, seed, device)
+    if case["kernel"] == "prefill":
+        return _run_prefill(kc, case, seed, device)
+    if case["kernel"] == "store":
+        return _run_store(kc, case, seed, device)
+    return f"unknown kernel {case['kernel']!r}"
+
+
+def _poisoned(like):
+    import torch
+
+    return torch.full(like.shape, float("nan"), dtype=like.dtype, device=like.device)
+
+
+def _run_decode(kc, case, seed, device):
+    from kernels import paged_attention as pa
+    from kernels.reference import paged_decode_attention_reference
+
+    x = kc.build_decode_inputs(case, seed, device)
+    args = (x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["context_lens"], x["scale"])
+    out = _poisoned(x["query"])
+    if case["variant"] == "auto":
+        pa.paged_decode_attention(*args, out=out)
+    else:
+        block_n = pa._decode_config(x["query"].shape[2], 1)["BLOCK_N"]
+        max_context = x["block_tables"].shape[1] * x["k_cache"].shape[1]
+        parts = -(-max_context // block_n) if case["variant"] == "split" else 1
+        pa.decode_attention_partitioned(*args, parts, block_n, out=out)
+    return kc.compare(out, paged_decode_attention_reference(*args), case["dtype"])
+
+
+def _run_prefill(kc, case, seed, device):
+    from kernels import paged_attention as pa
+    from kernels.reference import paged_prefill_attention_reference
+
+    x = kc.build_prefill_inputs(case, seed, device)
+    args = (x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu_seqlens_q"],
+            x["context_lens"], x["scale"])
+    out = _poisoned(x["query"])
+    pa.paged_prefill_attention(*args, out=out)
+    return kc.compare(out, paged_prefill_attention_reference(*args), case["dtype"])
+
+
+def _run_store(kc, case, seed, device):
+    import torch
+    from kernels.store_kvcache_triton import store_kvcache
+
+    x = kc.build_store_inputs(case, seed, device)
+    store_kvcache(x["key"], x["value"], x["k_cache"], x["v_cache"], x["slot_mapping"])
+    slots = x["slot_mapping"].long()
+    written = slots[slots >= 0]
+    for name, source in (("k_cache", x["key"]), ("v_cache", x["value"])):
+        flat = x[name].view(-1, *x[name].shape[2:])
+        if not torch.equal(flat[written], source[slots >= 0]):
+            return f"{name}: written slots differ from the input"
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
+        untouched[written] = False
+        if not torch.isnan(flat[untouched]).all():
+            return f"{name}: a slot that should be untouched was written (slot -1 not skipped?)"
+    return None
+
+
+def main() -> int:
+    request = json.load(sys.stdin)
+    if request["device"] == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parents[1])]  # kernel_cases, then the repo root
+    import torch
+
+    torch.set_num_threads(1)  # the parent runs several runners side by side
+    for item in request["cases"]:
+        case, seed = item["case"], item["seed"]
+        started = time.perf_counter()
+        try:
+            error = run_case(case, seed, request["device"])
+        except Exception:  # report, keep going with the next case
+            error = traceback.format_exc(limit=6)
+        seconds = round(time.perf_counter() - started, 3)
+        print(RESULT_PREFIX + json.dumps({"id": case["id"], "error": error, "seconds": seconds}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""kernels/__init__.py: backend selection, support checks, lazy triton import."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import check_backend_support, get_backend
+from kernels.reference import (paged_decode_attention_reference,
+                               paged_prefill_attention_reference, store_kvcache_reference)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16, 32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_accepts_supported_configs(block_size, head_dim, dtype, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets a CPU device pass
+    check_backend_support("triton", block_size, head_dim, dtype, "cpu")
+
+
+@pytest.mark.parametrize("block_size", [0, 3, 24, 512])
+def test_triton_refuses_block_size(block_size, triton_available):
+    with pytest.raises(ValueError, match=r"block_size must be a (power of two in \[1, 256\]|positive)"):
+        check_backend_support("triton", block_size, 64, torch.float16, "cuda")
+
+
+@pytest.mark.parametrize("head_dim", [32, 72, 100, 160, 512])
+def test_triton_refuses_head_dim(head_dim, triton_available):
+    with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 80, 96, 128, 256\)"):
+        check_backend_support("triton", 16, head_dim, torch.float16, "cuda")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.float8_e4m3fn])
+def test_every_backend_refuses_dtype(backend, dtype):
+    with pytest.raises(ValueError, match="supported: float32, float16, bfloat16"):
+        check_backend_support(backend, 16, 64, dtype, "cpu")
+
+
+def test_triton_refuses_cpu_without_interpreter(monkeypatch, triton_available):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        check_backend_support("triton", 16, 64, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_torch_rules_on_cpu_take_any_shape(backend):
+    check_backend_support(backend, 3, 72, torch.float32, "cpu")
+    check_backend_support(backend, 1000, 8, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        check_backend_support(backend, 0, 64, torch.float32, "cpu")
+
+
+def test_auto_on_cuda_uses_triton_rules(triton_available):
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        check_backend_support("auto", 16, 72, torch.float16, "cuda")
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match="expected one of"):
+        check_backend_support("cuda", 16, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="expected one of"):
+        get_backend("flash")
+
+
+def test_torch_backend_is_the_reference():
+    backend = get_backend("torch")
+    assert backend.name == "torch"
+    assert backend.store_kvcache is store_kvcache_reference
+    assert backend.paged_decode_attention is paged_decode_attention_reference
+    assert backend.paged_prefill_attention is paged_prefill_attention_reference
+    with pytest.raises(AttributeError):
+        backend.name = "triton"  # frozen
+
+
+def test_auto_backend_on_cpu_matches_reference():
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 6, 4, 2, 16).unbind(0)
+    tables = torch.tensor([[3, 1], [5, 0]], dtype=torch.int32)
+    lens = torch.tensor([7, 2], dtype=torch.int32)
+    query = torch.randn(2, 4, 16)
+    auto = get_backend("auto")
+    expected = paged_decode_attention_reference(query, k_cache, v_cache, tables, lens, 0.25)
+    assert torch.equal(auto.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.25), expected)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    q = torch.randn(5, 4, 16)
+    expected = paged_prefill_attention_reference(q, k_cache, v_cache, tables, cu, lens, 0.25)
+    assert torch.equal(kernels.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.25), expected)
+
+
+def test_triton_backend_loads_without_shadowing_functions(triton_available):
+    backend = get_backend("triton")
+    assert backend.name == "triton"
+    # Importing the Triton submodules must not rebind kernels.store_kvcache & co.
+    assert callable(kernels.store_kvcache) and kernels.store_kvcache.__module__ == "kernels"
+    assert kernels.paged_decode_attention.__module__ == "kernels"
+    assert kernels.paged_prefill_attention.__module__ == "kernels"
+
+
+def test_import_does_not_load_triton():
+    code = ("import sys, torch; before = 'triton' in sys.modules; import kernels; "
+            "assert 'kernels.paged_attention' not in sys.modules; "
+            "assert 'kernels.store_kvcache_triton' not in sys.modules; "
+            "assert before or 'triton' not in sys.modules, 'import kernels imported triton'")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)
+
+
+def test_decode_split_heuristic(triton_available):
+    from kernels.paged_attention import DEFAULT_PARTITION_SIZE, choose_decode_partitions
+
+    # Enough (seq, kv head) programs to fill the GPU: never split.
+    assert choose_decode_partitions(128, 8, 32768, num_sms=132) == 1
+    # Short contexts: nothing to split.
+    assert choose_decode_partitions(1, 8, DEFAULT_PARTITION_SIZE, num_sms=132) == 1
+    # One long sequence: one partition per DEFAULT_PARTITION_SIZE tokens.
+    assert choose_decode_partitions(1, 8, 32768, num_sms=132) == 32768 // DEFAULT_PARTITION_SIZE
+    assert choose_decode_partitions(2, 4, 1000, num_sms=132) == 2
