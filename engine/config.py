@@ -67,7 +67,10 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
                 f"block_size={self.block_size}"
             )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)):
+            raise ValueError(f"gpu_memory_utilization must be a number, got {utilization!r}")
+        if not 0.0 < utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
@@ -99,6 +102,10 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override={blocks!r} must be an integer >= 2")
 
     def _check_choices(self) -> None:
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported: choose one of {DTYPES}")
         if self.kernel_backend not in KERNEL_BACKENDS:
@@ -106,7 +113,10 @@ class EngineConfig:
                 f"kernel_backend={self.kernel_backend!r} is not supported: "
                 f"choose one of {KERNEL_BACKENDS}"
             )
-        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+        device = self.device
+        if not isinstance(device, str) or not (
+            device in ("auto", "cpu") or device.startswith("cuda")
+        ):
             raise ValueError(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
 
     def replace(self, **changes) -> "EngineConfig":

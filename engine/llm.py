@@ -28,7 +28,16 @@ Prompt = str | list[int] | dict
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._start(EngineConfig(model=model, **engine_args))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
 
     @property

@@ -13,6 +13,7 @@ engine thread); it holds no locks of its own.
 from __future__ import annotations
 
 import itertools
+import operator
 import logging
 from dataclasses import dataclass, field
 
@@ -116,7 +117,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass prompt token ids")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return None, list(prompt)
+        return None, [_token_id(t) for t in prompt]
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -207,6 +208,16 @@ class LLMEngine:
     # -- introspection ------------------------------------------------------------------
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
+
+
+def _token_id(value) -> int:
+    """An int token id (numpy integers welcome); anything else is a ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"token id {value!r} is not an integer")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"token id {value!r} is not an integer") from None
 
 
 def _eos_token_ids(hf_config, tokenizer) -> frozenset[int]:

@@ -398,15 +398,19 @@ def _prefill_kernel(
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _prefill_config(head_dim: int, group: int) -> dict:
+def _prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     dim_pad = triton.next_power_of_2(head_dim)
     group_pad = triton.next_power_of_2(group)
+    # fp32 tiles are twice the bytes: fewer pipeline stages keep shared
+    # memory well under the ~227 KiB of an H100 (3 stages would need ~140 KiB
+    # at head_dim 256 even in fp32 with BLOCK_N 32).
+    wide = dim_pad > 128 or dtype == torch.float32
     return dict(
         GROUP_PAD=group_pad,
         BLOCK_M=max(64, group_pad),
         BLOCK_N=64 if dim_pad <= 128 else 32,
         DIM_PAD=dim_pad,
-        num_stages=2 if dim_pad > 128 else 3,
+        num_stages=2 if wide else 3,
     )
 
 
@@ -423,7 +427,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     num_seqs = context_lens.shape[0]
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
-    config = _prefill_config(head_dim, group)
+    config = _prefill_config(head_dim, group, query.dtype)
     out = _output_like(query, out)
     if total_q == 0 or num_seqs == 0:
         return out

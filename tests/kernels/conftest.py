@@ -13,24 +13,15 @@ case that was running instead of killing pytest.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import random
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
-from kernel_cases import case_seed, estimated_cost
+from kernel_cases import case_seed
+from kernel_subprocess import balanced_batches, run_in_children
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parents[1]
-RUNNER = HERE / "kernel_case_runner.py"
-RESULT_PREFIX = "@@RESULT "
-CHILD_TIMEOUT_S = 900
 TRITON_TEST_NAME = "test_triton_kernel_matches_reference"
 
 
@@ -74,51 +65,4 @@ def triton_results(request, kernel_test_device, session_seed) -> dict:
     jobs = [{"case": case, "seed": case_seed(session_seed, case["id"])} for case in cases]
     workers = 1 if kernel_test_device == "cuda" else max(1, len(os.sched_getaffinity(0)))
     batches = balanced_batches(jobs, workers)
-    results: dict = {}
-    with ThreadPoolExecutor(workers) as pool:
-        for batch_result in pool.map(lambda b: run_batch(b, kernel_test_device), batches):
-            results.update(batch_result)
-    return results
-
-
-def balanced_batches(jobs: list, workers: int) -> list:
-    """One batch per worker, greedy by estimated cost (largest first into the
-    lightest batch), so the children finish at about the same time."""
-    batches = [[] for _ in range(workers)]
-    loads = [0.0] * workers
-    for job in sorted(jobs, key=lambda job: -estimated_cost(job["case"])):
-        lightest = loads.index(min(loads))
-        batches[lightest].append(job)
-        loads[lightest] += estimated_cost(job["case"])
-    return [batch for batch in batches if batch]
-
-
-def run_batch(jobs: list, device: str) -> dict:
-    """Run jobs in child processes; a crash blames the case it was running."""
-    results: dict = {}
-    pending = list(jobs)
-    while pending:
-        request = json.dumps({"device": device, "cases": pending})
-        try:
-            proc = subprocess.run([sys.executable, str(RUNNER)], input=request, capture_output=True,
-                                  text=True, cwd=REPO_ROOT, timeout=CHILD_TIMEOUT_S)
-            stdout, returncode, stderr = proc.stdout, proc.returncode, proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            stdout, returncode, stderr = _text(exc.stdout), "timeout", _text(exc.stderr)
-        for line in stdout.splitlines():
-            if line.startswith(RESULT_PREFIX):
-                reported = json.loads(line[len(RESULT_PREFIX):])
-                results[reported["id"]] = reported["error"]
-        pending = [job for job in pending if job["case"]["id"] not in results]
-        if pending:
-            culprit = pending.pop(0)
-            results[culprit["case"]["id"]] = (
-                f"runner process died (exit {returncode}) while running this case; "
-                f"stderr tail:\n{stderr[-2000:]}")
-    return results
-
-
-def _text(data) -> str:
-    if data is None:
-        return ""
-    return data.decode(errors="replace") if isinstance(data, bytes) else data
+    return run_in_children(batches, kernel_test_device)

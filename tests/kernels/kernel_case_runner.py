@@ -6,7 +6,8 @@ with request = {"device": "cpu" | "cuda", "cases": [{"case": {...}, "seed": int}
 For each case it prints one line ``@@RESULT {"id": ..., "error": null | str, "seconds": float}``
 and flushes, so when the interpreter segfaults mid-batch the parent knows
 which case was running (the first one without a result) and can rerun the
-rest.  On CPU it sets TRITON_INTERPRET=1 before triton is imported.
+rest.  On CPU it sets TRITON_INTERPRET=1 before triton is imported (unless
+the batch only compiles kernels for a GPU target, see kernel_compile.py).
 """
 
 from __future__ import annotations
@@ -25,12 +26,19 @@ def run_case(case: dict, seed: int, device: str) -> str | None:
     """None on success, else what went wrong."""
     import kernel_cases as kc
 
+    if case["kernel"] == "selftest-crash":  # proves a dying child fails only its case
+        os.abort()
+    if case["kernel"] == "selftest-pass":
+        return None
+
     if case["kernel"] == "decode":
         return _run_decode(kc, case, seed, device)
     if case["kernel"] == "prefill":
         return _run_prefill(kc, case, seed, device)
     if case["kernel"] == "store":
         return _run_store(kc, case, seed, device)
+    if case["kernel"] == "compile":
+        return _run_compile(kc, case)
     return f"unknown kernel {case['kernel']!r}"
 
 
@@ -88,17 +96,38 @@ def _run_store(kc, case, seed, device):
     return None
 
 
-def main() -> int:
-    request = json.load(sys.stdin)
-    if request["device"] == "cpu":
+def _select_triton_mode(request: dict) -> None:
+    """Interpreter on CPU, native on CUDA.
+
+    Triton fixes interpreted-or-compiled when ``@triton.jit`` runs, i.e. at
+    the kernels' import, for the whole process; so compile cases, which need
+    real jit functions, come in batches of their own (kernel_subprocess.py).
+    """
+    kinds = {item["case"]["kernel"] for item in request["cases"]}
+    if request["device"] == "cpu" and kinds != {"compile"}:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
+
+
+def _run_compile(kc, case):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "compile cases must run in a batch without interpreter cases"
+    import kernel_compile
+
+    head_dim, group, _, block_size = case["shape"]
+    kernel_compile.compile_all(kc.DTYPES[case["dtype"]], head_dim, group, block_size)
+    return None
+
+
+def main() -> int:
+    request = json.load(sys.stdin)
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here), str(here.parents[1])]  # kernel_cases, then the repo root
     import torch
 
     torch.set_num_threads(1)  # the parent runs several runners side by side
+    _select_triton_mode(request)
     for item in request["cases"]:
         case, seed = item["case"], item["seed"]
         started = time.perf_counter()

