@@ -70,6 +70,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _params_per_prompt(sampling_params, len(conversations))
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer with a chat template; this model has none")
         items = []
         for conversation, sp in zip(conversations, params):
             text = tokenizer.apply_chat_template(

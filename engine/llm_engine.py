@@ -50,7 +50,11 @@ class LLMEngine:
         model_path = resolve_model_path(config.model, config.cache_dir)
         hf_config = load_hf_config(model_path)
         self.config = config.resolve_max_model_len(hf_config.max_position_embeddings)
-        self.tokenizer = load_tokenizer(config.tokenizer or model_path)
+        self.tokenizer = (
+            load_tokenizer(config.tokenizer, required=True)
+            if config.tokenizer
+            else load_tokenizer(model_path)
+        )
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
         self.runner = ModelRunner(self.config, hf_config, model_path, self.eos_token_ids)
         self.vocab_size = self.runner.model.args.vocab_size

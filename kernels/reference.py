@@ -1,15 +1,13 @@
 """Pure-PyTorch reference implementations of the paged KV-cache kernels.
 
 These are the ground truth for the Triton kernels and the CPU engine's
-attention path, so they favour being obviously right over being fast:
+attention path, so they favour being obviously right, then fast:
 
 * gather the block table into a contiguous [tokens, kv_heads, head_dim] view,
-* compute ``scale * q @ k^T`` and the softmax in fp32 (the engine must match
-  HF transformers' greedy output token-for-token in float32, so no reduced
-  precision anywhere inside),
-* mask ragged lengths / causal offsets explicitly,
-* handle GQA/MQA by reshaping the query heads into ``[kv_heads, group]``
-  rather than copying K/V ``group`` times.
+* attend in fp32 with torch's fused scaled_dot_product_attention, the same op
+  HF transformers runs, so that float32 greedy outputs match it token for token,
+* mask ragged lengths / causal offsets explicitly (a whole prompt is plain causal),
+* handle GQA/MQA with SDPA's enable_gqa rather than copying K/V ``group`` times.
 
 Paged layout (one layer)::
 
@@ -24,6 +22,7 @@ Paged layout (one layer)::
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Bound on the fp32 elements of gathered K (and again V) per decode chunk, so a
 # batch with one very long sequence does not materialise
@@ -65,40 +64,35 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int
     return flat[:, :length].float()
 
 
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped attention in fp32.
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Grouped attention in fp32 through torch's fused SDPA (what HF runs too).
 
-    q: [rows, kv_heads, group * nq, head_dim]   (query heads folded per kv head)
-    k, v: [rows, kv_heads, length, head_dim]
-    allowed: bool, broadcastable to [rows, 1, group * nq, length]
-    Rows with nothing allowed produce zeros (not NaN).
+    q: [rows, num_heads, nq, head_dim]; k, v: [rows, kv_heads, length, head_dim]
+    allowed: bool mask broadcastable to [rows, num_heads, nq, length], or None
+    for plain causal attention (nq == length). Query head h reads KV head
+    h // group (HF's repeat_kv convention) without copying K/V group times.
     """
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # A fully masked row is softmax(-inf, ...) = NaN; those are padding rows.
-    probs = torch.nan_to_num(probs, nan=0.0)
-    return torch.matmul(probs, v)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scale, enable_gqa=True
+    )
 
 
 def _decode_rows(query, k_cache, v_cache, block_tables, context_lens, scale):
     rows, num_heads, head_dim = query.shape
-    kv_heads = k_cache.shape[2]
-    group = num_heads // kv_heads
     length = int(context_lens.max().item()) if rows else 0
     if length == 0:
         return torch.zeros(rows, num_heads, head_dim, dtype=torch.float32, device=query.device)
-    positions = torch.arange(length, device=query.device)
-    allowed = positions[None, :] < context_lens.to(query.device, torch.long)[:, None]  # [rows, L]
+    lengths = context_lens.to(query.device, torch.long)
+    allowed = torch.arange(length, device=query.device)[None, :] < lengths[:, None]  # [rows, L]
     # Rows shorter than the longest gather garbage (e.g. NaN in the null
     # block) past their end; zero it, since 0 * NaN would survive the mask.
     keep = allowed[:, :, None, None]
-    k = _gather_context(k_cache, block_tables, length).where(keep, 0.0).transpose(1, 2)  # [rows, kvh, L, D]
+    k = _gather_context(k_cache, block_tables, length).where(keep, 0.0).transpose(1, 2)
     v = _gather_context(v_cache, block_tables, length).where(keep, 0.0).transpose(1, 2)
-    # Heads h = kv * group + g share kv head `kv` (the HF repeat_kv convention).
-    q = query.float().view(rows, kv_heads, group, head_dim)
-    out = _masked_attention(q, k, v, allowed[:, None, None, :], scale)
+    out = _attention(query.float()[:, :, None, :], k, v, allowed[:, None, None, :], scale)
+    # A padding row (context_len 0) has nothing to attend to: zeros, not NaN.
+    out = out.masked_fill((lengths == 0)[:, None, None, None], 0.0)
     return out.reshape(rows, num_heads, head_dim)
 
 
@@ -153,7 +147,6 @@ def paged_prefill_attention_reference(
     total_q, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     _check_heads(num_heads, kv_heads)
-    group = num_heads // kv_heads
     out = torch.zeros(total_q, num_heads, head_dim, dtype=query.dtype, device=query.device)
     starts = cu_seqlens_q.tolist()
     lengths = context_lens.tolist()
@@ -166,15 +159,13 @@ def paged_prefill_attention_reference(
             raise ValueError(f"sequence {i}: {nq} query tokens but context_len {length}")
         k = _gather_context(k_cache, block_tables[i:i + 1], length)[0].transpose(0, 1)
         v = _gather_context(v_cache, block_tables[i:i + 1], length)[0].transpose(0, 1)
-        # [nq, H, D] -> [kv_heads, group * nq, D], rows ordered (g, token).
-        q = query[q_start:q_end].float().view(nq, kv_heads, group, head_dim)
-        q = q.permute(1, 2, 0, 3).reshape(kv_heads, group * nq, head_dim)
-        q_pos = torch.arange(length - nq, length, device=query.device).repeat(group)
-        k_pos = torch.arange(length, device=query.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]  # [group * nq, L]
-        o = _masked_attention(q, k, v, allowed[None], scale)  # [kvh, group*nq, D]
-        o = o.view(kv_heads, group, nq, head_dim).permute(2, 0, 1, 3)
-        out[q_start:q_end] = o.reshape(nq, num_heads, head_dim).to(query.dtype)
+        q = query[q_start:q_end].float().transpose(0, 1)[None]  # [1, H, nq, D]
+        allowed = None  # a whole prompt at once: plain causal attention
+        if nq < length:  # a chunk after cached tokens: q_j sees positions <= length - nq + j
+            q_pos = torch.arange(length - nq, length, device=query.device)
+            allowed = torch.arange(length, device=query.device)[None, :] <= q_pos[:, None]
+        o = _attention(q, k[None], v[None], allowed, scale)
+        out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
     return out
 
 

@@ -106,8 +106,15 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_tokenizer(folder: Path):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(folder: Path, required: bool = False):
+    """The folder's HF tokenizer, or None for a weights-only folder (token-id prompts)."""
     from transformers import AutoTokenizer
 
+    folder = Path(folder)
+    if not required and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        return None
     return AutoTokenizer.from_pretrained(str(folder))
 

@@ -15,12 +15,11 @@ sequences are no longer comparable.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
+from engine.gpu_check import TOP_K, compare, hf_greedy
 
 NUM_NEW_TOKENS = 32
-TOP_K = 5
 
 TEXT = (
     "The history of computing is a story of layers. Early machines were programmed by "
@@ -39,46 +38,6 @@ def make_prompts(tokenizer) -> list[list[int]]:
     lengths = [1, 3, 7, 16, 17, 45, 150, 300]
     assert len(ids) >= max(lengths)
     return [ids[i * 3 : i * 3 + n] for i, n in enumerate(lengths)]
-
-
-def hf_greedy(model_path, prompts):
-    """Token ids and top-k logprobs of HF greedy generation, one prompt at a time."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # always NUM_NEW_TOKENS, like ignore_eos
-    results = []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=NUM_NEW_TOKENS,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        tokens = out.sequences[0, len(prompt) :].tolist()
-        tops = []
-        for logits in out.logits:
-            logprobs = torch.log_softmax(logits[0].float(), dim=-1)
-            values, indices = logprobs.topk(TOP_K)
-            tops.append(dict(zip(indices.tolist(), values.tolist())))
-        results.append((tokens, tops))
-    return results
-
-
-def check_logprobs_close(expected, actual, name: str) -> None:
-    """vLLM's rule: equal until the first mismatch, which must be a near-tie."""
-    for i, ((hf_tokens, hf_tops), (our_tokens, our_tops)) in enumerate(zip(expected, actual)):
-        assert len(our_tokens) == len(hf_tokens), f"{name} prompt {i}: lengths differ"
-        for pos, (hf_token, our_token) in enumerate(zip(hf_tokens, our_tokens)):
-            if hf_token == our_token:
-                continue
-            context = f"{name} prompt {i} position {pos}: hf {hf_token} vs ours {our_token}"
-            assert our_token in hf_tops[pos], f"{context}: ours not in HF top-{TOP_K}"
-            assert hf_token in our_tops[pos], f"{context}: HF's not in our top-{TOP_K}"
-            break
 
 
 def engine_greedy(model_path, prompts, **engine_args):
@@ -118,7 +77,7 @@ def model_case(request, tiny_llama_path, smollm2_path):
 
     path = tiny_llama_path if request.param == "tiny-llama" else smollm2_path
     prompts = make_prompts(AutoTokenizer.from_pretrained(str(path)))
-    return request.param, path, prompts, hf_greedy(path, prompts)
+    return request.param, path, prompts, hf_greedy(path, prompts, NUM_NEW_TOKENS, "cpu")
 
 
 @pytest.mark.parametrize("name,engine_args,preempts", CONFIGS, ids=[c[0] for c in CONFIGS])
@@ -127,4 +86,5 @@ def test_greedy_matches_hf(model_case, name, engine_args, preempts):
     actual, num_preemptions = engine_greedy(path, prompts, **engine_args)
     if preempts:
         assert num_preemptions > 0, "the KV budget was meant to force preemption"
-    check_logprobs_close(expected, actual, f"{model_name}/{name}")
+    result = compare(expected, actual)
+    assert result["ok"], f"{model_name}/{name}: diverged beyond a near-tie at {result['failures']}"
