@@ -1,7 +1,7 @@
 """`pagedserve` — the command line.
 
     pagedserve generate --prompt "Hello" [--chat] [engine flags]
-    pagedserve bench throughput|kernels [...]
+    pagedserve bench throughput|kernels|prefix [...]
 
 Engine flags mirror EngineConfig field for field (vLLM's spelling), so a flag
 and the offline `LLM(...)` argument of the same name mean the same thing.
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=generate_command)
 
     bench = commands.add_parser("bench", help="benchmarks (each prints a table, --output JSON)")
-    bench.add_argument("suite", choices=("throughput", "kernels"))
+    bench.add_argument("suite", choices=("throughput", "kernels", "prefix"))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=bench_command)
     return parser
@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 def bench_command(args: argparse.Namespace) -> int:
     if args.suite == "throughput":
         from bench.throughput import main as run
+    elif args.suite == "prefix":
+        from bench.prefix_caching import main as run
     else:
         from bench.kernels import main as run
     return run(args.rest) or 0

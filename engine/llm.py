@@ -47,6 +47,9 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | SequenceABC[Prompt],

@@ -12,6 +12,7 @@ engine thread); it holds no locks of its own.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import operator
 import logging
@@ -58,7 +59,12 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
         self.runner = ModelRunner(self.config, hf_config, model_path, self.eos_token_ids)
         self.vocab_size = self.runner.model.args.vocab_size
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks,
+            self.config.block_size,
+            enable_caching=self.config.enable_prefix_caching,
+        )
+        self.fingerprint = model_fingerprint(model_path, self.runner.dtype, self.config)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -75,16 +81,20 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request: a text prompt (tokenized here) or prompt token ids.
 
         `add_special_tokens=False` is for text that already has them, such as a
-        rendered chat template.
+        rendered chat template. `cache_salt` separates tenants in the prefix
+        cache: requests share cached blocks only when their salts are equal. The
+        service derives it from the authenticated caller, never from the client.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt, add_special_tokens)
         self._check_prompt(token_ids)
+        salt = hashlib.sha256(cache_salt.encode()).digest() if cache_salt else b""
         seqs, detokenizers = [], []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
@@ -95,6 +105,9 @@ class LLMEngine:
                 prompt_token_ids=token_ids,
                 params=params,
                 generator=None if seed is None else make_generator(seed, self.runner.device),
+                hash_extra=self.fingerprint,
+                cache_salt=salt,
+                fork_parent=seqs[0] if seqs else None,
             )
             seqs.append(seq)
             detokenizers.append(IncrementalDetokenizer(self.tokenizer, token_ids, params))
@@ -209,9 +222,36 @@ class LLMEngine:
             num_cached_tokens=min(seq.num_cached_tokens for seq in request.seqs),
         )
 
-    # -- introspection ------------------------------------------------------------------
-    def num_free_blocks(self) -> int:
-        return self.block_manager.num_free_blocks
+    # -- prefix cache and statistics -------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block that no running sequence holds."""
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    def stats(self) -> dict[str, int]:
+        cache = self.block_manager.stats
+        return {
+            "prefix_cache_queries": cache.queries,
+            "prefix_cache_hits": cache.hits,
+            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
+            "evictions": cache.evictions,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_free": self.block_manager.num_free_blocks,
+            "kv_blocks_total": self.block_manager.num_usable_blocks,
+            "kv_blocks_cached": self.block_manager.num_cached_blocks,
+        }
+
+
+def model_fingerprint(model_path, dtype, config: EngineConfig) -> bytes:
+    """What besides the tokens decides a block's K/V: weights, dtype, parallelism.
+
+    The weights are named by their config and their files' names and sizes, so
+    every replica that loads the same checkpoint agrees on it.
+    """
+    parts = [(model_path / "config.json").read_text()]
+    parts += [f"{f.name}:{f.stat().st_size}" for f in sorted(model_path.glob("*.safetensors"))]
+    parts += [str(dtype), f"tp={config.tensor_parallel_size}"]
+    return hashlib.sha256("\n".join(parts).encode()).digest()
 
 
 def _token_id(value) -> int:

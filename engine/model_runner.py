@@ -135,6 +135,8 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        if output.blocks_to_copy:
+            self._copy_blocks(output.blocks_to_copy)
         decodes = [s for s in output.sequences if s.num_new_tokens == 1]
         prefills = [s for s in output.sequences if s.num_new_tokens > 1]
         ordered = decodes + prefills
@@ -152,6 +154,13 @@ class ModelRunner:
             return ModelRunnerOutput([], SamplerOutput([], [], []))
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
         return ModelRunnerOutput(seq_ids, self.sampler(logits, requests))
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy on write: K and V of every layer from each source block to its destination."""
+        source = self._tensor([s for s, _ in pairs])
+        destination = self._tensor([d for _, d in pairs])
+        # kv_cache: [2, layers, blocks, ...] -> copy along the blocks dimension.
+        self.kv_cache.index_copy_(2, destination, self.kv_cache.index_select(2, source))
 
     def _flatten(self, ordered: list[ScheduledSequence]):
         bs = self.block_size

@@ -16,6 +16,18 @@ recomputes its prompt *and* the tokens it already generated (recompute, not
 swap), then carries on exactly where it stopped. Nothing new is admitted in a
 step that preempted, so the freed memory goes to the sequences that needed it.
 
+Prefix caching enters at admission: a new sequence first looks up the longest
+chain of cached blocks matching its prompt and starts with
+`num_computed_tokens` at the cached length, so only the rest is computed.
+Blocks are registered in the cache as soon as they are full and computed, so
+a request can hit a prefix that another one is still generating from.
+
+Parallel samples (n > 1) compute their shared prompt once: the first sample
+prefills it, the others wait, then *fork* its blocks (ref counts + 1) and each
+recomputes only the last prompt token to draw its own first token. Whoever
+first writes into a block that is still shared gets a private copy of it
+(copy on write; the runner copies the K/V before the forward pass).
+
 The result is a `SchedulerOutput`: plain data, the only thing the model
 runner sees.
 """
@@ -52,6 +64,8 @@ class ScheduledSequence:
 class SchedulerOutput:
     sequences: list[ScheduledSequence] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
+    # (source, destination) block pairs whose K/V the runner copies before the forward.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,14 +80,18 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_size = config.block_size
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prefill work done, recomputation included
 
     # -- queue management ----------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        if self.block_manager.enable_caching:
+            seq.update_block_hashes(self.block_size)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -110,13 +128,27 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_new: int, output: SchedulerOutput) -> bool:
         """Find blocks for `seq`'s next tokens, preempting the newest sequences if needed."""
-        total = seq.num_computed_tokens + num_new
-        while self.block_manager.append_slots(seq.seq_id, total) is None:
+        start = seq.num_computed_tokens
+        while not (
+            self.block_manager.append_slots(seq.seq_id, start + num_new) is not None
+            and self._unshare(seq, start, start + num_new, output)
+        ):
             victim = self.running[-1]
             self._preempt(victim)
             output.preempted_seq_ids.append(victim.seq_id)
             if victim is seq:
                 return False
+        return True
+
+    def _unshare(self, seq: Sequence, start: int, end: int, output: SchedulerOutput) -> bool:
+        """Copy on write: private copies of the shared blocks that tokens [start, end) land in."""
+        manager = self.block_manager
+        for index in range(start // self.block_size, (end - 1) // self.block_size + 1):
+            if manager.is_shared(seq.seq_id, index):
+                copy = manager.copy_on_write(seq.seq_id, index)
+                if copy is None:
+                    return False
+                output.blocks_to_copy.append(copy)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -131,8 +163,8 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new) is None:
+            num_new = self._admit(seq, budget, output)
+            if num_new is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -140,9 +172,42 @@ class Scheduler:
             output.sequences.append(self._scheduled(seq, num_new))
             budget -= num_new
 
+    def _admit(self, seq: Sequence, budget: int, output: SchedulerOutput) -> int | None:
+        """Give a waiting sequence its blocks; returns its token count, or None to wait."""
+        parent = seq.fork_parent
+        if parent is not None and parent.status is SequenceStatus.RUNNING:
+            if parent.num_computed_tokens < parent.num_prompt_tokens:
+                return None  # the first sample is still computing the shared prompt
+            return self._admit_fork(seq, parent, output)
+        manager = self.block_manager
+        hits = manager.find_cached_prefix(seq.block_hashes, seq.num_tokens)
+        cached = len(hits) * self.block_size
+        num_new = min(seq.num_tokens - cached, budget)
+        if manager.allocate(seq.seq_id, cached + num_new, hits) is None:
+            return None
+        if manager.enable_caching:
+            manager.record_lookup(seq.num_tokens, cached)
+        seq.num_computed_tokens = cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+        return num_new
+
+    def _admit_fork(self, seq: Sequence, parent: Sequence, output: SchedulerOutput) -> int | None:
+        """Share the parent's prompt blocks; recompute only the last prompt token."""
+        last = seq.num_prompt_tokens - 1
+        self.block_manager.fork(parent.seq_id, seq.seq_id, seq.num_prompt_tokens)
+        if not self._unshare(seq, last, last + 1, output):
+            self.block_manager.free(seq.seq_id)
+            return None
+        seq.num_computed_tokens = last
+        seq.num_cached_tokens = parent.num_cached_tokens
+        return 1
+
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
         reaches_end = start + num_new == seq.num_tokens
+        decodes = reaches_end and start >= seq.num_prompt_tokens  # one new output token
+        self.num_prompt_tokens_computed += num_new - (1 if decodes else 0)
         sampling = None
         if reaches_end:
             sampling = SamplingRequest(
@@ -161,9 +226,13 @@ class Scheduler:
 
     # -- after the model ran -----------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance computed counts; append sampled tokens. Returns the sequences that grew."""
+        """Advance computed counts; append sampled tokens; cache newly full blocks.
+
+        Returns the sequences that grew.
+        """
         grew = []
         by_id = {seq.seq_id: seq for seq in self.running}
+        manager = self.block_manager
         for scheduled in output.sequences:
             seq = by_id.get(scheduled.seq_id)
             if seq is None:  # finished or aborted while the step ran
@@ -173,4 +242,7 @@ class Scheduler:
             if token_id is not None:
                 seq.append_token(token_id)
                 grew.append(seq)
+            if manager.enable_caching:
+                seq.update_block_hashes(self.block_size)
+                manager.cache_full_blocks(seq.seq_id, seq.block_hashes, seq.num_computed_tokens)
         return grew

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_hash import ROOT_HASH, hash_block
 from engine.sampling_params import SamplingParams
 
 
@@ -53,6 +54,12 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     first_token_time: float | None = None
+    # Prefix caching: hashes of this sequence's full blocks, and what goes into them.
+    block_hashes: list[bytes] = field(default_factory=list)
+    hash_extra: bytes = b""  # model fingerprint
+    cache_salt: bytes = b""  # per tenant, first block only
+    # n > 1: the sample that computes the shared prompt (None for the first sample).
+    fork_parent: Sequence | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,6 +91,16 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Hash the full blocks that have appeared since the last call."""
+        hashes = self.block_hashes
+        while (len(hashes) + 1) * block_size <= self.num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            extra = self.hash_extra + self.cache_salt if i == 0 else self.hash_extra
+            tokens = self.token_slice(i * block_size, (i + 1) * block_size)
+            hashes.append(hash_block(parent, tokens, extra))
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

@@ -1,0 +1,100 @@
+"""Smoke tests of the benchmarks: they run end to end on the tiny model and write
+sane JSON. Timings are never asserted (shared CI machines are noisy)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import prefix_caching, throughput
+
+TINY_ENGINE = ["--kv-cache-memory-bytes", str(1 << 22), "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def prefix_report(tiny_llama_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-prefix")
+    # A small token budget spreads admission over several steps, so later requests
+    # find the system prompts that earlier ones computed.
+    argv = [
+        "--model", str(tiny_llama_path), *TINY_ENGINE, "--max-num-batched-tokens", "64",
+        "--num-requests", "4", "--system-len", "32", "--question-len", "8:8",
+        "--output-len", "2", "--sweep-block-sizes", "8,16",
+        "--output", str(out / "prefix.json"), "--plot-dir", str(out),
+    ]
+    assert prefix_caching.main(argv) == 0
+    return json.loads((out / "prefix.json").read_text()), out
+
+
+def test_prefix_report_has_every_section(prefix_report):
+    report, out = prefix_report
+    for key in ("model", "dtype", "cost_model", "workload", "shared_prefix",
+                "block_size_sweep", "no_reuse", "plots"):
+        assert key in report, key
+    workload = report["workload"]
+    assert workload["prompt_tokens"] == 4 * (32 + 8)
+    assert workload["output_tokens"] == 4 * 2
+    for section in ("shared_prefix", "no_reuse"):
+        for key in ("off", "on", "throughput_ratio_on_off", "ideal_speedup",
+                    "prefill_computed_ratio_off_on"):
+            assert key in report[section], (section, key)
+        for run in (report[section]["off"], report[section]["on"]):
+            assert run["seconds"] > 0 and run["output_tokens_per_s"] > 0
+            assert run["mean_ttft_s"] > 0 and 0 < run["kv_utilization"] <= 1
+    assert [r["block_size"] for r in report["block_size_sweep"]] == [8, 16]
+    for path in report["plots"]:
+        assert path.endswith(".png") and (out / path.rsplit("/", 1)[-1]).stat().st_size > 0
+
+
+def test_prefix_caching_saves_prefill(prefix_report):
+    report, _ = prefix_report
+    shared = report["shared_prefix"]
+    off, on = shared["off"], shared["on"]
+    assert off["prefix_caching"] is False and on["prefix_caching"] is True
+    assert off["hit_rate"] == 0 and off["prefix_cache_hits"] == 0
+    assert off["prefill_tokens_computed"] == report["workload"]["prompt_tokens"]
+    assert on["hit_rate"] > 0
+    assert on["cached_tokens_reported"] == on["prefix_cache_hits"]
+    assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
+    assert on["prefill_tokens_computed"] + on["prefix_cache_hits"] == on["prefix_cache_queries"]
+    assert shared["prefill_computed_ratio_off_on"] > 1 and shared["ideal_speedup"] > 1
+    bound = shared["prefill_bound"]
+    assert bound["ideal_prefill_tokens"] <= bound["unique_prompt_tokens"] + 4 * 16
+    assert shared["outputs_identical"] == 4  # greedy: caching must not change the tokens
+    for run in report["block_size_sweep"]:
+        assert run["prefix_caching"] and 0 < run["hit_rate"] < 1
+
+
+def test_no_reuse_has_no_hits(prefix_report):
+    report, _ = prefix_report
+    no_reuse = report["no_reuse"]
+    assert no_reuse["on"]["hit_rate"] == 0 and no_reuse["off"]["hit_rate"] == 0
+    assert no_reuse["on"]["prefill_tokens_computed"] == no_reuse["prompt_tokens"]
+
+
+def test_ideal_prefill_tokens_counts_full_blocks_only():
+    system = list(range(100, 120))  # 20 tokens: 2 full blocks of 8 and 4 left over
+    prompts = [system + [1, 2, 3], system + [4, 5, 6], list(range(200, 208))]
+    # second prompt reuses 16 tokens; the third (exactly one block) shares nothing
+    assert prefix_caching.ideal_prefill_tokens(prompts, 8) == 23 + (23 - 16) + 8
+    assert prefix_caching.unique_prompt_tokens(prompts) == 23 + 3 + 8
+    # an identical prompt still computes its last block
+    assert prefix_caching.ideal_prefill_tokens([system[:16], system[:16]], 8) == 16 + 8
+
+
+def test_throughput_bench_smoke(tiny_llama_path, tmp_path):
+    out = tmp_path / "throughput.json"
+    argv = [
+        "--model", str(tiny_llama_path), *TINY_ENGINE, "--num-prompts", "3",
+        "--input-len", "4:12", "--output-len", "2:4", "--hf-batch-sizes", "2",
+        "--output", str(out),
+    ]
+    assert throughput.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["num_prompts"] == 3
+    assert [r["system"] for r in report["results"]] == ["pagedserve", "HF generate"]
+    assert 3 * 2 <= report["output_tokens"] <= 3 * 4
+    for result in report["results"]:
+        assert result["seconds"] > 0 and result["output_tokens_per_s"] > 0
+    assert report["ratio_vs_best_hf"] > 0
