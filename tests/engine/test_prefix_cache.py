@@ -358,15 +358,20 @@ def test_set_popular_is_bounded_by_max_popular_share():
 
 
 def test_allocate_holds_hits_before_taking_fresh_blocks():
-    """The fresh blocks of a hit allocation may evict cached blocks, but never the hits."""
+    """The fresh blocks of a hit allocation may evict cached blocks, but never
+    the hits, even when a hit is the least recently used cached block."""
     bm = new_bm(num_blocks=4, block_size=4)
-    compute(bm, "A", shared(12, 100))
+    compute(bm, "A", shared(4, 100))
+    compute(bm, "B", shared(8, 200))
     bm.free("A")
-    assert list(bm.cached_free) == [3, 2, 1]
-    table, hits = compute(bm, "B", shared(4, 100) + [9] * 8)
+    bm.free("B")
+    assert list(bm.cached_free) == [1, 3, 2]
+    table, hits = compute(bm, "C", shared(4, 100) + [9] * 8)
     assert (table, hits) == ([1, 3, 2], 1)
     assert bm.stats.evictions == 2
-    assert lookup(bm, shared(12, 100)) == [1]
+    assert [bm.ref_counts[i] for i in (1, 2, 3)] == [1, 1, 1]
+    assert lookup(bm, shared(4, 100)) == [1]
+    assert lookup(bm, shared(8, 200)) == []
 
 
 def test_allocate_short_of_memory_with_hits_changes_nothing():
@@ -527,17 +532,17 @@ def test_scheduler_forks_child_after_parent_prompt(prompt_len, copy):
     """n=2: the child waits while the parent's prompt is computed (here in two
     chunks), then shares its blocks and recomputes only the last prompt token,
     with a private copy of the last prompt block."""
-    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=prompt_len - 2)
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=prompt_len - 1)
     bm = sched.block_manager
     parent = make_seq(0, shared(prompt_len), max_tokens=3)
     child = make_seq(1, parent.prompt_token_ids, max_tokens=3, parent=parent)
     sched.add(parent)
     sched.add(child)
     out, scheduled = step(sched)
-    assert scheduled == [(0, 0, prompt_len - 2, False)] and out.blocks_to_copy == []
+    assert scheduled == [(0, 0, prompt_len - 1, False)] and out.blocks_to_copy == []
     assert child.status is SequenceStatus.WAITING and not bm.has(1)
-    out, scheduled = step(sched)
-    assert scheduled == [(0, prompt_len - 2, 2, True)] and out.blocks_to_copy == []
+    out, scheduled = step(sched)  # one prompt token left: the child still waits
+    assert scheduled == [(0, prompt_len - 1, 1, True)] and out.blocks_to_copy == []
     assert child.status is SequenceStatus.WAITING and not bm.has(1)
 
     out, scheduled = step(sched)
@@ -562,6 +567,29 @@ def test_scheduler_forks_child_after_parent_prompt(prompt_len, copy):
     run_to_completion(sched)
     assert parent.output_token_ids == [fake_token(0, i) for i in range(3)]
     assert child.output_token_ids == [fake_token(1, i) for i in range(3)]
+
+
+def test_forked_child_inherits_the_parents_cache_hit():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    bm = sched.block_manager
+    first = make_seq(0, shared(10), max_tokens=1)
+    sched.add(first)
+    step(sched)
+    assert first.is_finished and list(bm.cached_free) == [2, 1]
+    parent = make_seq(1, shared(10) + [5, 6], max_tokens=3)
+    child = make_seq(2, parent.prompt_token_ids, max_tokens=3, parent=parent)
+    sched.add(parent)
+    sched.add(child)
+    out, scheduled = step(sched)
+    assert scheduled == [(1, 8, 4, True)]  # the child waits for the rest of the prompt
+    assert parent.num_cached_tokens == 8 and bm.block_table(1) == [1, 2, 4]
+    out, scheduled = step(sched)
+    assert scheduled == [(1, 12, 1, True), (2, 11, 1, True)]
+    assert out.blocks_to_copy == [(4, 6)]
+    assert bm.block_table(2) == [1, 2, 6] and bm.block_table(1) == [1, 2, 4, 5]
+    assert child.num_cached_tokens == 8
+    assert (bm.stats.queries, bm.stats.hits) == (22, 8)
+    run_to_completion(sched)
 
 
 def test_fork_child_waits_when_copy_on_write_finds_no_block():
@@ -1129,3 +1157,27 @@ def test_engine_n_greedy_samples_share_the_prompt(engine_runs):
     [single], _ = generate(llm, [prompt])
     [multi], _ = generate(llm, [prompt], greedy(n=3))
     assert [c.token_ids for c in multi.outputs] == [single.outputs[0].token_ids] * 3
+
+
+def test_engine_reset_keeps_blocks_of_running_requests(engine_runs):
+    llm = engine_runs["llm_on"]
+    engine = llm.engine
+    llm.reset_prefix_cache()
+    prompt = engine_runs["prompts"][6]  # 56 tokens: 7 full blocks
+    engine.add_request("held", prompt, greedy(max_tokens=3))
+    engine.step()  # the prefill: 7 full blocks registered
+    assert engine.stats()["kv_blocks_cached"] == 7
+    assert llm.reset_prefix_cache() is True
+    assert engine.stats()["kv_blocks_cached"] == 7  # still held, still cached
+    engine.add_request("hit", prompt + [11], greedy(max_tokens=1))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert sorted(finished) == ["held", "hit"]
+    assert finished["hit"].num_cached_tokens == 56
+    assert finished["held"].num_cached_tokens == 0
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    bm.check_invariants()
