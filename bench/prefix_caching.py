@@ -166,26 +166,44 @@ def engine_stats(engine) -> dict:
 
 def run_workload(config, workload: Workload, label: str, repeats: int = 1) -> Run:
     """Best of `repeats` timed runs on one fresh engine (the cache reset in between)."""
+    return run_interleaved([(config, label)], workload, repeats)[0]
+
+
+def run_interleaved(settings, workload: Workload, repeats: int = 1) -> list[Run]:
+    """One fresh engine per (config, label); their timed runs alternate, best kept.
+
+    Alternating off, on, on, off, ... spreads the drifts of a shared machine over
+    both sides of a comparison instead of charging them to whichever ran second.
+    """
     from engine import LLM, SamplingParams
 
-    llm = LLM.from_config(config)
+    llms = []
     try:
-        engine = llm.engine
-        warmup = make_workload("warm-up", 2, 2, 24, (4, 4), 2, engine.vocab_size, seed=-1)
-        llm.generate([{"prompt_token_ids": p} for p in warmup.prompts],
-                     SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-                     use_tqdm=False)
-        runs = []
+        for config, _ in settings:
+            llm = LLM.from_config(config)
+            llms.append(llm)
+            warmup = make_workload("warm-up", 2, 2, 24, (4, 4), 2, llm.engine.vocab_size, -1)
+            llm.generate([{"prompt_token_ids": p} for p in warmup.prompts],
+                         SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                         use_tqdm=False)
+        runs: list[list[Run]] = [[] for _ in settings]
         for attempt in range(repeats):
-            if config.enable_prefix_caching:
-                engine.reset_prefix_cache()
-            tag = label if repeats == 1 else f"{label} [{attempt + 1}/{repeats}]"
-            runs.append(_timed_run(engine, workload, tag, attempt))
-        best = min(runs, key=lambda r: r.seconds)
-        best.attempt_seconds = [r.seconds for r in runs]
-        return best
+            order = range(len(settings)) if attempt % 2 == 0 else reversed(range(len(settings)))
+            for i in order:
+                engine, label = llms[i].engine, settings[i][1]
+                if engine.config.enable_prefix_caching:
+                    engine.reset_prefix_cache()
+                tag = label if repeats == 1 else f"{label} [{attempt + 1}/{repeats}]"
+                runs[i].append(_timed_run(engine, workload, tag, attempt))
+        best_runs = []
+        for (_, label), attempts in zip(settings, runs):
+            best = min(attempts, key=lambda r: r.seconds)
+            best.label = label
+            best.attempt_seconds = [r.seconds for r in attempts]
+            best_runs.append(best)
+        return best_runs
     finally:
-        del llm
+        del llms
         gc.collect()
 
 
@@ -446,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-no-reuse", action="store_true",
                         help="leave out the 0 %% hit-rate section")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="timed runs per setting, fastest kept")
+                        help="timed runs per setting, fastest kept (off and on alternate)")
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     parser.add_argument("--plot-dir", type=Path,
@@ -483,8 +501,15 @@ def main(argv: list[str] | None = None) -> int:
         progress.update(1)
         return result
 
-    off = run(config.replace(enable_prefix_caching=False), shared, "shared, caching off")
-    on = run(config.replace(enable_prefix_caching=True), shared, "shared, caching on")
+    def pair(workload, name):
+        runs = run_interleaved([(config.replace(enable_prefix_caching=False),
+                                 f"{name}, caching off"),
+                                (config.replace(enable_prefix_caching=True),
+                                 f"{name}, caching on")], workload, args.repeats)
+        progress.update(2)
+        return runs
+
+    off, on = pair(shared, "shared")
     shared_cmp = compare(off, on, shared)
     bound = prefill_bound(shared, on)
     sweep = []
@@ -497,8 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"sweep, bs {size}"))
     no_reuse = None
     if not args.skip_no_reuse:
-        d_off = run(config.replace(enable_prefix_caching=False), distinct, "no reuse, caching off")
-        d_on = run(config.replace(enable_prefix_caching=True), distinct, "no reuse, caching on")
+        d_off, d_on = pair(distinct, "no reuse")
         no_reuse = (d_off, d_on, compare(d_off, d_on, distinct))
     progress.close()
     elapsed = time.perf_counter() - started
