@@ -8,7 +8,8 @@ question of --question-len tokens; --output-len tokens out (ignore_eos,
 greedy). Every request arrives at t=0 and the engine is stepped by hand, so
 the time to first token (TTFT) of each request is measured from the start.
 
-Three sections, each run in this process with a fresh engine per setting:
+Three sections, each run in this process with a fresh engine per setting
+(--enable-prefix-caching is ignored: each section sets it as it needs):
 
   1. shared prefix, caching off vs on: throughput, prefill tokens actually
      computed, hit rate, TTFT, and the speedup an ideal cache would give
@@ -401,7 +402,8 @@ def write_plots(report: dict, plot_dir: Path) -> list[str]:
     top = max(max(s["on"]["output_tokens_per_s"], s["off"]["output_tokens_per_s"])
               for _, s in sections)
     ax.set_ylim(0, top * 1.25)
-    ax.set_title(f"Prefix caching, {report['model']} ({report['device']})")
+    ax.set_title(f"Prefix caching off vs on\n{report['model'][:48]}, {report['device']}",
+                 fontsize=10)
     ax.legend(loc="upper right")
     fig.tight_layout()
     path = plot_dir / "prefix_caching_throughput.png"

@@ -19,8 +19,9 @@ step that preempted, so the freed memory goes to the sequences that needed it.
 Prefix caching enters at admission: a new sequence first looks up the longest
 chain of cached blocks matching its prompt and starts with
 `num_computed_tokens` at the cached length, so only the rest is computed.
-Blocks are registered in the cache as soon as they are full and computed, so
-a request can hit a prefix that another one is still generating from.
+Blocks are registered in the cache in the step that fills them, so a request
+can hit a prefix that another one is still generating from, or is computing
+in this very step (each layer stores the whole batch's K/V before attending).
 
 Parallel samples (n > 1) compute their shared prompt once: the first sample
 prefills it, the others wait, then *fork* its blocks (ref counts + 1) and each
@@ -207,6 +208,10 @@ class Scheduler:
         start = seq.num_computed_tokens
         reaches_end = start + num_new == seq.num_tokens
         decodes = reaches_end and start >= seq.num_prompt_tokens  # one new output token
+        # Register the blocks this step fills *now*, not after the step: a request
+        # admitted later in this same step can then hit them. That is safe because
+        # every layer writes the K/V of the whole batch before any attention reads.
+        self.block_manager.cache_full_blocks(seq.seq_id, seq.block_hashes, start + num_new)
         self.num_prompt_tokens_computed += num_new - (1 if decodes else 0)
         sampling = None
         if reaches_end:
@@ -226,7 +231,7 @@ class Scheduler:
 
     # -- after the model ran -----------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance computed counts; append sampled tokens; cache newly full blocks.
+        """Advance computed counts; append sampled tokens; hash newly full blocks.
 
         Returns the sequences that grew.
         """
@@ -242,7 +247,6 @@ class Scheduler:
             if token_id is not None:
                 seq.append_token(token_id)
                 grew.append(seq)
-            if manager.enable_caching:
+            if manager.enable_caching:  # hash blocks the new token completed
                 seq.update_block_hashes(self.block_size)
-                manager.cache_full_blocks(seq.seq_id, seq.block_hashes, seq.num_computed_tokens)
         return grew

@@ -412,7 +412,7 @@ def test_ref_counts_on_hits_and_free_order():
 
 
 # -- blocks registered as decode fills them -------------------------------------------------------
-def test_decode_registers_full_blocks_after_the_step_that_computes_them():
+def test_decode_registers_a_full_block_in_the_step_that_fills_it():
     sched = make_scheduler(num_blocks=16, block_size=4)
     bm = sched.block_manager
     a = make_seq(1, shared(6), max_tokens=10)
@@ -423,14 +423,16 @@ def test_decode_registers_full_blocks_after_the_step_that_computes_them():
     assert a.num_tokens == 8 and a.num_computed_tokens == 7
     assert len(a.block_hashes) == 2
     assert a.block_hashes[1] not in bm.cached  # known but not computed yet
-    early = make_seq(2, a.token_slice(0, 8) + [77])
-    sched.add(early)
-    _, scheduled = step(sched)  # computes o1: block 1 full and computed after this step
-    assert scheduled == [(1, 7, 1, True), (2, 4, 5, True)]
-    assert early.num_cached_tokens == 4  # block 1 was registered only after its admission
+    same_step = make_seq(2, a.token_slice(0, 8) + [77])
+    sched.add(same_step)
+    _, scheduled = step(sched)
+    # a's step computes o1 and fills block 1; it is registered at scheduling time,
+    # so a request admitted later in the same step already hits it (every layer
+    # stores the whole batch's K/V before attending).
+    assert scheduled == [(1, 7, 1, True), (2, 8, 1, True)]
+    assert same_step.num_cached_tokens == 8
     assert bm.cached[a.block_hashes[1]] == bm.block_table(1)[1] == 2
-    assert bm.block_table(2) == [1, 3, 4]
-    assert bm.block_hashes[3] is None  # same content as block 2, computed later: not kept
+    assert bm.block_table(2) == [1, 2, 3]
 
     late = make_seq(3, a.token_slice(0, 8) + [77])
     sched.add(late)
@@ -438,12 +440,12 @@ def test_decode_registers_full_blocks_after_the_step_that_computes_them():
     assert a.status is SequenceStatus.RUNNING  # the first one still generates
     assert scheduled == [(1, 8, 1, True), (2, 9, 1, True), (3, 8, 1, True)]
     assert late.num_cached_tokens == 8
-    assert bm.block_table(1) == [1, 2, 5]
-    assert bm.block_table(3) == [1, 2, 6]
-    assert [bm.ref_counts[i] for i in (1, 2)] == [3, 2]
-    assert (bm.stats.queries, bm.stats.hits) == (6 + 9 + 9, 0 + 4 + 8)
+    assert bm.block_table(1) == [1, 2, 4]
+    assert bm.block_table(3) == [1, 2, 5]
+    assert [bm.ref_counts[i] for i in (1, 2)] == [3, 3]
+    assert (bm.stats.queries, bm.stats.hits) == (6 + 9 + 9, 0 + 8 + 8)
     run_to_completion(sched)
-    for seq in (a, early, late):
+    for seq in (a, same_step, late):
         assert seq.output_token_ids == [fake_token(seq.seq_id, i)
                                         for i in range(seq.params.max_tokens)]
     assert bm.num_cached_blocks > 0
@@ -886,11 +888,20 @@ TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 class FakeKV:
     """Each slot holds the token prefix whose K/V a real model would have written
     there. Copies run first, then every scheduled token is written, then every
-    scheduled sequence must read exactly its own prefix at every position."""
+    scheduled sequence must read exactly its own prefix at every position.
+
+    A block may be registered in the cache in the very step that fills it (and
+    hit by a later sequence of that step), so the rule for writes is: a block
+    that was cached before the step and still is (not evicted and reused) may
+    only be written with exactly the content it already holds."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.bs = block_size
         self.slots: list[tuple | None] = [None] * (num_blocks * block_size)
+        self.hash_before: dict[int, bytes] = {}
+
+    def before_schedule(self, bm: BlockManager) -> None:
+        self.hash_before = {block: h for h, block in bm.cached.items()}
 
     def execute(self, sched: Scheduler, out) -> None:
         bm, bs = sched.block_manager, self.bs
@@ -904,12 +915,14 @@ class FakeKV:
             for p in range(s.start_position, s.context_len):
                 block = s.block_table[p // bs]
                 assert block != NULL_BLOCK
-                assert bm.ref_counts[block] == 1, f"seq {s.seq_id} writes shared block {block}"
-                assert bm.block_hashes[block] is None, f"seq {s.seq_id} writes cached {block}"
                 slot = block * bs + p % bs
+                content = tuple(tokens[: p + 1])
+                if bm.block_hashes[block] is not None and \
+                        self.hash_before.get(block) == bm.block_hashes[block]:
+                    assert self.slots[slot] == content, f"seq {s.seq_id} corrupts cached {block}"
                 assert slot not in written
                 written.add(slot)
-                self.slots[slot] = tuple(tokens[: p + 1])
+                self.slots[slot] = content
         for s in out.sequences:
             tokens = running[s.seq_id].token_slice(0, s.context_len)
             for p in range(s.context_len):
@@ -972,6 +985,7 @@ def test_random_scenarios_read_exactly_their_own_kv(
                 sched.add(seq)
         if pending:
             pending[0] = (pending[0][0], pending[0][1] - 1)
+        kv.before_schedule(bm)
         out = sched.schedule()
         kv.execute(sched, out)
         running = {seq.seq_id: seq for seq in sched.running}
