@@ -4,9 +4,9 @@ The config is built once (from the CLI, the offline `LLM(...)` call or a test),
 validated on construction and then passed explicitly to whatever needs it.
 Nothing mutates it afterwards, so every component sees the same numbers.
 
-Fields that depend on the model (`max_model_len` when left at 0, the model's
-own limits) are resolved by `EngineConfig.for_model`, which reads the model's
-HF config and returns a new, fully resolved EngineConfig.
+`max_model_len` depends on the model: the engine resolves it once the model's
+HF config is read (`resolve_max_model_len`), which returns a new, validated
+EngineConfig with the model's limit filled in or refuses a value beyond it.
 """
 
 from __future__ import annotations

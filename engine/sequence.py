@@ -82,11 +82,6 @@ class Sequence:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
 
-    def last_token_id(self) -> int:
-        if self.output_token_ids:
-            return self.output_token_ids[-1]
-        return self.prompt_token_ids[-1]
-
     def append_token(self, token_id: int) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
