@@ -117,23 +117,14 @@ class BlockManager:
         return hits
 
     def cache_full_blocks(
-        self,
-        seq_id: Hashable,
-        block_hashes: list[bytes],
-        num_computed_tokens: int,
-        from_token: int = 0,
+        self, seq_id: Hashable, block_hashes: list[bytes], num_computed_tokens: int
     ) -> None:
-        """Register the sequence's full, computed blocks under their hashes.
-
-        Blocks that end at or before `from_token` were dealt with in an earlier
-        step; the scheduler passes the step's first position so that a decode
-        looks at one block, not the whole table.
-        """
+        """Register the sequence's full, computed blocks under their hashes."""
         if not self.enable_caching:
             return
         table = self.block_tables[seq_id]
         count = min(len(block_hashes), num_computed_tokens // self.block_size, len(table))
-        for i in range(from_token // self.block_size, count):
+        for i in range(count):
             block_id, block_hash = table[i], block_hashes[i]
             if self.block_hashes[block_id] is not None:
                 continue  # already registered (a hit, or an earlier step)
