@@ -906,8 +906,15 @@ class FakeKV:
     def execute(self, sched: Scheduler, out) -> None:
         bm, bs = sched.block_manager, self.bs
         for src, dst in out.blocks_to_copy:
-            assert bm.ref_counts[dst] == 1 and bm.block_hashes[dst] is None
-            self.slots[dst * bs:(dst + 1) * bs] = self.slots[src * bs:(src + 1) * bs]
+            assert bm.ref_counts[dst] == 1
+            # dst is a block taken fresh in this step; the copy may register it at once
+            # (its content is complete by the end of the step), but a block still
+            # cached from before the step must keep what it holds.
+            copied = self.slots[src * bs:(src + 1) * bs]
+            if bm.block_hashes[dst] is not None and \
+                    self.hash_before.get(dst) == bm.block_hashes[dst]:
+                assert self.slots[dst * bs:(dst + 1) * bs] == copied, f"copy corrupts {dst}"
+            self.slots[dst * bs:(dst + 1) * bs] = copied
         running = {seq.seq_id: seq for seq in sched.running}
         written = set()
         for s in out.sequences:
