@@ -1,5 +1,6 @@
 """`pagedserve` — the command line.
 
+    pagedserve serve [engine flags] [service flags]     (see service/cli.py)
     pagedserve generate --prompt "Hello" [--chat] [engine flags]
     pagedserve bench throughput|kernels|prefix [...]
 
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
+    # Listed for --help; main() hands `serve ...` to service/cli.py, whose
+    # parser takes the engine flags plus the service flags.
+    commands.add_parser("serve", help="the OpenAI-compatible HTTP server", add_help=False)
+
     gen = commands.add_parser("generate", help="complete or chat from the shell")
     gen.add_argument("--prompt", action="append", help="repeat for several prompts")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -108,6 +113,11 @@ def bench_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # argparse's REMAINDER would swallow nothing before a flag
+        from service.cli import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

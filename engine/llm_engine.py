@@ -50,6 +50,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         model_path = resolve_model_path(config.model, config.cache_dir)
         hf_config = load_hf_config(model_path)
+        self.model_path = model_path
         self.config = config.resolve_max_model_len(hf_config.max_position_embeddings)
         self.tokenizer = (
             load_tokenizer(config.tokenizer, required=True)
@@ -68,6 +69,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
+        self.num_prompt_tokens = 0  # prompt tokens of every request added
+        self.num_generation_tokens = 0  # tokens sampled, over all requests
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             model_path.name, self.runner.device, self.runner.dtype,
@@ -93,7 +96,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt, add_special_tokens)
-        self._check_prompt(token_ids)
+        self.check_prompt(token_ids)
         salt = hashlib.sha256(cache_salt.encode()).digest() if cache_salt else b""
         seqs, detokenizers = [], []
         for index in range(params.n):
@@ -114,6 +117,7 @@ class LLMEngine:
         self.requests[request_id] = Request(
             request_id, text, token_ids, seqs, detokenizers, [0] * params.n
         )
+        self.num_prompt_tokens += len(token_ids)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -136,7 +140,8 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return None, [_token_id(t) for t in prompt]
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """Refuse a prompt the engine cannot run (reads only fixed settings: thread-safe)."""
         if not token_ids:
             raise ValueError("the prompt is empty")
         limit = self.config.max_model_len
@@ -160,7 +165,9 @@ class LLMEngine:
         tokens = dict(zip(result.seq_ids, sampled.token_ids))
         row_of = {seq_id: row for row, seq_id in enumerate(result.seq_ids)}
         moved: dict[str, Request] = {}
-        for seq in self.scheduler.update(scheduled, tokens):
+        grew = self.scheduler.update(scheduled, tokens)
+        self.num_generation_tokens += len(grew)
+        for seq in grew:
             request = self.requests[seq.request_id]
             row = row_of[seq.seq_id]
             if seq.params.logprobs is not None:
@@ -229,8 +236,13 @@ class LLMEngine:
         return True
 
     def stats(self) -> dict[str, int]:
+        """Counters and gauges for monitoring (cumulative counters never go down)."""
         cache = self.block_manager.stats
         return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
             "prefix_cache_queries": cache.queries,
             "prefix_cache_hits": cache.hits,
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,

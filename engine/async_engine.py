@@ -1,0 +1,287 @@
+"""AsyncEngine: the bridge between the asyncio service and the engine thread.
+
+The engine is synchronous and owns its state alone (scheduler, block manager,
+KV cache). The service runs on an asyncio loop and must never block it. So the
+engine gets its own thread, and the two sides talk only through two hops:
+
+    asyncio loop                                   engine thread
+    ------------                                   -------------
+    generate() ──► commands (deque, under a lock) ─► loop {
+                   + notify the condition               run queued commands (add / abort / ...)
+                                                         outputs = LLMEngine.step()
+    per-request   ◄── loop.call_soon_threadsafe ◄──     hand the step's outputs over at once
+    asyncio.Queue                                        publish a stats snapshot
+                                                       }   (sleeps on the condition when idle)
+
+Every change to engine state happens on the engine thread, as a command run
+between two steps; the asyncio side only reads an immutable stats snapshot.
+An abort therefore takes effect at the start of the next step, which is when
+the request's blocks go back to the pool.
+
+If a step raises, the engine is dead: every in-flight request gets the error,
+later requests are refused at once and `/health` reports it. Nothing waits
+forever on a thread that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a fault, or shutdown): no request can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine looked like after its latest step (read from any thread)."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+    step_seconds: float = 0.0  # wall time of the latest non-empty step
+    num_steps: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024) -> None:
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 1")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: deque[Callable[[], None]] = deque()
+        self._num_queued_adds = 0
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Where each open request's outputs go; touched only on the loop.
+        self._streams: dict[str, asyncio.Queue] = {}
+        self.error: BaseException | None = None
+        self.stats = EngineStats(counters=engine.stats())
+
+    # -- life cycle --------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on `loop` (the running one)."""
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its current step; requests still open get an error."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    # -- the asyncio side --------------------------------------------------------------
+    def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        add_special_tokens: bool = True,
+        cache_salt: str | None = None,
+    ) -> "RequestStream":
+        """Submit a request now; iterate the returned stream for its outputs.
+
+        Refusals (engine dead, queue full) raise here, before anything is
+        streamed, so the caller can still answer with an HTTP status. Closing
+        the stream before its last output (client gone, task cancelled)
+        aborts the request, which frees its blocks on the next step.
+        """
+        self._check_can_accept()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+
+        def add() -> None:
+            try:
+                self.engine.add_request(
+                    request_id, prompt, params,
+                    add_special_tokens=add_special_tokens, cache_salt=cache_salt,
+                )
+            except Exception as exc:  # a bad request, not a broken engine
+                self._deliver_soon([(request_id, exc)])
+
+        self._submit(add, is_add=True)
+        return RequestStream(self, request_id, queue)
+
+    def release(self, request_id: str) -> None:
+        """The consumer is gone: abort the request unless the engine already finished it."""
+        if self._streams.pop(request_id, None) is not None:
+            self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed at the start of the next step."""
+        self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between two steps; return its result."""
+        self._check_alive()
+        future = self._loop.create_future()
+
+        def command() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as exc:
+                self._loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                self._loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._submit(command)
+        return await future
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued for the thread, plus the scheduler's queue."""
+        return self._num_queued_adds + self.stats.counters.get("num_requests_waiting", 0)
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.error!r}")
+        if self._stopping or not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+
+    def _check_can_accept(self) -> None:
+        self._check_alive()
+        if self.num_waiting >= self.max_waiting_requests:
+            raise QueueFullError(
+                f"{self.num_waiting} requests are already waiting "
+                f"(max_waiting_requests={self.max_waiting_requests})"
+            )
+
+    def _submit(self, command: Callable[[], None], is_add: bool = False) -> None:
+        with self._wakeup:
+            self._commands.append(command)
+            self._num_queued_adds += is_add
+            self._wakeup.notify()
+
+    # -- delivery (runs on the loop) -------------------------------------------------
+    def _deliver_soon(self, items: list[tuple[str, Any]]) -> None:
+        """From the engine thread: hand a batch of outputs or errors to the loop."""
+        if items:
+            self._loop.call_soon_threadsafe(self._deliver, items)
+
+    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+        for request_id, item in items:
+            queue = self._streams.get(request_id)
+            if queue is None:  # the consumer already left
+                continue
+            queue.put_nowait(item)
+            if isinstance(item, BaseException) or item.finished:
+                # The engine is done with it; the queue still holds what is unread.
+                del self._streams[request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        self._streams.clear()
+
+    # -- the engine thread -------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                commands = self._wait_for_work()
+                if commands is None:
+                    return
+                for command in commands:
+                    command()
+                outputs = []
+                if engine.has_unfinished_requests():
+                    started = time.perf_counter()
+                    outputs = engine.step()
+                    elapsed = time.perf_counter() - started
+                    self.stats = EngineStats(engine.stats(), elapsed, self.stats.num_steps + 1)
+                else:
+                    self.stats = EngineStats(
+                        engine.stats(), self.stats.step_seconds, self.stats.num_steps
+                    )
+                self._deliver_soon([(output.request_id, output) for output in outputs])
+        except BaseException as exc:  # noqa: BLE001 - any fault kills the engine
+            logger.exception("the engine thread failed; the engine is now dead")
+            self.error = exc
+            dead = EngineDeadError(f"the engine stopped after an error: {exc!r}")
+            self._loop.call_soon_threadsafe(self._fail_all, dead)
+
+    def _wait_for_work(self) -> list[Callable[[], None]] | None:
+        """Take the queued commands, sleeping while there is nothing to do."""
+        with self._wakeup:
+            while not (
+                self._stopping or self._commands or self.engine.has_unfinished_requests()
+            ):
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            self._num_queued_adds = 0
+            return commands
+
+
+class RequestStream:
+    """One request's outputs, in order, as an async iterator (asyncio side only).
+
+    Always close it (`close()` or `aclose()`, safe to repeat) when done with
+    it: closing before the request finished is what aborts it. Unlike an
+    async generator, a stream that was never iterated can still be closed.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    def close(self) -> None:
+        self._done = True
+        self.engine.release(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,88 @@
+"""create_app(config): the starlette application around one engine.
+
+    lifespan start:  load the model (off the loop) -> AsyncEngine thread starts -> ready
+    requests:        Guard (body limit, API key) -> CORS -> routes -> engine
+    lifespan stop:   stop admitting -> engine thread stops -> open requests get 503
+
+The app holds its state on `app.state.service`; nothing lives at module level,
+so a test can run several apps in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+import anyio
+import msgspec
+from sse_starlette.sse import AppStatus
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from engine.models.loader import load_tokenizer
+from service.auth import Guard
+from service.config import ServiceConfig
+from service.errors import EXCEPTION_HANDLERS
+from service.metrics import Metrics
+from service.openapi import build_openapi
+from service.routes import ROUTES
+from service.serving import ServiceState
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+# sse-starlette cancels every open stream the moment uvicorn sees SIGTERM. We
+# want the opposite: streams run on for the grace period (uvicorn's
+# timeout_graceful_shutdown), then uvicorn cancels what is left, which aborts
+# those requests. The switch is the library's own, process-wide.
+AppStatus.disable_automatic_graceful_drain()
+
+
+def create_app(config: ServiceConfig) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        # Loading takes seconds; a worker thread keeps the loop responsive meanwhile.
+        engine = await anyio.to_thread.run_sync(LLMEngine, config.engine)
+        bridge = AsyncEngine(engine, config.max_waiting_requests)
+        bridge.start()
+        tokenizer_source = config.engine.tokenizer or engine.model_path
+        state = ServiceState(
+            config=config,
+            engine=bridge,
+            # Its own tokenizer: the engine thread detokenizes with the other one.
+            tokenizer=await anyio.to_thread.run_sync(load_tokenizer, tokenizer_source),
+            metrics=Metrics(bridge),
+            model_name=config.served_model_name or config.engine.model,
+            max_model_len=engine.config.max_model_len,
+        )
+        app.state.service = state
+        logger.info("serving %s at http://%s:%d", state.model_name, config.host, config.port)
+        try:
+            yield
+        finally:
+            state.draining = True
+            bridge.shutdown()
+
+    # CORS sits outside the guard: browsers send preflights without a key, and
+    # the guard's 401/413 answers need CORS headers for a page to read them.
+    middleware = []
+    if config.allowed_origins:
+        middleware.append(Middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["authorization", "content-type"],
+        ))
+    middleware.append(Middleware(Guard, config=config))
+    app = Starlette(
+        routes=ROUTES,
+        middleware=middleware,
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )
+    app.state.openapi = msgspec.json.encode(build_openapi("pagedserve", VERSION))
+    return app

@@ -1,0 +1,52 @@
+"""ServiceConfig: the HTTP side's settings, with the engine's config inside.
+
+Like EngineConfig it is frozen and validated once; `create_app(config)` takes
+it whole, so a test, the CLI and a deployment build a server the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # defaults to the model's name
+    # Authentication: any of these keys is accepted as "Authorization: Bearer <key>".
+    api_keys: tuple[str, ...] = ()
+    protect_health_and_metrics: bool = False  # by default probes and scrapers need no key
+    # Tenants (API keys) get separate prefix caches unless this is set: a shared
+    # cache lets one tenant time another's prompts (CVE-2025-46570).
+    share_prefix_cache_across_keys: bool = False
+    allowed_origins: tuple[str, ...] = ()  # CORS allow-list for browser frontends
+    max_request_body_bytes: int = 4 << 20
+    # Back-pressure: past this many waiting requests new ones get 429.
+    max_waiting_requests: int = 1024
+    retry_after_seconds: int = 1
+    # SIGTERM: stop admitting, let streams run this long, then abort the rest.
+    shutdown_grace_seconds: float = 30.0
+    sse_ping_seconds: float = 10.0  # keep-alive comments while a long prefill runs
+    log_prompts: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError("engine must be an EngineConfig")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} must be in [0, 65535]")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not contain an empty key")
+        for name in ("max_request_body_bytes", "max_waiting_requests", "retry_after_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        for name in ("shutdown_grace_seconds", "sse_ping_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a number >= 0")

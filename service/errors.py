@@ -1,0 +1,109 @@
+"""Every failure becomes OpenAI's error shape with the right status code.
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
+
+Handlers raise `APIError`; malformed bodies surface as msgspec errors; unknown
+routes as starlette's HTTPException. All three end here, so no client ever
+sees a starlette HTML page or a Python traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from service.protocol import ErrorInfo, ErrorResponse, encoder
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's `type` for each status we send.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> ErrorResponse:
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error")
+        return ErrorResponse(ErrorInfo(self.message, kind, self.param, self.code))
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# msgspec reports where validation failed as a JSON path: "... - at `$.messages[0].role`".
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def from_validation_error(exc: msgspec.ValidationError) -> APIError:
+    text = str(exc)
+    match = _PATH.search(text)
+    param = match.group(1) or None if match else None
+    message = _PATH.sub("", text)
+    return bad_request(f"{message} (at {param})" if param else message, param=param)
+
+
+def from_decode_error(exc: msgspec.DecodeError) -> APIError:
+    return bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json")
+
+
+def error_response(error: APIError) -> Response:
+    return Response(
+        encoder.encode(error.body()),
+        status_code=error.status,
+        media_type="application/json",
+        headers=error.headers,
+    )
+
+
+async def handle_api_error(request: Request, exc: APIError) -> Response:
+    return error_response(exc)
+
+
+async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 404:
+        message, code = f"no route {request.method} {request.url.path}", "not_found"
+    else:
+        message, code = exc.detail, None
+    return error_response(APIError(exc.status_code, message, code=code, headers=exc.headers))
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
+EXCEPTION_HANDLERS = {
+    APIError: handle_api_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}

@@ -1,0 +1,113 @@
+"""Prometheus metrics, named as vLLM names them but with our prefix.
+
+Two sources feed one registry (per app, so two servers in one process never mix):
+
+- engine state (queues, KV blocks, cache hits, token counters) is read at
+  scrape time from the engine thread's latest stats snapshot, so the engine
+  pays nothing per step for metrics;
+- latencies (TTFT, inter-token, end-to-end) are observed on the asyncio side,
+  where a token actually leaves for the client.
+
+`pagedserve:kv_cache_usage_perc` is a fraction in [0, 1], as vLLM's is.
+Cached blocks that no request holds count as free: they are evictable.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.async_engine import AsyncEngine
+
+PREFIX = "pagedserve:"
+
+# Seconds. CPU serving is slow and GPU serving fast; the buckets cover both.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+
+# (metric, help, stats key) for engine state, read at scrape time.
+GAUGES = (
+    ("num_requests_running", "Requests in the running batch.", "num_requests_running"),
+    ("num_requests_waiting", "Requests waiting to be scheduled.", "num_requests_waiting"),
+    ("kv_blocks_free", "KV blocks no request holds (cached ones included).", "kv_blocks_free"),
+    ("kv_blocks_total", "KV blocks usable for sequences.", "kv_blocks_total"),
+)
+COUNTERS = (
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("num_preemptions", "Sequences preempted to free KV blocks.", "num_preemptions"),
+    ("prompt_tokens", "Prompt tokens of all requests.", "prompt_tokens"),
+    ("generation_tokens", "Tokens generated.", "generation_tokens"),
+)
+
+
+class EngineCollector:
+    """Reports the engine's latest stats snapshot whenever Prometheus scrapes."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats.counters
+        for name, help_text, key in GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, help_text, value=stats[key])
+        total = stats["kv_blocks_total"]
+        usage = 1.0 - stats["kv_blocks_free"] / total if total else 0.0
+        yield GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks held by requests.", value=usage
+        )
+        for name, help_text, key in COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, help_text, value=stats[key])
+
+
+class Metrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between two tokens of a request.",
+            buckets=ITL_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
+            buckets=E2E_BUCKETS, registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Latency bookkeeping of one request, fed each time it receives tokens."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.perf_counter()
+        self.last_token: float | None = None
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        if self.last_token is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            # Several tokens in one delivery (a slow consumer) share the gap.
+            gap = (now - self.last_token) / count
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        self.last_token = now
+
+    def finished(self) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.arrival)

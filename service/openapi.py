@@ -1,0 +1,80 @@
+"""/openapi.json, generated from the msgspec Structs that validate requests.
+
+Because the schema comes from the same types the server decodes with, a
+client (or a fuzzer) that follows it sends exactly what the server accepts.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from service.protocol import (
+    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+    CompletionResponse, ErrorResponse, Health, ModelList,
+)
+
+REF = "#/components/schemas/{name}"
+
+
+def _ref(kind: type) -> dict:
+    return {"$ref": REF.format(name=kind.__name__)}
+
+
+def _json(kind: type) -> dict:
+    return {"application/json": {"schema": _ref(kind)}}
+
+
+def _errors(*statuses: int) -> dict:
+    return {str(s): {"description": "error", "content": _json(ErrorResponse)} for s in statuses}
+
+
+def _generation(request: type, response: type, summary: str) -> dict:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {
+                "200": {
+                    "description": "the completion, or an event stream of chunks when stream=true",
+                    "content": {
+                        **_json(response),
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_errors(400, 401, 404, 413, 429, 503),
+            },
+        }
+    }
+
+
+def build_openapi(title: str, version: str) -> dict:
+    _, components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
+         CompletionResponse, ErrorResponse, Health, ModelList],
+        ref_template=REF,
+    )
+    paths = {
+        "/v1/chat/completions": _generation(
+            ChatCompletionRequest, ChatCompletionResponse, "Chat completion"),
+        "/v1/completions": _generation(CompletionRequest, CompletionResponse, "Text completion"),
+        "/v1/models": {"get": {"summary": "Served models", "responses": {
+            "200": {"description": "the model list", "content": _json(ModelList)},
+            **_errors(401)}}},
+        "/health": {"get": {"summary": "Liveness and readiness", "responses": {
+            "200": {"description": "ready", "content": _json(Health)},
+            "503": {"description": "not ready", "content": _json(Health)}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+            "200": {"description": "text exposition format",
+                    "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/reset_prefix_cache": {"post": {"summary": "Drop cached KV blocks no request holds",
+                                         "responses": {
+            "200": {"description": "done",
+                    "content": {"application/json": {"schema": {"type": "object"}}}},
+            **_errors(401, 503)}}},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": paths,
+        "components": {"schemas": components},
+    }

@@ -1,0 +1,240 @@
+"""The OpenAI wire types, as msgspec Structs.
+
+msgspec decodes and validates a request body in one pass (types, ranges,
+enums) and encodes responses without building dicts first, which matters on
+the streaming path where every token becomes one JSON chunk. The same Structs
+generate `/openapi.json` (see service/openapi.py), so the published schema and
+the validation are one thing and cannot drift apart.
+
+Unknown request fields are ignored, as OpenAI's own API does, so newer SDKs
+that send extra options keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from engine.sampling_params import MAX_LOGPROBS
+
+# Ranges follow OpenAI's API reference where it gives one, vLLM's otherwise.
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+TopK = Annotated[int, Meta(ge=-1)]
+MinP = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+RepetitionPenalty = Annotated[float, Meta(gt=0, le=10)]
+MaxTokens = Annotated[int, Meta(ge=1)]
+# torch seeds go to 2**64 - 1, but msgspec bounds must fit an int64.
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Meta(ge=0)]
+# n samples share one prompt; more than this is a way to fill the server
+# with a single request rather than a real use.
+NumChoices = Annotated[int, Meta(ge=1, le=16)]
+StopStrings = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+
+
+# -- requests ------------------------------------------------------------------------
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class TextPart(Struct):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Struct):
+    # "developer" is OpenAI's newer name for the system role.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(Struct, kw_only=True):
+    """Options shared by chat and text completions (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = None
+    n: NumChoices = 1
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Mixed into the server's per-tenant salt, never used alone (see service/auth.py).
+    cache_salt: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    add_generation_prompt: bool = True
+
+
+# A text prompt, a list of token ids, or a batch of either (checked in
+# service/routes/completions.py: msgspec unions allow only one array type).
+PromptInput = str | Annotated[list[Any], Meta(min_length=1)]
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: PromptInput
+    logprobs: TopLogprobs | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+# -- responses -----------------------------------------------------------------------
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(Struct):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class Delta(Struct, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: Literal["text_completion"] = "text_completion"
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str
+    max_model_len: int
+    root: str
+    object: Literal["model"] = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+class Health(Struct):
+    status: Literal["ok", "starting", "draining", "dead"]
+    detail: str | None = None
+
+
+# One encoder for every response: it is reusable and thread-safe.
+encoder = msgspec.json.Encoder()
+
+REQUEST_TYPES = (ChatCompletionRequest, CompletionRequest)
+RESPONSE_TYPES = (
+    ChatCompletionResponse, ChatCompletionChunk, CompletionResponse, ModelList, ErrorResponse,
+    Health,
+)

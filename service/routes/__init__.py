@@ -1,0 +1,16 @@
+"""HTTP routes, one module per endpoint family; `ROUTES` is the app's table."""
+
+from starlette.routing import Route
+
+from service.routes import admin, chat, completions, health, models
+
+ROUTES = [
+    Route("/v1/chat/completions", chat.create, methods=["POST"]),
+    Route("/v1/completions", completions.create, methods=["POST"]),
+    Route("/v1/models", models.list_models, methods=["GET"]),
+    Route("/health", health.health, methods=["GET"]),
+    Route("/metrics", health.metrics, methods=["GET"]),
+    Route("/reset_prefix_cache", admin.reset_prefix_cache, methods=["POST"]),
+    Route("/openapi.json", admin.openapi, methods=["GET"]),
+    Route("/", admin.index, methods=["GET"]),
+]

@@ -1,0 +1,27 @@
+"""Fixtures: live servers on the tiny random Llama and on the real SmolLM2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine.config import EngineConfig
+from live_server import LiveServer, run_server, tiny_config
+from service.config import ServiceConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama_path) -> Iterator[LiveServer]:
+    with run_server(tiny_config(tiny_llama_path)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_path) -> Iterator[LiveServer]:
+    engine = EngineConfig(model="smollm2-135m-instruct", max_model_len=2048,
+                          kv_cache_memory_bytes=256 << 20)
+    with run_server(ServiceConfig(engine=engine)) as live:
+        yield live
+
+

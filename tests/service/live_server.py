@@ -1,0 +1,101 @@
+"""A real uvicorn server on a free loopback port, in a background thread.
+
+Tests talk HTTP to it (httpx, the openai SDK, raw sockets). Running it in
+this process, rather than a child, lets a test reach the app's state: read
+the engine's block manager after a disconnect, or inject a fault into the
+model runner. Tests that need a separate process (SIGTERM) start one themselves.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+
+from engine.config import EngineConfig
+from service.app import create_app
+from service.config import ServiceConfig
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: object
+    server: uvicorn.Server
+
+    @property
+    def state(self):
+        return self.app.state.service
+
+    @property
+    def engine(self):
+        """The synchronous LLMEngine behind the bridge (read it only when idle)."""
+        return self.state.engine.engine
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """The server's /metrics as {name: value} (samples without labels only)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+
+@contextmanager
+def run_server(config: ServiceConfig, startup_timeout: float = 120) -> Iterator[LiveServer]:
+    port = free_port()
+    config = ServiceConfig(**{**config.__dict__, "host": "127.0.0.1", "port": port})
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning",
+        timeout_graceful_shutdown=config.shutdown_grace_seconds,
+    ))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server failed to start (see the log above)")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the server did not start in time")
+        time.sleep(0.05)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", app, server)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def tiny_config(model_path, **service) -> ServiceConfig:
+    """A server on the tiny random Llama: fast, small context, deterministic greedy."""
+    engine = EngineConfig(
+        model=str(model_path), max_model_len=256, max_num_seqs=64,
+        kv_cache_memory_bytes=64 << 20, seed=0,
+    )
+    return ServiceConfig(engine=engine, served_model_name="tiny", **service)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
