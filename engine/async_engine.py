@@ -66,12 +66,15 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self._commands: deque[Callable[[], None]] = deque()
         self._num_queued_adds = 0
+        self._adds_taken = 0  # adds the thread took but no stats snapshot counts yet
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Where each open request's outputs go; touched only on the loop.
         self._streams: dict[str, asyncio.Queue] = {}
+        # Futures of call()s not answered yet; failed with the streams if the thread stops.
+        self._calls: set[asyncio.Future] = set()
         self.error: BaseException | None = None
         self.stats = EngineStats(counters=engine.stats())
 
@@ -127,13 +130,30 @@ class AsyncEngine:
             except Exception as exc:  # a bad request, not a broken engine
                 self._deliver_soon([(request_id, exc)])
 
+        add.request_id = request_id  # lets release() take it back while still queued
         self._submit(add, is_add=True)
         return RequestStream(self, request_id, queue)
 
     def release(self, request_id: str) -> None:
         """The consumer is gone: abort the request unless the engine already finished it."""
         if self._streams.pop(request_id, None) is not None:
-            self.abort(request_id)
+            if not self._unqueue_add(request_id):
+                self.abort(request_id)
+
+    def _unqueue_add(self, request_id: str) -> bool:
+        """Drop a request the thread has not taken yet; True if it was still queued.
+
+        Otherwise it would count as waiting until the thread's next loop, a
+        whole step away: a batch refused with 429 after its first prompts were
+        queued would turn every other request away meanwhile.
+        """
+        with self._wakeup:
+            for command in self._commands:
+                if getattr(command, "request_id", None) == request_id:
+                    self._commands.remove(command)
+                    self._num_queued_adds -= 1
+                    return True
+        return False
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the start of the next step."""
@@ -143,6 +163,8 @@ class AsyncEngine:
         """Run `fn(engine)` on the engine thread between two steps; return its result."""
         self._check_alive()
         future = self._loop.create_future()
+        self._calls.add(future)
+        future.add_done_callback(self._calls.discard)
 
         def command() -> None:
             try:
@@ -200,6 +222,11 @@ class AsyncEngine:
         for queue in self._streams.values():
             queue.put_nowait(error)
         self._streams.clear()
+        # A call still queued when the thread stopped will never run: answer it now.
+        for future in list(self._calls):
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
 
     # -- the engine thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -221,6 +248,10 @@ class AsyncEngine:
                     self.stats = EngineStats(
                         engine.stats(), self.stats.step_seconds, self.stats.num_steps
                     )
+                if self._adds_taken:  # the snapshot counts them now: stop counting them twice
+                    with self._wakeup:
+                        self._num_queued_adds -= self._adds_taken
+                        self._adds_taken = 0
                 self._deliver_soon([(output.request_id, output) for output in outputs])
         except BaseException as exc:  # noqa: BLE001 - any fault kills the engine
             logger.exception("the engine thread failed; the engine is now dead")
@@ -239,7 +270,8 @@ class AsyncEngine:
                 return None
             commands = list(self._commands)
             self._commands.clear()
-            self._num_queued_adds = 0
+            # Still counted in num_waiting until the next stats snapshot includes them.
+            self._adds_taken = self._num_queued_adds
             return commands
 
 

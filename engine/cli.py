@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=generate_command)
 
     bench = commands.add_parser("bench", help="benchmarks (each prints a table, --output JSON)")
-    bench.add_argument("suite", choices=("throughput", "kernels", "prefix"))
+    bench.add_argument("suite", choices=("throughput", "kernels", "prefix", "serve"))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=bench_command)
     return parser
@@ -107,6 +107,8 @@ def bench_command(args: argparse.Namespace) -> int:
         from bench.throughput import main as run
     elif args.suite == "prefix":
         from bench.prefix_caching import main as run
+    elif args.suite == "serve":
+        from bench.serve import main as run
     else:
         from bench.kernels import main as run
     return run(args.rest) or 0

@@ -118,7 +118,7 @@ def _response(state, request_id, outputs, body) -> CompletionResponse:
         for c in output.outputs
     ]
     return CompletionResponse(request_id, int(time.time()), state.model_name, choices,
-                              usage(*outputs))
+                              usage=usage(*outputs))
 
 
 async def _events(state, request_id, streams, body, close_all):

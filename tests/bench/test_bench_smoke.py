@@ -98,3 +98,38 @@ def test_throughput_bench_smoke(tiny_llama_path, tmp_path):
     for result in report["results"]:
         assert result["seconds"] > 0 and result["output_tokens_per_s"] > 0
     assert report["ratio_vs_best_hf"] > 0
+
+
+def test_bench_serve_against_a_live_server(tiny_llama_path, tmp_path):
+    """The load generator measures a real server: every request completes, the
+    JSON has vLLM's metrics, and the prefix-repetition run reads a hit rate."""
+    from bench import serve
+    from live_server import run_server, tiny_config
+
+    with run_server(tiny_config(tiny_llama_path)) as live:
+        out = tmp_path / "serve.json"
+        argv = ["--base-url", live.url, "--dataset", "random", "--num-prompts", "6",
+                "--random-input-len", "16", "--random-output-len", "5",
+                "--max-concurrency", "3", "--output", str(out), "--plot",
+                str(tmp_path / "cdf.png"), "--quiet"]
+        assert serve.main(argv) == 0
+        report = json.loads(out.read_text())
+        summary = report["summary"]
+        assert summary["completed"] == 6 and summary["failed"] == 0
+        assert summary["total_output_tokens"] == 6 * 5  # ignore_eos: exact lengths
+        assert summary["total_input_tokens"] == 6 * 16
+        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+            assert set(summary[key]) == {"mean", "median", "p90", "p99"}
+            assert 0 < summary[key]["median"] <= summary[key]["p99"]
+        assert len(report["per_request"]) == 6
+        assert (tmp_path / "cdf.png").stat().st_size > 0
+
+        argv = ["--base-url", live.url, "--dataset", "prefix-repetition", "--num-prompts", "8",
+                "--num-prefixes", "2", "--prefix-len", "64", "--suffix-len", "8",
+                "--output-len", "3", "--max-concurrency", "2", "--quiet",
+                "--output", str(out)]
+        assert serve.main(argv) == 0
+        summary = json.loads(out.read_text())["summary"]
+        assert summary["completed"] == 8
+        # 2 prefixes of 4 full 16-token blocks, each computed once then reused.
+        assert summary["prefix_cache_hit_rate"] > 0.5

@@ -1,0 +1,347 @@
+"""`pagedserve bench serve`: a load generator for any OpenAI-compatible server.
+
+It sends streaming /v1/completions requests and measures what a user feels,
+with vLLM's definitions (`vllm bench serve`), so the numbers compare:
+
+    TTFT  time to first token: request sent -> first chunk with text
+    ITL   inter-token latency: every gap between two chunks of a request
+    TPOT  time per output token, per request: (E2E - TTFT) / (output tokens - 1)
+    E2E   request sent -> last chunk
+
+Datasets:
+    random             token-id prompts of random lengths (exact input lengths)
+    prefix-repetition  a few shared prefixes, each followed by a unique suffix
+                       (the prefix-caching workload)
+    sharegpt           conversations from a ShareGPT-format JSON file
+
+Arrivals: --request-rate R (Poisson, R per second) or inf (all at once),
+capped by --max-concurrency. Before the run the server's prefix cache is
+reset (POST /reset_prefix_cache) when it has that endpoint, and its hit rate
+for the run is read from /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from tqdm.auto import tqdm
+
+
+@dataclass
+class Request:
+    prompt: str | list[int]
+    input_len: int
+    output_len: int
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    input_len: int = 0
+
+
+# -- datasets --------------------------------------------------------------------------
+def random_dataset(args, rng: random.Random, vocab: int) -> list[Request]:
+    def length(mean: int) -> int:
+        low = max(1, int(mean * (1 - args.random_range_ratio)))
+        high = max(low, int(mean * (1 + args.random_range_ratio)))
+        return rng.randint(low, high)
+
+    requests = []
+    for _ in range(args.num_prompts):
+        n_in = length(args.random_input_len)
+        # Token ids away from the special tokens at the start of most vocabularies.
+        prompt = [rng.randrange(1000, vocab) for _ in range(n_in)]
+        requests.append(Request(prompt, n_in, length(args.random_output_len)))
+    return requests
+
+
+def prefix_repetition_dataset(args, rng: random.Random, vocab: int) -> list[Request]:
+    prefixes = [
+        [rng.randrange(1000, vocab) for _ in range(args.prefix_len)]
+        for _ in range(args.num_prefixes)
+    ]
+    requests = []
+    for i in range(args.num_prompts):
+        suffix = [rng.randrange(1000, vocab) for _ in range(args.suffix_len)]
+        prompt = prefixes[i % args.num_prefixes] + suffix
+        requests.append(Request(prompt, len(prompt), args.output_len))
+    rng.shuffle(requests)
+    return requests
+
+
+def sharegpt_dataset(args, rng: random.Random, vocab: int) -> list[Request]:
+    """First human turn as the prompt; the first reply's length (in words) bounds the output."""
+    data = json.loads(Path(args.dataset_path).read_text())
+    requests = []
+    for item in data:
+        turns = item.get("conversations") or item.get("conversation") or []
+        if len(turns) < 2:
+            continue
+        prompt, reply = turns[0]["value"], turns[1]["value"]
+        output_len = max(4, min(args.sharegpt_max_output, int(len(reply.split()) * 1.3)))
+        requests.append(Request(prompt, int(len(prompt.split()) * 1.3), output_len))
+    rng.shuffle(requests)
+    return requests[: args.num_prompts]
+
+
+DATASETS = {
+    "random": random_dataset,
+    "prefix-repetition": prefix_repetition_dataset,
+    "sharegpt": sharegpt_dataset,
+}
+
+
+# -- one request ---------------------------------------------------------------------------
+async def send(client: httpx.AsyncClient, model: str, request: Request) -> Result:
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,  # exact output lengths (vLLM and llama.cpp both honour it)
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = Result(input_len=request.input_len)
+    chunks = 0
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                payload = json.loads(data)
+                if "error" in payload:
+                    result.error = payload["error"].get("message", "error")
+                    return result
+                usage = payload.get("usage")
+                if usage:
+                    result.output_tokens = usage.get("completion_tokens", 0)
+                if not any(c.get("text") for c in payload.get("choices", [])):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                chunks += 1
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = last - start
+    result.output_tokens = result.output_tokens or chunks
+    result.ok = chunks > 0
+    if not result.ok:
+        result.error = "no tokens received"
+    return result
+
+
+async def run(args, requests: list[Request], model: str) -> tuple[list[Result], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    semaphore = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
+    rng = random.Random(args.seed + 1)
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=args.quiet)
+
+    async def one(client, request):
+        async with semaphore:
+            result = await send(client, model, request)
+        bar.update(1)
+        return result
+
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits,
+                                 headers=headers) as client:
+        tasks = []
+        start = time.perf_counter()
+        for request in requests:
+            tasks.append(asyncio.create_task(one(client, request)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return results, duration
+
+
+# -- server side -------------------------------------------------------------------------
+def server_counters(base_url: str, headers: dict) -> dict[str, float]:
+    try:
+        text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(("pagedserve:prefix_cache_", "vllm:prefix_cache_")):
+            name, value = line.rsplit(" ", 1)
+            values[name.split(":", 1)[1]] = float(value)
+    return values
+
+
+def first_model(base_url: str, headers: dict) -> str:
+    data = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30).json()["data"]
+    return data[0]["id"]
+
+
+# -- report -------------------------------------------------------------------------------
+def summarize(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered),
+            "p90": pct(0.90), "p99": pct(0.99)}
+
+
+def report(results: list[Result], duration: float, hit_rate: float | None) -> dict:
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    input_tokens = sum(r.input_len for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": output_tokens / duration if duration else 0.0,
+        "total_token_throughput": (input_tokens + output_tokens) / duration if duration else 0.0,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "prefix_cache_hit_rate": hit_rate,
+        "ttft_s": summarize([r.ttft for r in ok]),
+        "tpot_s": summarize(tpot),
+        "itl_s": summarize([gap for r in ok for gap in r.itl]),
+        "e2e_s": summarize([r.e2e for r in ok]),
+    }
+
+
+def print_table(summary: dict) -> None:
+    print(f"{'completed / failed':<28}{summary['completed']} / {summary['failed']}")
+    print(f"{'duration (s)':<28}{summary['duration_s']:.2f}")
+    print(f"{'request throughput (req/s)':<28}{summary['request_throughput']:.2f}")
+    print(f"{'output throughput (tok/s)':<28}{summary['output_throughput']:.1f}")
+    print(f"{'total throughput (tok/s)':<28}{summary['total_token_throughput']:.1f}")
+    if summary["prefix_cache_hit_rate"] is not None:
+        print(f"{'prefix cache hit rate':<28}{summary['prefix_cache_hit_rate']:.1%}")
+    print(f"{'ms':<10}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        s = summary[key]
+        print(f"{key[:-2].upper():<10}" + "".join(
+            f"{s[q] * 1000:>10.1f}" for q in ("mean", "median", "p90", "p99")))
+    for error in summary["errors"]:
+        print(f"error: {error}")
+
+
+def plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.ok]
+    series = {"TTFT": [r.ttft for r in ok], "ITL": [g for r in ok for g in r.itl],
+              "E2E": [r.e2e for r in ok]}
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, (name, values) in zip(axes, series.items()):
+        values = sorted(values)
+        if values:
+            ax.plot([v * 1000 for v in values], [(i + 1) / len(values) for i in range(len(values))])
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# -- command line ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedserve bench serve", description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset", choices=sorted(DATASETS), default="random")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (sharegpt)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=256)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--sharegpt-max-output", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=32000,
+                   help="random token ids are drawn below this (most vocabularies are larger)")
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--no-reset-prefix-cache", action="store_true")
+    p.add_argument("--output", default=None, help="write the summary (and settings) as JSON")
+    p.add_argument("--plot", default=None, help="write latency CDFs as PNG")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.dataset == "sharegpt" and not args.dataset_path:
+        raise SystemExit("--dataset sharegpt needs --dataset-path")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or first_model(args.base_url, headers)
+    rng = random.Random(args.seed)
+    requests = DATASETS[args.dataset](args, rng, args.vocab_size)
+    if not args.no_reset_prefix_cache:
+        try:
+            httpx.post(f"{args.base_url}/reset_prefix_cache", headers=headers, timeout=30)
+        except httpx.HTTPError:
+            pass  # another server may not have the endpoint
+    before = server_counters(args.base_url, headers)
+    results, duration = asyncio.run(run(args, requests, model))
+    after = server_counters(args.base_url, headers)
+    hit_rate = None
+    queries = after.get("prefix_cache_queries_total", 0) - before.get("prefix_cache_queries_total", 0)
+    if queries > 0:
+        hits = after["prefix_cache_hits_total"] - before.get("prefix_cache_hits_total", 0)
+        hit_rate = hits / queries
+    summary = report(results, duration, hit_rate)
+    print_table(summary)
+    if args.output:
+        settings = {k: v for k, v in vars(args).items() if k != "api_key"}
+        settings["request_rate"] = str(args.request_rate)
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(
+            {"settings": settings, "model": model, "summary": summary,
+             "per_request": [asdict(r) for r in results]}, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
