@@ -39,14 +39,15 @@ def store_kvcache_reference(
 ) -> None:
     """Write each token's K/V into its cache slot, in place; slot -1 = skip."""
     slots = slot_mapping.to(device=key.device, dtype=torch.long)
-    keep = slots >= 0
-    slots = slots[keep]
+    if bool((slots < 0).any()):  # rare (padding): drop the skipped rows first
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
     # view (not reshape) so an incompatible cache layout errors instead of
     # silently writing into a copy.
     flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
     flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-    flat_k[slots] = key[keep].to(k_cache.dtype)
-    flat_v[slots] = value[keep].to(v_cache.dtype)
+    flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -83,17 +84,37 @@ def _decode_rows(query, k_cache, v_cache, block_tables, context_lens, scale):
     length = int(context_lens.max().item()) if rows else 0
     if length == 0:
         return torch.zeros(rows, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    k = _gather_rows(k_cache, block_tables, context_lens, length)
+    v = _gather_rows(v_cache, block_tables, context_lens, length)
     lengths = context_lens.to(query.device, torch.long)
-    allowed = torch.arange(length, device=query.device)[None, :] < lengths[:, None]  # [rows, L]
-    # Rows shorter than the longest gather garbage (e.g. NaN in the null
-    # block) past their end; zero it, since 0 * NaN would survive the mask.
-    keep = allowed[:, :, None, None]
-    k = _gather_context(k_cache, block_tables, length).where(keep, 0.0).transpose(1, 2)
-    v = _gather_context(v_cache, block_tables, length).where(keep, 0.0).transpose(1, 2)
-    out = _attention(query.float()[:, :, None, :], k, v, allowed[:, None, None, :], scale)
+    allowed = None
+    if rows > 1 and bool((lengths != length).any()):
+        allowed = (torch.arange(length, device=query.device)[None, :] < lengths[:, None])
+        allowed = allowed[:, None, None, :]  # [rows, 1, 1, L]
+    q = query.float()[:, :, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
     # A padding row (context_len 0) has nothing to attend to: zeros, not NaN.
     out = out.masked_fill((lengths == 0)[:, None, None, None], 0.0)
     return out.reshape(rows, num_heads, head_dim)
+
+
+def _gather_rows(cache, block_tables, context_lens, length):
+    """K or V of each row's context, as fp32 ``[rows, kv_heads, length, head_dim]``.
+
+    Positions past a row's own length read the row's position 0 instead of
+    whatever the padding blocks hold (possibly NaN), so masking them is
+    enough: a finite value times a zero weight is zero. One index gather of
+    the slots does the work that gathering pages and then zeroing the
+    garbage with `where` did twice over.
+    """
+    block_size = cache.shape[1]
+    positions = torch.arange(length, device=cache.device)
+    lengths = context_lens.to(cache.device, torch.long)
+    positions = torch.where(positions[None, :] < lengths[:, None], positions[None, :], 0)
+    blocks = block_tables.to(device=cache.device, dtype=torch.long).gather(1, positions // block_size)
+    slots = blocks * block_size + positions % block_size  # [rows, L]
+    flat = cache.view(-1, cache.shape[2], cache.shape[3])
+    return flat[slots].float().transpose(1, 2)
 
 
 def paged_decode_attention_reference(

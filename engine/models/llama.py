@@ -121,10 +121,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [tokens, 1, head_dim]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin for the step's positions, [tokens, 1, head_dim]: looked up once
+        per step and shared by every layer."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [tokens, heads, head_dim]; q and k go through together (one call per layer)."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -160,13 +165,17 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
 
-    def forward(self, positions, hidden, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+    def forward(self, rope_tables, hidden, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        tokens = qkv.shape[0]
+        # q and k are adjacent in the fused output: rotate them as one tensor.
+        #   qkv row: [ q: num_heads x head_dim | k: kv_heads x head_dim | v ]
+        qk = qkv[:, : self.q_size + self.kv_size].reshape(
+            tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        qk = apply_rope(qk, *rope_tables)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0][self.layer_index], kv_cache[1][self.layer_index]
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -203,8 +212,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, positions, hidden, rope, kv_cache, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, kv_cache, meta)
+    def forward(self, rope_tables, hidden, kv_cache, meta):
+        hidden = hidden + self.self_attn(rope_tables, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -234,8 +243,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every scheduled token: [num_tokens, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
+        rope_tables = self.rope.tables(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden, self.rope, kv_cache, meta)
+            hidden = layer(rope_tables, hidden, kv_cache, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
