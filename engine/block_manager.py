@@ -32,6 +32,7 @@ or free (ref_count == 0, in exactly one of the three queues).
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ class BlockManager:
         self.popular_hashes: set[bytes] = set()
         self.max_popular_blocks = int(max_popular_share * (num_blocks - 1))
         self.block_tables: dict[Hashable, list[int]] = {}
+        # Per sequence, how far cache_full_blocks has looked: [number of table
+        # entries scanned, ascending indices among them left unregistered].
+        self._registration: dict[Hashable, list] = {}
         self.stats = CacheStats()
 
     # -- queries ---------------------------------------------------------------
@@ -119,19 +123,48 @@ class BlockManager:
     def cache_full_blocks(
         self, seq_id: Hashable, block_hashes: list[bytes], num_computed_tokens: int
     ) -> None:
-        """Register the sequence's full, computed blocks under their hashes."""
+        """Register the sequence's full, computed blocks under their hashes.
+
+        The result is that of trying every full, computed block of the table,
+        in order, at every call: a block whose content another block already
+        holds is left unregistered and tried again at every later call, so it
+        takes the hash over once that copy is evicted. Only the tries that can
+        change anything are made: a block stays registered while a table holds
+        it (hashes are dropped from free blocks only), so the entries scanned
+        before are skipped, except those left unregistered and those replaced
+        since by copy on write. A decode step thus looks at no block, or at
+        the one it just filled, instead of the whole table.
+        """
         if not self.enable_caching:
             return
         table = self.block_tables[seq_id]
+        progress = self._registration.get(seq_id)
+        if progress is None:
+            progress = self._registration[seq_id] = [0, []]
+        scanned, pending = progress
+        if not pending and (num_computed_tokens // self.block_size <= scanned
+                            or len(block_hashes) <= scanned):
+            return  # nothing new is full and computed (the usual decode step)
         count = min(len(block_hashes), num_computed_tokens // self.block_size, len(table))
-        for i in range(count):
-            block_id, block_hash = table[i], block_hashes[i]
-            if self.block_hashes[block_id] is not None:
-                continue  # already registered (a hit, or an earlier step)
-            if block_hash in self.cached:
-                continue  # the same content was computed elsewhere first; keep that copy
-            self.block_hashes[block_id] = block_hash
-            self.cached[block_hash] = block_id
+        unregistered = []
+        for i in pending:  # ascending and below `scanned`: the same order as one full pass
+            if i >= count or not self._register(table[i], block_hashes[i]):
+                unregistered.append(i)
+        for i in range(scanned, count):
+            if not self._register(table[i], block_hashes[i]):
+                unregistered.append(i)
+        progress[0] = max(scanned, count)
+        progress[1] = unregistered
+
+    def _register(self, block_id: int, block_hash: bytes) -> bool:
+        """Put a held block in the cache under its hash; False if another block has it."""
+        if self.block_hashes[block_id] is not None:
+            return True  # already registered (a hit, or an earlier step)
+        if block_hash in self.cached:
+            return False  # the same content was computed elsewhere first; keep that copy
+        self.block_hashes[block_id] = block_hash
+        self.cached[block_hash] = block_id
+        return True
 
     def set_popular(self, block_hashes: Iterable[bytes]) -> int:
         """Mark prefixes popular (evicted last), up to the bounded share. Returns how many."""
@@ -180,6 +213,7 @@ class BlockManager:
             self._hold(block_id)
         table = cached_blocks + [self._take_free_block() for _ in range(fresh)]
         self.block_tables[seq_id] = table
+        self._registration.pop(seq_id, None)
         return table
 
     def record_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
@@ -210,6 +244,7 @@ class BlockManager:
         for block_id in table:
             self.ref_counts[block_id] += 1
         self.block_tables[child_id] = list(table)
+        self._registration.pop(child_id, None)
         return self.block_tables[child_id]
 
     def is_shared(self, seq_id: Hashable, block_index: int) -> bool:
@@ -229,11 +264,15 @@ class BlockManager:
         destination = self._take_free_block()
         self.ref_counts[source] -= 1  # still held by the others: it cannot reach zero
         table[block_index] = destination
+        progress = self._registration.get(seq_id)
+        if progress is not None and block_index < progress[0] and block_index not in progress[1]:
+            insort(progress[1], block_index)  # the new copy is unregistered: scan it again
         return source, destination
 
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's blocks, tail first. Unknown ids are ignored."""
         table = self.block_tables.pop(seq_id, None)
+        self._registration.pop(seq_id, None)
         if table is None:
             return
         for block_id in reversed(table):

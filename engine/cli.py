@@ -2,7 +2,7 @@
 
     pagedserve serve [engine flags] [service flags]     (see service/cli.py)
     pagedserve generate --prompt "Hello" [--chat] [engine flags]
-    pagedserve bench throughput|kernels|prefix [...]
+    pagedserve bench throughput|kernels|prefix|serve|scheduler [...]
 
 Engine flags mirror EngineConfig field for field (vLLM's spelling), so a flag
 and the offline `LLM(...)` argument of the same name mean the same thing.
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=generate_command)
 
     bench = commands.add_parser("bench", help="benchmarks (each prints a table, --output JSON)")
-    bench.add_argument("suite", choices=("throughput", "kernels", "prefix", "serve"))
+    bench.add_argument("suite", choices=("throughput", "kernels", "prefix", "serve", "scheduler"))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=bench_command)
     return parser
@@ -109,6 +109,8 @@ def bench_command(args: argparse.Namespace) -> int:
         from bench.prefix_caching import main as run
     elif args.suite == "serve":
         from bench.serve import main as run
+    elif args.suite == "scheduler":
+        from bench.scheduler import main as run
     else:
         from bench.kernels import main as run
     return run(args.rest) or 0
