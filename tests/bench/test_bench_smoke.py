@@ -84,20 +84,57 @@ def test_ideal_prefill_tokens_counts_full_blocks_only():
 
 
 def test_throughput_bench_smoke(tiny_llama_path, tmp_path):
+    """Both workloads, a handful of requests: every section of the JSON is there and sane."""
     out = tmp_path / "throughput.json"
     argv = [
-        "--model", str(tiny_llama_path), *TINY_ENGINE, "--num-prompts", "3",
-        "--input-len", "4:12", "--output-len", "2:4", "--hf-batch-sizes", "2",
+        "--model", str(tiny_llama_path), *TINY_ENGINE, "--workload", "both", "--num-prompts", "3",
+        "--chat-input-len", "4:12", "--chat-output-len", "2:6",
+        "--prefill-input-len", "24:40", "--prefill-output-len", "3:3",
+        "--hf-batch-sizes", "2", "--hf-sort", "both", "--matmul-tokens", "16,32",
         "--output", str(out),
     ]
     assert throughput.main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["num_prompts"] == 3
-    assert [r["system"] for r in report["results"]] == ["pagedserve", "HF generate"]
-    assert 3 * 2 <= report["output_tokens"] <= 3 * 4
-    for result in report["results"]:
-        assert result["seconds"] > 0 and result["output_tokens_per_s"] > 0
-    assert report["ratio_vs_best_hf"] > 0
+    for key in ("model", "dtype", "device", "engine_config", "hf", "machine", "matmul",
+                "flop_formula", "workloads"):
+        assert key in report, key
+    assert report["engine_config"]["max_model_len"] == 1024  # the tiny model's own limit
+    assert report["machine"]["torch_threads"] >= 1 and report["machine"]["torch_parallel_info"]
+    assert report["matmul"]["best_gflops"] > 0
+    assert set(report["workloads"]) == {"chat", "prefill-heavy"}
+    for name, w in report["workloads"].items():
+        settings = w["settings"]
+        assert settings["num_prompts"] == 3 and settings["ignore_eos"]
+        if name == "chat":
+            assert 3 * 2 <= settings["output_tokens"] <= 3 * 6
+        else:
+            assert settings["output_tokens"] == 3 * 3
+            assert 3 * 24 <= settings["prompt_tokens"] <= 3 * 40
+        flops = w["flops"]
+        assert flops["tokens_fed"] == settings["prompt_tokens"] + settings["output_tokens"] - 3
+        assert flops["total"] == flops["linear"] + flops["lm_head"] + flops["attention"] > 0
+        assert w["floor_seconds"] > 0
+        # pagedserve, then HF batch 2 length-sorted and in arrival order
+        runs = [w["pagedserve"], *w["hf"]]
+        assert [r["system"] for r in runs] == ["pagedserve", "HF generate", "HF generate"]
+        assert [r["extra"]["sorted"] for r in w["hf"]] == [True, False]
+        for r in runs:
+            assert r["seconds"] > 0 and r["output_tokens_per_s"] > 0
+            assert r["total_tokens_per_s"] > r["output_tokens_per_s"]
+            assert r["fraction_of_floor"] > 0
+            assert r["peak_memory_bytes"] >= 0 and r["extra"]["memory"]["method"]
+        assert w["hf_best"] == w["hf"][w["hf_best_index"]]
+        assert w["hf_best"]["output_tokens_per_s"] == max(r["output_tokens_per_s"]
+                                                          for r in w["hf"])
+        assert w["ratio_vs_best_hf"] > 0 and w["memory_ratio_vs_best_hf"] > 0
+        extra = w["pagedserve"]["extra"]
+        assert extra["preemptions"] == 0 and extra["steps"] > 0
+        kv = extra["kv_utilization"]
+        assert 0 < kv["contiguous"] <= kv["paged"] <= 1
+        assert kv["samples"] > 0 and 1 <= kv["max_running_seqs"] <= 3
+        assert kv["kv_slots"] == extra["kv_blocks"] * extra["block_size"]
+        assert kv["contiguous_seqs_fit"] == kv["kv_slots"] // 1024
+        assert kv["paged_seqs_fit"] >= kv["paged_seqs_fit_whole_blocks"] > kv["contiguous_seqs_fit"]
 
 
 def test_bench_serve_against_a_live_server(tiny_llama_path, tmp_path):
