@@ -28,6 +28,19 @@ def need(condition: bool, reason: str) -> None:
     pytest.skip(reason)
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """One torch thread for a module, restored after it.
+
+    The tiny model's ops are small; with two OpenMP threads on a busy 2-core
+    machine each op waits on the other thread and a module runs ~10x slower.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     try:

@@ -7,19 +7,13 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM
 from engine.config import EngineConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Two OpenMP threads on a busy 2-core machine make the tiny model ~10x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# On a busy 2-core machine two OpenMP threads make small ops wait on each other.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_defaults_are_valid():

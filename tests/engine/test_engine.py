@@ -8,7 +8,6 @@ import json
 import random
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 
@@ -16,15 +15,8 @@ MAX_MODEL_LEN = 256
 VOCAB = 49152
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tiny model's ops are small; with two OpenMP threads on a busy
-    2-core machine each op waits on the other thread and the module runs ~10x
-    slower. Restore the setting for whatever runs next."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# On a busy 2-core machine two OpenMP threads make small ops wait on each other.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def assert_no_leak(llm: LLM) -> None:

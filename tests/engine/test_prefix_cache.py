@@ -11,7 +11,6 @@ import random
 from types import SimpleNamespace
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -1026,12 +1025,6 @@ VOCAB = 49152
 ENGINE_BS = 8
 
 
-@pytest.fixture(scope="module")
-def single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def tiny_llm(path, caching: bool):

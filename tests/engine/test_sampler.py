@@ -19,15 +19,8 @@ from engine.sampling_params import SamplingParams
 EOS = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """These tensors are tiny; on a busy machine OpenMP synchronisation for
-    them costs milliseconds per op, so run this module on one thread and
-    restore the setting for whatever runs next."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# On a busy 2-core machine two OpenMP threads make small ops wait on each other.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def request(params=None, generator=None, prompt=(), output=()):

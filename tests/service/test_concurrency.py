@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-import torch
 
 from live_server import LiveServer, wait_until
 
@@ -42,13 +41,8 @@ TIE = 1e-4  # a near-tie: two candidates this close may swap under different rou
 CLOSE = 1e-3  # how far batching may move a logprob
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Two OpenMP threads on a busy 2-core machine make the models several times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# On a busy 2-core machine two OpenMP threads make small ops wait on each other.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @dataclass(frozen=True)

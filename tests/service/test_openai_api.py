@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
 from live_server import LiveServer
 
@@ -32,13 +31,8 @@ LONG_TEXT = (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Two OpenMP threads on a busy 2-core machine make the models several times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# On a busy 2-core machine two OpenMP threads make small ops wait on each other.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @dataclass
