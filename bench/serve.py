@@ -17,7 +17,8 @@ Datasets:
 Arrivals: --request-rate R (Poisson, R per second) or inf (all at once),
 capped by --max-concurrency. Before the run the server's prefix cache is
 reset (POST /reset_prefix_cache) when it has that endpoint, and its hit rate
-for the run is read from /metrics.
+for the run is read from /metrics, as is (from pagedserve) the median engine
+step time, so the ITL can be compared with what the engine itself took.
 """
 
 from __future__ import annotations
@@ -187,16 +188,42 @@ async def run(args, requests: list[Request], model: str) -> tuple[list[Result], 
 
 # -- server side -------------------------------------------------------------------------
 def server_counters(base_url: str, headers: dict) -> dict[str, float]:
+    """Prefix-cache counters and engine-step histogram buckets from /metrics (if any)."""
     try:
         text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10).text
     except httpx.HTTPError:
         return {}
     values = {}
     for line in text.splitlines():
-        if line.startswith(("pagedserve:prefix_cache_", "vllm:prefix_cache_")):
+        if line.startswith(("pagedserve:prefix_cache_", "vllm:prefix_cache_",
+                            "pagedserve:engine_step_seconds_bucket")):
             name, value = line.rsplit(" ", 1)
             values[name.split(":", 1)[1]] = float(value)
     return values
+
+
+def histogram_median(before: dict, after: dict, name: str) -> float | None:
+    """Median of a Prometheus histogram over the run (bucket deltas, linear inside a bucket,
+    as PromQL's histogram_quantile does)."""
+    prefix = f'{name}_bucket{{le="'
+    buckets = []
+    for key, value in after.items():
+        if key.startswith(prefix):
+            bound = key[len(prefix):-2]
+            buckets.append((float(bound), value - before.get(key, 0.0)))
+    buckets.sort()
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    half = buckets[-1][1] / 2
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= half:
+            if bound == float("inf"):
+                return lower_bound
+            share = (half - lower_count) / (count - lower_count) if count > lower_count else 0
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, count
+    return None
 
 
 def first_model(base_url: str, headers: dict) -> str:
@@ -253,6 +280,9 @@ def print_table(summary: dict) -> None:
         s = summary[key]
         print(f"{key[:-2].upper():<10}" + "".join(
             f"{s[q] * 1000:>10.1f}" for q in ("mean", "median", "p90", "p99")))
+    if summary.get("server_engine_step_median_s"):
+        print(f"{'server engine step median':<28}{summary['server_engine_step_median_s'] * 1000:.1f} ms"
+              f"  (median ITL / step = {summary['itl_median_over_engine_step']:.2f})")
     for error in summary["errors"]:
         print(f"error: {error}")
 
@@ -330,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         hits = after["prefix_cache_hits_total"] - before.get("prefix_cache_hits_total", 0)
         hit_rate = hits / queries
     summary = report(results, duration, hit_rate)
+    step = histogram_median(before, after, "engine_step_seconds")
+    summary["server_engine_step_median_s"] = step
+    if step:
+        summary["itl_median_over_engine_step"] = summary["itl_s"]["median"] / step
     print_table(summary)
     if args.output:
         settings = {k: v for k, v in vars(args).items() if k != "api_key"}

@@ -59,11 +59,18 @@ class EngineStats:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting_requests: int = 1024,
+        on_step: Callable[[float], None] | None = None,
+    ) -> None:
+        """`on_step(seconds)` is called on the engine thread after every step that ran."""
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 1")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self._on_step = on_step
         self._commands: deque[Callable[[], None]] = deque()
         self._num_queued_adds = 0
         self._adds_taken = 0  # adds the thread took but no stats snapshot counts yet
@@ -244,6 +251,8 @@ class AsyncEngine:
                     outputs = engine.step()
                     elapsed = time.perf_counter() - started
                     self.stats = EngineStats(engine.stats(), elapsed, self.stats.num_steps + 1)
+                    if self._on_step is not None:
+                        self._on_step(elapsed)
                 else:
                     self.stats = EngineStats(
                         engine.stats(), self.stats.step_seconds, self.stats.num_steps

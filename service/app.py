@@ -47,7 +47,9 @@ def create_app(config: ServiceConfig) -> Starlette:
     async def lifespan(app: Starlette):
         # Loading takes seconds; a worker thread keeps the loop responsive meanwhile.
         engine = await anyio.to_thread.run_sync(LLMEngine, config.engine)
-        bridge = AsyncEngine(engine, config.max_waiting_requests)
+        metrics = Metrics()
+        bridge = AsyncEngine(engine, config.max_waiting_requests, metrics.engine_step.observe)
+        metrics.watch(bridge)
         bridge.start()
         tokenizer_source = config.engine.tokenizer or engine.model_path
         state = ServiceState(
@@ -55,7 +57,7 @@ def create_app(config: ServiceConfig) -> Starlette:
             engine=bridge,
             # Its own tokenizer: the engine thread detokenizes with the other one.
             tokenizer=await anyio.to_thread.run_sync(load_tokenizer, tokenizer_source),
-            metrics=Metrics(bridge),
+            metrics=metrics,
             model_name=config.served_model_name or config.engine.model,
             max_model_len=engine.config.max_model_len,
         )

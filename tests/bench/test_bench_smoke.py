@@ -160,6 +160,9 @@ def test_bench_serve_against_a_live_server(tiny_llama_path, tmp_path):
             assert 0 < summary[key]["median"] <= summary[key]["p99"]
         assert len(report["per_request"]) == 6
         assert (tmp_path / "cdf.png").stat().st_size > 0
+        # The server exports its engine step time; the ITL is compared with it.
+        assert summary["server_engine_step_median_s"] > 0
+        assert summary["itl_median_over_engine_step"] > 0
 
         argv = ["--base-url", live.url, "--dataset", "prefix-repetition", "--num-prompts", "8",
                 "--num-prefixes", "2", "--prefix-len", "64", "--suffix-len", "8",
@@ -170,3 +173,15 @@ def test_bench_serve_against_a_live_server(tiny_llama_path, tmp_path):
         assert summary["completed"] == 8
         # 2 prefixes of 4 full 16-token blocks, each computed once then reused.
         assert summary["prefix_cache_hit_rate"] > 0.5
+
+
+def test_histogram_median_interpolates_like_promql():
+    from bench.serve import histogram_median
+
+    name = "engine_step_seconds"
+    key = lambda le: f'{name}_bucket{{le="{le}"}}'  # noqa: E731
+    before = {key("0.1"): 1.0, key("0.2"): 1.0, key("+Inf"): 1.0}
+    after = {key("0.1"): 3.0, key("0.2"): 7.0, key("+Inf"): 9.0}
+    # 8 new samples: 2 in (0, 0.1], 4 in (0.1, 0.2], 2 above; the 4th sits halfway in the second.
+    assert abs(histogram_median(before, after, name) - 0.15) < 1e-9
+    assert histogram_median(after, after, name) is None
