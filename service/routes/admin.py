@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.async_engine import EngineDeadError
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
+from engine.async_engine import EngineDeadError
 from service.errors import APIError
 from service.protocol import encoder
 

@@ -102,7 +102,7 @@ def _is_token(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _choice(state, output, c, prompt_index: int, n: int, body, start: int, text: str,
+def _choice(state, c, prompt_index: int, n: int, body, start: int, text: str,
             text_offset: int) -> CompletionChoice:
     logprobs = None
     if body.logprobs is not None:
@@ -113,7 +113,7 @@ def _choice(state, output, c, prompt_index: int, n: int, body, start: int, text:
 
 def _response(state, request_id, outputs, body) -> CompletionResponse:
     choices = [
-        _choice(state, output, c, i, body.n, body, 0, c.text, 0)
+        _choice(state, c, i, body.n, body, 0, c.text, 0)
         for i, output in enumerate(outputs)
         for c in output.outputs
     ]
@@ -135,7 +135,7 @@ async def _events(state, request_id, streams, body, close_all):
                 new_tokens = len(c.token_ids) > sent[i][c.index]
                 if finished[i][c.index] or not (c.delta_text or c.finished or new_tokens):
                     continue
-                choices.append(_choice(state, output, c, i, n, body, sent[i][c.index],
+                choices.append(_choice(state, c, i, n, body, sent[i][c.index],
                                        c.delta_text, chars[i][c.index]))
                 sent[i][c.index] = len(c.token_ids)
                 chars[i][c.index] += len(c.delta_text)
