@@ -189,11 +189,19 @@ class AsyncEngine:
         """Requests not yet running: queued for the thread, plus the scheduler's queue."""
         return self._num_queued_adds + self.stats.counters.get("num_requests_waiting", 0)
 
-    def _check_alive(self) -> None:
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve, or None while it can."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self.error!r}")
+            return f"the engine stopped after an error: {self.error!r}"
         if self._stopping or not self.is_alive:
-            raise EngineDeadError("the engine is not running")
+            return "the engine is not running"
+        return None
+
+    def _check_alive(self) -> None:
+        reason = self.failure
+        if reason is not None:
+            raise EngineDeadError(reason)
 
     def _check_can_accept(self) -> None:
         self._check_alive()
@@ -265,7 +273,7 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - any fault kills the engine
             logger.exception("the engine thread failed; the engine is now dead")
             self.error = exc
-            dead = EngineDeadError(f"the engine stopped after an error: {exc!r}")
+            dead = EngineDeadError(self.failure)
             self._loop.call_soon_threadsafe(self._fail_all, dead)
 
     def _wait_for_work(self) -> list[Callable[[], None]] | None:

@@ -84,22 +84,23 @@ def _decode_rows(query, k_cache, v_cache, block_tables, context_lens, scale):
     length = int(context_lens.max().item()) if rows else 0
     if length == 0:
         return torch.zeros(rows, num_heads, head_dim, dtype=torch.float32, device=query.device)
-    k = _gather_rows(k_cache, block_tables, context_lens, length)
-    v = _gather_rows(v_cache, block_tables, context_lens, length)
-    lengths = context_lens.to(query.device, torch.long)
-    allowed = None
-    if rows > 1 and bool((lengths != length).any()):
-        allowed = (torch.arange(length, device=query.device)[None, :] < lengths[:, None])
-        allowed = allowed[:, None, None, :]  # [rows, 1, 1, L]
+    lengths = context_lens.to(k_cache.device, torch.long)
+    positions = torch.arange(length, device=k_cache.device)
+    allowed = positions[None, :] < lengths[:, None]  # [rows, L]
+    slots = _context_slots(block_tables, allowed, positions, k_cache.shape[1])
+    k = _gather_slots(k_cache, slots)
+    v = _gather_slots(v_cache, slots)
+    # Rows of equal length (a single row, always) need no mask at all.
+    mask = allowed[:, None, None, :] if rows > 1 and not bool(allowed.all()) else None
     q = query.float()[:, :, None, :]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     # A padding row (context_len 0) has nothing to attend to: zeros, not NaN.
     out = out.masked_fill((lengths == 0)[:, None, None, None], 0.0)
     return out.reshape(rows, num_heads, head_dim)
 
 
-def _gather_rows(cache, block_tables, context_lens, length):
-    """K or V of each row's context, as fp32 ``[rows, kv_heads, length, head_dim]``.
+def _context_slots(block_tables, allowed, positions, block_size):
+    """Cache slot of every context position of every row, ``[rows, L]``, shared by K and V.
 
     Positions past a row's own length read the row's position 0 instead of
     whatever the padding blocks hold (possibly NaN), so masking them is
@@ -107,12 +108,13 @@ def _gather_rows(cache, block_tables, context_lens, length):
     the slots does the work that gathering pages and then zeroing the
     garbage with `where` did twice over.
     """
-    block_size = cache.shape[1]
-    positions = torch.arange(length, device=cache.device)
-    lengths = context_lens.to(cache.device, torch.long)
-    positions = torch.where(positions[None, :] < lengths[:, None], positions[None, :], 0)
-    blocks = block_tables.to(device=cache.device, dtype=torch.long).gather(1, positions // block_size)
-    slots = blocks * block_size + positions % block_size  # [rows, L]
+    positions = torch.where(allowed, positions[None, :], 0)
+    tables = block_tables.to(device=positions.device, dtype=torch.long)
+    return tables.gather(1, positions // block_size) * block_size + positions % block_size
+
+
+def _gather_slots(cache, slots):
+    """K or V at ``slots``, as fp32 ``[rows, kv_heads, L, head_dim]``."""
     flat = cache.view(-1, cache.shape[2], cache.shape[3])
     return flat[slots].float().transpose(1, 2)
 

@@ -51,8 +51,8 @@ class ServiceState:
     def check_accepting(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if not self.engine.is_alive:
-            raise APIError(503, _dead_message(self.engine), code="engine_dead")
+        if self.engine.failure is not None:
+            raise APIError(503, self.engine.failure, code="engine_dead")
 
     def check_prompt(self, token_ids: list[int], param: str) -> None:
         try:
@@ -105,6 +105,10 @@ class TimedStream:
     def close(self) -> None:
         self.stream.close()
 
+    async def aclose(self, *_ignored) -> None:
+        """Also usable as sse-starlette's client-close callback (it passes the message)."""
+        self.close()
+
 
 async def close_on_disconnect(request: Request, streams: list[TimedStream]):
     """Collect every stream's final output, or abort them all if the client leaves.
@@ -136,12 +140,6 @@ async def close_on_disconnect(request: Request, streams: list[TimedStream]):
             task.cancel()
         for stream in streams:
             stream.close()
-
-
-def _dead_message(engine: AsyncEngine) -> str:
-    if engine.error is not None:
-        return f"the engine stopped after an error: {engine.error!r}"
-    return "the engine is not running"
 
 
 def new_id(prefix: str) -> str:

@@ -45,7 +45,7 @@ async def create(request: Request) -> Response:
         return EventSourceResponse(
             with_done(_events(state, request_id, stream, body)),
             ping=state.config.sse_ping_seconds,
-            client_close_handler_callable=lambda _message: stream.stream.aclose(),
+            client_close_handler_callable=stream.aclose,
         )
     outputs = await close_on_disconnect(request, [stream])
     if outputs is None:

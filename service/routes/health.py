@@ -12,13 +12,11 @@ from service.protocol import Health, encoder
 async def health(request: Request) -> Response:
     """200 while the engine thread runs and the server admits requests; 503 otherwise."""
     state = request.app.state.service
-    engine = state.engine
-    if engine.error is not None:
-        status = Health("dead", f"the engine stopped after an error: {engine.error!r}")
-    elif state.draining:
+    failure = state.engine.failure
+    if state.draining and state.engine.error is None:
         status = Health("draining", "the server is shutting down")
-    elif not engine.is_alive:
-        status = Health("dead", "the engine is not running")
+    elif failure is not None:
+        status = Health("dead", failure)
     else:
         status = Health("ok")
     code = 200 if status.status == "ok" else 503
