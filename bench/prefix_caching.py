@@ -486,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = resolve_model_path(config.model, config.cache_dir)
     hf_config = load_hf_config(model_path)
-    dtype = resolve_dtype(config, hf_config)
     device = resolve_device(config)
+    dtype = resolve_dtype(config, hf_config, device)
     vocab = hf_config.vocab_size
     shared = make_workload("shared", args.num_requests, args.num_system_prompts, args.system_len,
                            args.question_len, args.output_len, vocab, args.workload_seed,

@@ -396,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = resolve_model_path(config.model, config.cache_dir)
     hf_config = load_hf_config(model_path)
     config = config.resolve_max_model_len(hf_config.max_position_embeddings)
-    dtype = resolve_dtype(config, hf_config)
     device = resolve_device(config)
+    dtype = resolve_dtype(config, hf_config, device)
 
     names = ["chat", "prefill-heavy"] if args.workload == "both" else [args.workload]
     workloads = []

@@ -45,14 +45,29 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device)
 
 
-def resolve_dtype(config: EngineConfig, hf_config) -> torch.dtype:
-    """`auto` takes the checkpoint's dtype (float32 when it names none)."""
+def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype, except that a float32 (or unnamed)
+    checkpoint runs in bfloat16 where bf16 matmuls are fast: a CUDA device
+    that supports bf16, or a CPU with AVX512-BF16 or AMX. vLLM downcasts float32
+    checkpoints the same way. On this project's 2-core CPU, F.linear over
+    SmolLM2's shapes runs 4.5x (32 rows) to 5.4x (256 rows) faster in bf16.
+    Ask for float32 explicitly for bit-exact agreement with HF in float32."""
     if config.dtype != "auto":
         return DTYPES[config.dtype]
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = DTYPES.get(dtype)
-    return dtype if dtype in DTYPES.values() else torch.float32
+    if dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    return torch.bfloat16 if has_fast_bf16(device) else torch.float32
+
+
+def has_fast_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return False
 
 
 class ModelRunner:
@@ -60,7 +75,7 @@ class ModelRunner:
         self.config = config
         self.block_size = config.block_size
         self.device = resolve_device(config)
-        self.dtype = resolve_dtype(config, hf_config)
+        self.dtype = resolve_dtype(config, hf_config, self.device)
         self.kernels = get_backend(config.kernel_backend)
         self.model = self._load_model(hf_config, model_path)
         args = self.model.args

@@ -4,7 +4,12 @@ Two implementations share one contract (see ``kernels/reference.py``):
 
 * ``torch``  - pure PyTorch reference (any device; the CPU engine uses it),
 * ``triton`` - Triton GPU kernels (``kernels/store_kvcache_triton.py``,
-  ``kernels/paged_attention.py``).  The store module is *not* called
+  ``kernels/paged_attention.py``).
+
+``auto`` is Triton on CUDA and the reference elsewhere, except decode
+attention in bf16/fp16 on the CPU, which goes through the block-gathering
+fast path of ``kernels/cpu_decode.py`` (float32 stays on the reference, which
+matches HF bit for bit).  The store module is *not* called
   ``kernels/store_kvcache.py``: importing it would make Python bind the
   submodule to ``kernels.store_kvcache``, replacing the function below.
 
@@ -27,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from kernels.cpu_decode import paged_decode_attention_cpu
 from kernels.reference import (
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
@@ -89,8 +95,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     if query.is_cuda:
         return _triton_modules()[1].paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale)
-    return paged_decode_attention_reference(
-        query, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):

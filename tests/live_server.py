@@ -87,7 +87,7 @@ def tiny_config(model_path, **service) -> ServiceConfig:
     """A server on the tiny random Llama: fast, small context, deterministic greedy."""
     engine = EngineConfig(
         model=str(model_path), max_model_len=256, max_num_seqs=64,
-        kv_cache_memory_bytes=64 << 20, seed=0,
+        kv_cache_memory_bytes=64 << 20, seed=0, dtype="float32",
     )
     return ServiceConfig(engine=engine, served_model_name="tiny", **service)
 

@@ -43,7 +43,7 @@ def long_params(max_tokens: int = 200) -> SamplingParams:
 @pytest.fixture
 def llm_engine(tiny_llama_path) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=str(tiny_llama_path), max_model_len=256, kv_cache_memory_bytes=64 << 20,
+        model=str(tiny_llama_path), max_model_len=256, kv_cache_memory_bytes=64 << 20, dtype="float32",
     ))
 
 
@@ -292,7 +292,7 @@ def test_call_runs_on_the_engine_thread_and_returns_or_raises(llm_engine):
 def test_queue_full_once_max_waiting_requests_are_waiting(tiny_llama_path):
     # One seat: the first request runs, the next ones wait.
     engine = LLMEngine(EngineConfig(
-        model=str(tiny_llama_path), max_model_len=256, kv_cache_memory_bytes=64 << 20,
+        model=str(tiny_llama_path), max_model_len=256, kv_cache_memory_bytes=64 << 20, dtype="float32",
         max_num_seqs=1,
     ))
 
@@ -331,7 +331,7 @@ def test_requests_taken_by_the_thread_still_count_as_waiting(tiny_llama_path, mo
     to what the previous snapshot said, and back-pressure would let it all in.
     """
     engine = LLMEngine(EngineConfig(
-        model=str(tiny_llama_path), max_model_len=256, kv_cache_memory_bytes=64 << 20,
+        model=str(tiny_llama_path), max_model_len=256, kv_cache_memory_bytes=64 << 20, dtype="float32",
         max_num_seqs=1,
     ))
     real_execute = engine.runner.execute

@@ -175,7 +175,7 @@ def test_resolve_max_model_len():
 # -- start-up through LLM(...) -------------------------------------------------------------
 def test_llm_refuses_max_model_len_beyond_model_limit(tiny_llama_path):
     with pytest.raises(ValueError, match=r"max_model_len=2048 exceeds the model's limit.*1024"):
-        LLM(str(tiny_llama_path), max_model_len=2048, num_gpu_blocks_override=200)
+        LLM(str(tiny_llama_path), dtype="float32", max_model_len=2048, num_gpu_blocks_override=200)
 
 
 def test_llm_refuses_kv_cache_too_small(tiny_llama_path):
@@ -185,16 +185,16 @@ def test_llm_refuses_kv_cache_too_small(tiny_llama_path):
         match=r"KV cache too small: kv_cache_memory_bytes=81920 gives 10 blocks.*8192 bytes each.*"
         r"max_model_len=1024 sequence needs 65 blocks",
     ):
-        LLM(str(tiny_llama_path), block_size=16, kv_cache_memory_bytes=81920)
+        LLM(str(tiny_llama_path), dtype="float32", block_size=16, kv_cache_memory_bytes=81920)
     with pytest.raises(ValueError, match=r"KV cache too small: num_gpu_blocks_override gives 8 "
                                          r"blocks.*max_model_len=128 sequence needs 9 blocks"):
-        LLM(str(tiny_llama_path), block_size=16, max_model_len=128, num_gpu_blocks_override=8)
+        LLM(str(tiny_llama_path), dtype="float32", block_size=16, max_model_len=128, num_gpu_blocks_override=8)
     with pytest.raises(ValueError, match=r"KV cache too small.*gives 0 blocks"):
-        LLM(str(tiny_llama_path), kv_cache_memory_bytes=1)
+        LLM(str(tiny_llama_path), dtype="float32", kv_cache_memory_bytes=1)
 
 
 def test_llm_accepts_exactly_enough_kv_blocks(tiny_llama_path):
-    llm = LLM(str(tiny_llama_path), block_size=16, max_model_len=128, num_gpu_blocks_override=9,
+    llm = LLM(str(tiny_llama_path), dtype="float32", block_size=16, max_model_len=128, num_gpu_blocks_override=9,
               max_num_batched_tokens=128)
     assert llm.config.max_model_len == 128
     assert llm.engine.block_manager.num_usable_blocks == 8

@@ -47,6 +47,7 @@ def ids_of(outputs) -> list[list[int]]:
 def llm(tiny_llama_path) -> LLM:
     return LLM(
         str(tiny_llama_path),
+        dtype="float32",
         block_size=16,
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=512,
@@ -60,6 +61,7 @@ def small_llm(tiny_llama_path) -> LLM:
     """Room for one max_model_len sequence and a little more: forces preemption."""
     return LLM(
         str(tiny_llama_path),
+        dtype="float32",
         block_size=16,
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=128,
@@ -337,7 +339,7 @@ def eos_setup(tiny_llama_path, tmp_path_factory, base):
     config = json.loads((tiny_llama_path / "config.json").read_text())
     config["eos_token_id"] = eos
     (folder / "config.json").write_text(json.dumps(config))
-    llm = LLM(str(folder), block_size=16, max_model_len=MAX_MODEL_LEN,
+    llm = LLM(str(folder), block_size=16, max_model_len=MAX_MODEL_LEN, dtype="float32",
               num_gpu_blocks_override=64, max_num_batched_tokens=256)
     assert eos in llm.engine.eos_token_ids
     return llm, eos, k

@@ -41,7 +41,7 @@ def make_prompts(tokenizer) -> list[list[int]]:
 
 
 def engine_greedy(model_path, prompts, **engine_args):
-    llm = LLM(str(model_path), **engine_args)
+    llm = LLM(str(model_path), dtype="float32", **engine_args)
     params = SamplingParams(
         temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP_K
     )

@@ -1032,6 +1032,7 @@ def tiny_llm(path, caching: bool):
 
     return LLM(
         str(path),
+        dtype="float32",
         block_size=ENGINE_BS,
         max_model_len=128,
         max_num_batched_tokens=64,

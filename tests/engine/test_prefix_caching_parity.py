@@ -59,7 +59,7 @@ def run_staggered(llm: LLM, prompts, params_list) -> list[list[list[int]]]:
 def both_ways(path, prompts, params_list, **engine_args):
     results = {}
     for caching in (False, True):
-        llm = LLM(str(path), enable_prefix_caching=caching, **engine_args)
+        llm = LLM(str(path), enable_prefix_caching=caching, dtype="float32", **engine_args)
         results[caching] = (run_staggered(llm, prompts, params_list), llm.engine.stats())
     return results
 

@@ -20,7 +20,7 @@ def tiny_server(tiny_llama_path) -> Iterator[LiveServer]:
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_path) -> Iterator[LiveServer]:
     engine = EngineConfig(model="smollm2-135m-instruct", max_model_len=2048,
-                          kv_cache_memory_bytes=256 << 20)
+                          kv_cache_memory_bytes=256 << 20, dtype="float32")
     with run_server(ServiceConfig(engine=engine)) as live:
         yield live
 

@@ -567,7 +567,7 @@ def test_smollm2_greedy_matches_offline_engine(smollm2):
         smollm2.chat_prompt_ids(user("What is the capital of France?")),
         smollm2.tokenizer.encode("def fibonacci(n):"),
     ]
-    llm = LLM(SMOLLM2_NAME, max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    llm = LLM(SMOLLM2_NAME, max_model_len=512, kv_cache_memory_bytes=64 << 20, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     offline = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     del llm

@@ -1,0 +1,76 @@
+"""The CPU half-precision decode path (kernels/cpu_decode.py) against the
+naive float64 loop and the reference, on fresh random inputs.
+
+The inputs come from the shared builders: a NaN-filled cache, so a slot the
+path should not read (the null block, the tail of a last block) turns the
+output NaN and fails the comparison.
+"""
+
+import pytest
+import torch
+
+import kernels
+import kernels.cpu_decode as cpu_decode
+from kernel_cases import DTYPES, build_decode_inputs, compare, make_paged_cache
+from kernels.cpu_decode import paged_decode_attention_cpu
+from kernels.reference import paged_decode_attention_reference
+from test_kernels_reference import SHAPES, naive_decode
+
+HALF = ["bfloat16", "float16"]
+
+
+def _run(fn, x):
+    return fn(x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["context_lens"], x["scale"])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_cpu_decode_matches_naive_loop(shape, dtype, session_seed):
+    x = build_decode_inputs({"shape": list(shape), "dtype": dtype}, session_seed, "cpu")
+    out = _run(paged_decode_attention_cpu, x)
+    assert out.dtype == DTYPES[dtype]
+    error = compare(out, naive_decode(x).to(out.dtype), dtype)
+    assert error is None, f"seed {session_seed}: {error}"
+    padding = x["context_lens"] == 0
+    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+
+
+def _ragged_batch(seed, dtype, rows=24, block_size=16, kv_heads=2, heads=6, head_dim=64):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9 * block_size, (rows,), generator=gen).tolist()
+    lengths[3] = 0  # a padding row in the middle
+    k_cache, v_cache, tables, _, _ = make_paged_cache(
+        lengths, kv_heads, head_dim, block_size, DTYPES[dtype], "cpu", gen)
+    query = torch.randn(rows, heads, head_dim, generator=gen).to(DTYPES[dtype])
+    return dict(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                context_lens=torch.tensor(lengths, dtype=torch.int32), scale=head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_cpu_decode_matches_reference_on_a_ragged_batch(dtype, session_seed):
+    x = _ragged_batch(session_seed, dtype)
+    out = _run(paged_decode_attention_cpu, x)
+    expected = _run(paged_decode_attention_reference, x)
+    error = compare(out, expected, dtype)
+    assert error is None, f"seed {session_seed}: {error}"
+
+
+def test_cpu_decode_chunks_rows_under_the_gather_budget(monkeypatch, session_seed):
+    x = _ragged_batch(session_seed, "bfloat16")
+    whole = _run(paged_decode_attention_cpu, x)
+    longest = int(x["context_lens"].max())
+    monkeypatch.setattr(cpu_decode, "_GATHER_BUDGET", 5 * longest * 2 * 64)  # 5 rows a chunk
+    chunked = _run(paged_decode_attention_cpu, x)
+    assert torch.equal(whole, chunked)
+
+
+def test_float32_goes_to_the_reference(session_seed):
+    x = build_decode_inputs({"shape": [64, 4, 2, 16], "dtype": "float32"}, session_seed, "cpu")
+    assert torch.equal(_run(paged_decode_attention_cpu, x), _run(paged_decode_attention_reference, x))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_backend_uses_the_cpu_path_on_cpu(dtype, session_seed):
+    x = _ragged_batch(session_seed, dtype)
+    auto = kernels.get_backend("auto")
+    assert torch.equal(_run(auto.paged_decode_attention, x), _run(paged_decode_attention_cpu, x))
