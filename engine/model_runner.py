@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_allocator import keep_freed_memory
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.models.loader import iter_safetensors
 from engine.sampler import Sampler, SamplerOutput
@@ -77,6 +78,8 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, hf_config, self.device)
         self.kernels = get_backend(config.kernel_backend)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model = self._load_model(hf_config, model_path)
         args = self.model.args
         check_backend_support(
