@@ -6,10 +6,10 @@ Two implementations share one contract (see ``kernels/reference.py``):
 * ``triton`` - Triton GPU kernels (``kernels/store_kvcache_triton.py``,
   ``kernels/paged_attention.py``).
 
-``auto`` is Triton on CUDA and the reference elsewhere, except decode
-attention in bf16/fp16 on the CPU, which goes through the block-gathering
-fast path of ``kernels/cpu_decode.py`` (float32 stays on the reference, which
-matches HF bit for bit).  The store module is *not* called
+``auto`` is Triton on CUDA and the reference elsewhere, except attention in
+bf16/fp16 on the CPU, which goes through ``kernels/cpu_attention.py``
+(prefill in the cache dtype, a block-gathering decode; float32 stays on the
+reference, which matches HF bit for bit).  The store module is *not* called
   ``kernels/store_kvcache.py``: importing it would make Python bind the
   submodule to ``kernels.store_kvcache``, replacing the function below.
 
@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from kernels.cpu_decode import paged_decode_attention_cpu
+from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.reference import (
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
@@ -103,7 +103,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     if query.is_cuda:
         return _triton_modules()[1].paged_prefill_attention(
             query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
-    return paged_prefill_attention_reference(
+    return paged_prefill_attention_cpu(
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 

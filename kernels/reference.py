@@ -50,8 +50,9 @@ def store_kvcache_reference(
     flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Paged cache -> contiguous fp32 ``[rows, length, kv_heads, head_dim]``.
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Paged cache -> contiguous ``[rows, length, kv_heads, head_dim]`` in ``dtype``.
 
     ``block_tables`` is ``[rows, max_blocks]``; positions >= a row's own
     context length come from padding blocks and must be masked by the caller.
@@ -62,7 +63,7 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int
     pages = cache[ids]  # [rows, num_blocks, block_size, kv_heads, head_dim]
     rows = pages.shape[0]
     flat = pages.reshape(rows, num_blocks * block_size, cache.shape[2], cache.shape[3])
-    return flat[:, :length].float()
+    return flat[:, :length].to(dtype)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -157,6 +158,7 @@ def paged_prefill_attention_reference(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -166,6 +168,9 @@ def paged_prefill_attention_reference(
         context:  [ cached prefix ........ | q0 q1 q2 ]      (nq = 3)
         position:   0 ..... L-nq-1           L-3 L-2 L-1
         q_j at position L - nq + j sees positions 0 .. L - nq + j
+
+    ``compute_dtype`` is what SDPA runs in: float32 for the ground truth; the
+    CPU engine passes the cache dtype in half precision (kernels/cpu_attention.py).
     """
     total_q, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
@@ -180,9 +185,9 @@ def paged_prefill_attention_reference(
             continue
         if nq > length:
             raise ValueError(f"sequence {i}: {nq} query tokens but context_len {length}")
-        k = _gather_context(k_cache, block_tables[i:i + 1], length)[0].transpose(0, 1)
-        v = _gather_context(v_cache, block_tables[i:i + 1], length)[0].transpose(0, 1)
-        q = query[q_start:q_end].float().transpose(0, 1)[None]  # [1, H, nq, D]
+        k = _gather_context(k_cache, block_tables[i:i + 1], length, compute_dtype)[0].transpose(0, 1)
+        v = _gather_context(v_cache, block_tables[i:i + 1], length, compute_dtype)[0].transpose(0, 1)
+        q = query[q_start:q_end].to(compute_dtype).transpose(0, 1)[None]  # [1, H, nq, D]
         allowed = None  # a whole prompt at once: plain causal attention
         if nq < length:  # a chunk after cached tokens: q_j sees positions <= length - nq + j
             q_pos = torch.arange(length - nq, length, device=query.device)

@@ -1,4 +1,4 @@
-"""The CPU half-precision decode path (kernels/cpu_decode.py) against the
+"""The CPU half-precision attention (kernels/cpu_attention.py) against the
 naive float64 loop and the reference, on fresh random inputs.
 
 The inputs come from the shared builders: a NaN-filled cache, so a slot the
@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import kernels
-import kernels.cpu_decode as cpu_decode
-from kernel_cases import DTYPES, build_decode_inputs, compare, make_paged_cache
-from kernels.cpu_decode import paged_decode_attention_cpu
-from kernels.reference import paged_decode_attention_reference
-from test_kernels_reference import SHAPES, naive_decode
+import kernels.cpu_attention as cpu_attention
+from kernel_cases import (DTYPES, build_decode_inputs, build_prefill_inputs, compare,
+                          make_paged_cache)
+from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
+from kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
+from test_kernels_reference import SHAPES, naive_decode, naive_prefill
 
 HALF = ["bfloat16", "float16"]
 
@@ -59,7 +60,7 @@ def test_cpu_decode_chunks_rows_under_the_gather_budget(monkeypatch, session_see
     x = _ragged_batch(session_seed, "bfloat16")
     whole = _run(paged_decode_attention_cpu, x)
     longest = int(x["context_lens"].max())
-    monkeypatch.setattr(cpu_decode, "_GATHER_BUDGET", 5 * longest * 2 * 64)  # 5 rows a chunk
+    monkeypatch.setattr(cpu_attention, "_GATHER_BUDGET", 5 * longest * 2 * 64)  # 5 rows a chunk
     chunked = _run(paged_decode_attention_cpu, x)
     assert torch.equal(whole, chunked)
 
@@ -74,3 +75,28 @@ def test_auto_backend_uses_the_cpu_path_on_cpu(dtype, session_seed):
     x = _ragged_batch(session_seed, dtype)
     auto = kernels.get_backend("auto")
     assert torch.equal(_run(auto.paged_decode_attention, x), _run(paged_decode_attention_cpu, x))
+
+
+def _run_prefill(fn, x):
+    return fn(x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu_seqlens_q"],
+              x["context_lens"], x["scale"])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_cpu_prefill_matches_naive_loop(shape, dtype, session_seed):
+    """Whole prompts, chunks after a cached prefix, single-token extends."""
+    x = build_prefill_inputs({"shape": list(shape), "dtype": dtype}, session_seed, "cpu")
+    out = _run_prefill(paged_prefill_attention_cpu, x)
+    assert out.dtype == DTYPES[dtype]
+    error = compare(out, naive_prefill(x).to(out.dtype), dtype)
+    assert error is None, f"seed {session_seed}: {error}"
+
+
+def test_cpu_prefill_in_float32_is_the_reference(session_seed):
+    x = build_prefill_inputs({"shape": [64, 4, 2, 16], "dtype": "float32"}, session_seed, "cpu")
+    assert torch.equal(_run_prefill(paged_prefill_attention_cpu, x),
+                       _run_prefill(paged_prefill_attention_reference, x))
+    auto = kernels.get_backend("auto")
+    assert torch.equal(_run_prefill(auto.paged_prefill_attention, x),
+                       _run_prefill(paged_prefill_attention_reference, x))

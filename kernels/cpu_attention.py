@@ -1,4 +1,11 @@
-"""Decode attention for the CPU engine in bfloat16/float16.
+"""Attention for the CPU engine in bfloat16/float16.
+
+Prefill: the reference's per-sequence SDPA, run in the cache dtype instead of
+fp32 (CPU flash attention accumulates in fp32 either way): no fp32 copies of
+the gathered K/V, and bf16 SDPA itself is faster (one 1,000-token prompt,
+9/3 heads x 64: 12 ms against 16 ms).
+
+Decode, the rest of this page:
 
 The reference (``kernels/reference.py``) gathers every context slot and
 attends in fp32 through SDPA. In float32 that is the right thing on a CPU
@@ -57,10 +64,18 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import paged_decode_attention_reference
+from kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
 
 # Bound on gathered K (and again V) elements per chunk of rows, as in the reference.
 _GATHER_BUDGET = 1 << 26
+
+
+def paged_prefill_attention_cpu(query, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                context_lens, scale):
+    """Same contract as ``paged_prefill_attention_reference``; float32 is it exactly."""
+    return paged_prefill_attention_reference(
+        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+        compute_dtype=k_cache.dtype)
 
 
 def paged_decode_attention_cpu(
