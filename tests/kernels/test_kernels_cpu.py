@@ -56,13 +56,22 @@ def test_cpu_decode_matches_reference_on_a_ragged_batch(dtype, session_seed):
     assert error is None, f"seed {session_seed}: {error}"
 
 
-def test_cpu_decode_chunks_rows_under_the_gather_budget(monkeypatch, session_seed):
+def test_cpu_decode_chunks_rows_by_length(monkeypatch, session_seed):
+    """Rows sorted longest first and cut into chunks under the gather budget
+    give what one chunk gives, each row back in its own place."""
     x = _ragged_batch(session_seed, "bfloat16")
     whole = _run(paged_decode_attention_cpu, x)
     longest = int(x["context_lens"].max())
-    monkeypatch.setattr(cpu_attention, "_GATHER_BUDGET", 5 * longest * 2 * 64)  # 5 rows a chunk
+    monkeypatch.setattr(cpu_attention, "_GATHER_BUDGET", 5 * longest * 2 * 64)
+    order, chunks = cpu_attention._chunks_by_length(x["context_lens"], 2 * 64)
+    lengths = x["context_lens"][order].tolist()
+    assert len(chunks) > 1 and lengths == sorted(lengths, reverse=True)
+    assert [c[0] for c in chunks[1:]] == [c[1] for c in chunks[:-1]] and chunks[-1][1] == 24
     chunked = _run(paged_decode_attention_cpu, x)
-    assert torch.equal(whole, chunked)
+    error = compare(chunked, whole, "bfloat16")
+    assert error is None, f"seed {session_seed}: {error}"
+    expected = _run(paged_decode_attention_reference, x)
+    assert compare(chunked, expected, "bfloat16") is None
 
 
 def test_float32_goes_to_the_reference(session_seed):
