@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help="HF folder, .gguf file, or %(default)s (the default)")
     group.add_argument("--dtype", default="auto", choices=DTYPES)
+    group.add_argument("--quantization", default=None, choices=("int4",),
+                       help="weight-only int4 (CPU, bfloat16): faster small-batch decode")
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -41,6 +43,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

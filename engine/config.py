@@ -18,6 +18,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = (None, "int4")
 MAX_BLOCK_SIZE = 128
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -37,6 +38,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"
+    quantization: str | None = None  # "int4": weight-only, CPU bfloat16 (engine/models/quantization.py)
     seed: int = 0
     # Paged KV cache.
     block_size: int = 16
@@ -108,6 +110,10 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported: choose one of {DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported: choose one of {QUANTIZATIONS}"
+            )
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(
                 f"kernel_backend={self.kernel_backend!r} is not supported: "

@@ -255,14 +255,15 @@ class LLMEngine:
 
 
 def model_fingerprint(model_path, dtype, config: EngineConfig) -> bytes:
-    """What besides the tokens decides a block's K/V: weights, dtype, parallelism.
+    """What besides the tokens decides a block's K/V: weights, dtype, quantization,
+    parallelism.
 
     The weights are named by their config and their files' names and sizes, so
     every replica that loads the same checkpoint agrees on it.
     """
     parts = [(model_path / "config.json").read_text()]
     parts += [f"{f.name}:{f.stat().st_size}" for f in sorted(model_path.glob("*.safetensors"))]
-    parts += [str(dtype), f"tp={config.tensor_parallel_size}"]
+    parts += [str(dtype), f"quantization={config.quantization}", f"tp={config.tensor_parallel_size}"]
     return hashlib.sha256("\n".join(parts).encode()).digest()
 
 

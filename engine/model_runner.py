@@ -96,7 +96,14 @@ class ModelRunner:
     def _load_model(self, hf_config, model_path) -> LlamaForCausalLM:
         model = LlamaForCausalLM(hf_config, self.config.max_model_len, self.kernels)
         model.load_weights(iter_safetensors(model_path))
-        return model.to(device=self.device, dtype=self.dtype).eval()
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.config.quantization == "int4":
+            if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+                raise ValueError(
+                    f"quantization='int4' runs on the CPU in bfloat16, not on {self.device} "
+                    f"in {self.dtype}: use --dtype bfloat16 on a CPU, or no quantization")
+            model.quantize_int4()
+        return model
 
     def bytes_per_block(self) -> int:
         args = self.model.args

