@@ -36,6 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        default=True)
     group.add_argument("--kernel-backend", default="auto", choices=("auto", "torch", "triton"))
     group.add_argument("--device", default="auto")
+    group.add_argument("--num-threads", type=int, default=0,
+                       help="CPU threads for the model (0: torch's default, one per core)")
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -54,6 +56,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         kernel_backend=args.kernel_backend,
         device=args.device,
+        num_threads=args.num_threads,
         seed=args.seed,
     )
 

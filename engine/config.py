@@ -54,6 +54,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     kernel_backend: str = "auto"
     device: str = "auto"  # "auto" -> cuda when available, else cpu
+    num_threads: int = 0  # CPU: torch intra-op threads for the model; 0 = torch's default
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
@@ -92,6 +93,7 @@ class EngineConfig:
             "tensor_parallel_size": 1,
             "kv_cache_memory_bytes": 1,
             "seed": 0,
+            "num_threads": 0,
         }
         for name, minimum in minimums.items():
             value = getattr(self, name)
