@@ -24,16 +24,33 @@ def _run(fn, x):
     return fn(x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["context_lens"], x["scale"])
 
 
+def _run_prefill(fn, x):
+    return fn(x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu_seqlens_q"],
+              x["context_lens"], x["scale"])
+
+
+# kind -> (input builder, CPU op, naive float64 loop, how to call)
+KINDS = {
+    "decode": (build_decode_inputs, paged_decode_attention_cpu, naive_decode, _run),
+    "prefill": (build_prefill_inputs, paged_prefill_attention_cpu, naive_prefill, _run_prefill),
+}
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_cpu_decode_matches_naive_loop(shape, dtype, session_seed):
-    x = build_decode_inputs({"shape": list(shape), "dtype": dtype}, session_seed, "cpu")
-    out = _run(paged_decode_attention_cpu, x)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_cpu_attention_matches_naive_loop(kind, shape, dtype, session_seed):
+    """Decode rows of ragged lengths (one empty); prefill of whole prompts,
+    chunks after a cached prefix and single-token extends."""
+    build, op, naive, call = KINDS[kind]
+    x = build({"shape": list(shape), "dtype": dtype}, session_seed, "cpu")
+    out = call(op, x)
     assert out.dtype == DTYPES[dtype]
-    error = compare(out, naive_decode(x).to(out.dtype), dtype)
+    error = compare(out, naive(x).to(out.dtype), dtype)
     assert error is None, f"seed {session_seed}: {error}"
-    padding = x["context_lens"] == 0
-    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+    if kind == "decode":
+        padding = x["context_lens"] == 0
+        assert torch.equal(out[padding], torch.zeros_like(out[padding]))
 
 
 def _ragged_batch(seed, dtype, rows=24, block_size=16, kv_heads=2, heads=6, head_dim=64):
@@ -85,21 +102,6 @@ def test_auto_backend_uses_the_cpu_path_on_cpu(dtype, session_seed):
     auto = kernels.get_backend("auto")
     assert torch.equal(_run(auto.paged_decode_attention, x), _run(paged_decode_attention_cpu, x))
 
-
-def _run_prefill(fn, x):
-    return fn(x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu_seqlens_q"],
-              x["context_lens"], x["scale"])
-
-
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_cpu_prefill_matches_naive_loop(shape, dtype, session_seed):
-    """Whole prompts, chunks after a cached prefix, single-token extends."""
-    x = build_prefill_inputs({"shape": list(shape), "dtype": dtype}, session_seed, "cpu")
-    out = _run_prefill(paged_prefill_attention_cpu, x)
-    assert out.dtype == DTYPES[dtype]
-    error = compare(out, naive_prefill(x).to(out.dtype), dtype)
-    assert error is None, f"seed {session_seed}: {error}"
 
 
 def test_cpu_prefill_in_float32_is_the_reference(session_seed):
