@@ -66,8 +66,9 @@ def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torc
 def has_fast_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    if device.type == "cpu":  # torch's own cpuinfo probes (private, hence getattr)
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
     return False
 
 
@@ -102,6 +103,8 @@ class ModelRunner:
                 raise ValueError(
                     f"quantization='int4' runs on the CPU in bfloat16, not on {self.device} "
                     f"in {self.dtype}: use --dtype bfloat16 on a CPU, or no quantization")
+            if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+                raise ValueError(f"quantization='int4' needs torch >= 2.6, this is {torch.__version__}")
             model.quantize_int4()
         return model
 
