@@ -67,7 +67,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
+from kernels.reference import (_check_heads, paged_decode_attention_reference,
+                               paged_prefill_attention_reference)
 
 # Gathered K (and again V) elements per chunk of rows: 4 MiB of bf16 each, so
 # a chunk stays in cache from its gather to its matmuls. Measured, 256 rows of
@@ -98,10 +99,9 @@ def paged_decode_attention_cpu(
     if k_cache.dtype == torch.float32 or query.shape[0] == 0:
         return paged_decode_attention_reference(
             query, k_cache, v_cache, block_tables, context_lens, scale)
-    num_seqs, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
-    if kv_heads == 0 or num_heads % kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv_heads})")
+    _check_heads(num_heads, kv_heads)
     order, chunks = _chunks_by_length(context_lens, kv_heads * head_dim)
     if len(chunks) == 1:
         return _attend(query, k_cache, v_cache, block_tables, context_lens, scale)

@@ -14,7 +14,7 @@ from engine.models.quantization import GROUP_SIZE, INT4_KERNEL_MAX_ROWS, Int4Lin
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def test_quantization_error_is_at_most_half_a_step(session_seed=0):
+def test_quantization_error_is_at_most_half_a_step():
     gen = torch.Generator().manual_seed(1234)
     weight = torch.randn(96, 4 * GROUP_SIZE, generator=gen) * 0.05
     _, scales_and_zeros, dequantized = quantize_int4(weight)
