@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -47,6 +48,14 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """Too many requests are waiting; the caller should retry later."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """Work for the engine thread, run between two steps."""
+
+    run: Callable[[], None]
+    adds: str | None = None  # the request id this command adds, if it adds one
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self._on_step = on_step
-        self._commands: deque[Callable[[], None]] = deque()
+        self._commands: deque[Command] = deque()
         self._num_queued_adds = 0
         self._adds_taken = 0  # adds the thread took but no stats snapshot counts yet
         self._wakeup = threading.Condition()
@@ -91,6 +100,11 @@ class AsyncEngine:
         self._loop = loop or asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's resolved config (max_model_len filled in from the model)."""
+        return self.engine.config
 
     @property
     def is_alive(self) -> bool:
@@ -118,7 +132,8 @@ class AsyncEngine:
         """Submit a request now; iterate the returned stream for its outputs.
 
         Refusals (engine dead, queue full) raise here, before anything is
-        streamed, so the caller can still answer with an HTTP status. Closing
+        streamed, so the caller can still answer with an HTTP status; call
+        check_prompt() first for a prompt the engine cannot run. Closing
         the stream before its last output (client gone, task cancelled)
         aborts the request, which frees its blocks on the next step.
         """
@@ -137,9 +152,12 @@ class AsyncEngine:
             except Exception as exc:  # a bad request, not a broken engine
                 self._deliver_soon([(request_id, exc)])
 
-        add.request_id = request_id  # lets release() take it back while still queued
-        self._submit(add, is_add=True)
+        self._submit(Command(add, adds=request_id))
         return RequestStream(self, request_id, queue)
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """Raise ValueError for a prompt the engine cannot run (safe from the loop)."""
+        self.engine.check_prompt(token_ids)
 
     def release(self, request_id: str) -> None:
         """The consumer is gone: abort the request unless the engine already finished it."""
@@ -156,7 +174,7 @@ class AsyncEngine:
         """
         with self._wakeup:
             for command in self._commands:
-                if getattr(command, "request_id", None) == request_id:
+                if command.adds == request_id:
                     self._commands.remove(command)
                     self._num_queued_adds -= 1
                     return True
@@ -164,7 +182,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the start of the next step."""
-        self._submit(lambda: self.engine.abort_request(request_id))
+        self._submit(Command(lambda: self.engine.abort_request(request_id)))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between two steps; return its result."""
@@ -181,7 +199,7 @@ class AsyncEngine:
             else:
                 self._loop.call_soon_threadsafe(_settle, future, result, None)
 
-        self._submit(command)
+        self._submit(Command(command))
         return await future
 
     @property
@@ -211,10 +229,10 @@ class AsyncEngine:
                 f"(max_waiting_requests={self.max_waiting_requests})"
             )
 
-    def _submit(self, command: Callable[[], None], is_add: bool = False) -> None:
+    def _submit(self, command: Command) -> None:
         with self._wakeup:
             self._commands.append(command)
-            self._num_queued_adds += is_add
+            self._num_queued_adds += command.adds is not None
             self._wakeup.notify()
 
     # -- delivery (runs on the loop) -------------------------------------------------
@@ -252,7 +270,7 @@ class AsyncEngine:
                 if commands is None:
                     return
                 for command in commands:
-                    command()
+                    command.run()
                 outputs = []
                 if engine.has_unfinished_requests():
                     started = time.perf_counter()
@@ -276,7 +294,7 @@ class AsyncEngine:
             dead = EngineDeadError(self.failure)
             self._loop.call_soon_threadsafe(self._fail_all, dead)
 
-    def _wait_for_work(self) -> list[Callable[[], None]] | None:
+    def _wait_for_work(self) -> list[Command] | None:
         """Take the queued commands, sleeping while there is nothing to do."""
         with self._wakeup:
             while not (

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop-string detection for one sequence.
+"""Incremental detokenization of one sequence: token ids in, text and deltas out.
 
 Decoding token by token does not work on its own: byte-level BPE splits
 multi-byte characters over several tokens, and some tokenizers render a token
@@ -12,22 +12,19 @@ is complete; otherwise the tokens stay pending and the window grows.
 Each step therefore decodes a handful of tokens, not the whole output.
 
 Contract with the engine:
-- output_text equals tokenizer.decode(output_ids, skip_special_tokens=...,
-  clean_up_tokenization_spaces=False), cut at a stop string. The window is
-  seeded with the prompt's last tokens, so with SentencePiece tokenizers a
+- output_text equals tokenizer.decode(fed_ids, skip_special_tokens=...,
+  clean_up_tokenization_spaces=False), minus what `trim` removed. The window
+  is seeded with the prompt's last tokens, so with SentencePiece tokenizers a
   leading space of the first output token is kept (as vLLM does) where a bare
   decode of the output would drop it.
-- Stop strings are only looked for once min_tokens tokens were fed, and only
-  in text produced from then on (plus its overlap with earlier text).
-- The detokenizer does not know EOS or stop_token_ids: whichever tokens the
-  engine feeds become text (special ones vanish under skip_special_tokens).
+- The detokenizer knows nothing about stopping: which tokens become text, where
+  a stop string cuts it and how much of a stream is held back are decided in
+  engine/stopping.py, which feeds it and tells it.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from engine.sampling_params import SamplingParams
 
 # How many prompt tokens seed the window. They give the first output token
 # its real left context (e.g. a SentencePiece leading space is kept), and a
@@ -38,10 +35,11 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
-        self._params = params
-        self._stop = list(params.stop) if tokenizer is not None else []
+        self._skip_special_tokens = skip_special_tokens
         # The committed text is kept as one piece per step rather than one
         # growing str: appending to a str attribute copies it every time,
         # which is quadratic over a long generation.
@@ -49,13 +47,7 @@ class IncrementalDetokenizer:
         self._length = 0
         self._joined = ""  # cache of "".join(self._pieces)
         self._joined_pieces = 0
-        # The last max(len(stop)) - 1 committed characters: all that stop
-        # matching across steps and stream hold-back ever need to look at.
-        self._tail = ""
-        self._tail_size = max((len(stop) for stop in self._stop), default=1) - 1
         self._sent = 0  # characters already handed out by get_delta
-        self._num_output_tokens = 0
-        self._stopped = False
         self._ids = self._initial_context(list(prompt_token_ids))
         # _ids[prefix_offset:read_offset] is the last committed chunk, kept
         # as left context; _ids[read_offset:] is not yet text.
@@ -69,49 +61,40 @@ class IncrementalDetokenizer:
         would render them."""
         return self._committed_text() + self._pending_text()
 
-    @property
-    def stopped(self) -> bool:
-        """True once a stop string matched; later updates are ignored."""
-        return self._stopped
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Output tokens consumed. After a stop-string match this counts the
-        tokens up to and including the one that completed the stop string."""
-        return self._num_output_tokens
-
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; return the stop string they completed, if any.
-
-        Tokens after the one that completes a stop string are not consumed.
-        """
-        if self._stopped:
-            return None
+    def update(self, new_token_ids: list[int]) -> str:
+        """Append tokens; return the text they committed ("" while the last
+        character is incomplete, or for tokens that render as nothing)."""
+        if self._tokenizer is None:
+            return ""
+        committed = []
         for token_id in new_token_ids:
-            self._num_output_tokens += 1
-            if self._tokenizer is None:
-                continue
             self._ids.append(token_id)
-            previous_tail = self._tail
-            piece = self._commit_complete_text()
-            stop = self._check_stop(previous_tail, piece) if (piece and self._stop) else None
-            if stop is not None:
-                return stop
-        return None
+            committed.append(self._commit_complete_text())
+        return "".join(committed)
 
-    def get_delta(self, finished: bool) -> str:
+    def trim(self, num_chars: int) -> None:
+        """Drop the last `num_chars` committed characters (a stop string cut)."""
+        length = self._length - num_chars
+        while self._length > length:
+            piece = self._pieces.pop()
+            self._length -= len(piece)
+            if self._length < length:
+                self._pieces.append(piece[: length - self._length])
+                self._length = length
+        # The joined cache may hold dropped text: rebuild it on demand.
+        self._joined, self._joined_pieces = "", 0
+
+    def get_delta(self, finished: bool, hold_back: int = 0) -> str:
         """Text not returned by earlier calls.
 
-        While unfinished, a trailing piece that could be the start of a stop
-        string is held back, so a stop string never reaches a stream, and so
-        are incomplete characters. finished=True flushes everything, so the
-        deltas always add up to output_text.
+        While unfinished, the last `hold_back` committed characters are held
+        back (the caller's stop strings may still claim them), and so are
+        incomplete characters. finished=True flushes everything, so the deltas
+        always add up to output_text.
         """
         if finished:
             self._flush_pending()
-        end = self._length
-        if not (finished or self._stopped):
-            end -= self._held_back_length()
+        end = self._length if finished else self._length - hold_back
         if end <= self._sent:
             return ""
         delta = self._text_since(self._sent)[: end - self._sent]
@@ -135,7 +118,7 @@ class IncrementalDetokenizer:
         # wrong; vLLM does not apply it either.
         return self._tokenizer.decode(
             token_ids,
-            skip_special_tokens=self._params.skip_special_tokens,
+            skip_special_tokens=self._skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )
 
@@ -160,8 +143,8 @@ class IncrementalDetokenizer:
 
     def _flush_pending(self) -> None:
         """Commit tokens that never completed a character. Their bytes are
-        rendered as U+FFFD, like a full decode does. They are not checked for
-        stop strings: this only happens once generation has ended."""
+        rendered as U+FFFD, like a full decode does. Stop strings are never
+        looked for in this text: it only appears once generation has ended."""
         pending = self._pending_text()
         if pending:
             self._commit(pending)
@@ -174,11 +157,8 @@ class IncrementalDetokenizer:
         return window_text[len(prefix_text) :]
 
     def _commit(self, piece: str) -> None:
-        if not piece:
-            return
         self._pieces.append(piece)
         self._length += len(piece)
-        self._tail = (self._tail + piece)[-self._tail_size :] if self._tail_size else ""
 
     def _committed_text(self) -> str:
         if self._joined_pieces != len(self._pieces):
@@ -198,51 +178,3 @@ class IncrementalDetokenizer:
             parts.append(piece[max(start - piece_start, 0) :])
             position = piece_start
         return "".join(reversed(parts))
-
-    def _check_stop(self, previous_tail: str, piece: str) -> str | None:
-        """Find a stop string ending in the piece just committed.
-
-        A new match must end inside `piece`, so it lies within the previous
-        tail (the last max(len(stop)) - 1 characters) plus the piece; that also
-        covers a stop string split over several tokens. The earliest match
-        wins, as that is what a reader would see first.
-        """
-        if self._num_output_tokens < self._params.min_tokens:
-            return None
-        window = previous_tail + piece
-        best: tuple[int, str] | None = None
-        for stop in self._stop:
-            position = window.find(stop, max(0, len(previous_tail) - len(stop) + 1))
-            if position != -1 and (best is None or position < best[0]):
-                best = (position, stop)
-        if best is None:
-            return None
-        position, stop = best
-        if self._params.include_stop_str_in_output:
-            position += len(stop)
-        self._truncate(self._length - len(window) + position)
-        self._stopped = True
-        return stop
-
-    def _truncate(self, length: int) -> None:
-        """Drop committed text past `length` characters."""
-        while self._length > length:
-            piece = self._pieces.pop()
-            self._length -= len(piece)
-            if self._length < length:
-                self._pieces.append(piece[: length - self._length])
-                self._length = length
-        # The joined cache and the tail may hold dropped text: rebuild them.
-        self._joined, self._joined_pieces = "", 0
-        self._tail = self._text_since(max(0, length - self._tail_size)) if self._tail_size else ""
-
-    def _held_back_length(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix
-        of some stop string (0 when there are no stop strings)."""
-        longest = 0
-        for stop in self._stop:
-            for length in range(min(len(stop) - 1, len(self._tail)), longest, -1):
-                if self._tail.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest

@@ -17,6 +17,7 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
+from engine.chat_template import render_chat_text
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -73,13 +74,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _params_per_prompt(sampling_params, len(conversations))
         tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat() needs a tokenizer with a chat template; this model has none")
         items = []
         for conversation, sp in zip(conversations, params):
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            text = render_chat_text(tokenizer, conversation, add_generation_prompt)
             items.append((text, sp, False))  # the template already placed special tokens
         return self._run(items, use_tqdm)
 

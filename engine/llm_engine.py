@@ -4,7 +4,8 @@
     step():  Scheduler.schedule() ─> SchedulerOutput
              ModelRunner.execute() ─> sampled tokens
              Scheduler.update()     ─> tokens appended
-             stop checks, detokenize ─> RequestOutput for every request that moved
+             StopChecker.check()    ─> finished or not; detokenized text
+             RequestOutput for every request that moved
 
 One engine is driven by one thread at a time (the offline LLM, or the service's
 engine thread); it holds no locks of its own.
@@ -17,17 +18,19 @@ import itertools
 import operator
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, Runner
 from engine.models.loader import load_hf_config, load_tokenizer, resolve_model_path
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
 
@@ -39,42 +42,79 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
+    stop_checkers: list[StopChecker]  # per seq; each feeds its detokenizer
     reported: list[int] = field(default_factory=list)  # tokens already handed out, per seq
+    finish_reported: list[bool] = field(default_factory=list)  # per seq
 
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine must know of a model besides running it.
+
+    load_model() reads it from a checkpoint; an engine built around a given
+    runner (LLMEngine(config, runner=..., model_info=...)) takes it as is.
+    """
+
+    vocab_size: int  # prompt token ids are checked against it
+    eos_token_ids: frozenset[int] = frozenset()
+    # Keys every prefix-cache block hash: equal fingerprints promise equal K/V.
+    fingerprint: bytes = bytes(32)
+    tokenizer: object | None = None  # None: prompts are token ids, outputs carry no text
+    path: Path | None = None  # the checkpoint folder, when there is one
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        model_path = resolve_model_path(config.model, config.cache_dir)
-        hf_config = load_hf_config(model_path)
-        self.model_path = model_path
-        self.config = config.resolve_max_model_len(hf_config.max_position_embeddings)
-        self.tokenizer = (
-            load_tokenizer(config.tokenizer, required=True)
-            if config.tokenizer
-            else load_tokenizer(model_path)
-        )
-        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
-        self.runner = ModelRunner(self.config, hf_config, model_path, self.eos_token_ids)
-        self.vocab_size = self.runner.model.args.vocab_size
-        self.block_manager = BlockManager(
-            self.runner.num_blocks,
-            self.config.block_size,
-            enable_caching=self.config.enable_prefix_caching,
-        )
-        self.fingerprint = model_fingerprint(model_path, self.runner.dtype, self.config)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        runner: Runner | None = None,
+        model_info: ModelInfo | None = None,
+        scheduler: Scheduler | None = None,
+    ) -> None:
+        """`LLMEngine(config)` loads the model that `config` names.
+
+        `runner` and `model_info` (both or neither) replace the model with any
+        object that satisfies the Runner protocol; nothing is loaded, and
+        `config.max_model_len` must then be set. `scheduler` replaces the
+        scheduler the engine would build, its block manager with it.
+        """
+        if (runner is None) != (model_info is None):
+            raise ValueError("pass runner and model_info together, or neither")
+        if runner is None:
+            config, model_info, runner = load_model(config)
+        elif not config.max_model_len:
+            raise ValueError("an engine around a given runner needs config.max_model_len")
+        self.config = config
+        self.runner = runner
+        self.model_path = model_info.path
+        self.tokenizer = model_info.tokenizer
+        self.eos_token_ids = model_info.eos_token_ids
+        self.vocab_size = model_info.vocab_size
+        self.fingerprint = model_info.fingerprint
+        if scheduler is None:
+            scheduler = Scheduler(config, self._block_manager())
+        self.scheduler = scheduler
+        self.block_manager = scheduler.block_manager
+        if self.block_manager.num_blocks > runner.num_blocks:
+            raise ValueError(
+                f"the scheduler's {self.block_manager.num_blocks} KV blocks exceed the "
+                f"runner's {runner.num_blocks}"
+            )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = 0  # prompt tokens of every request added
         self.num_generation_tokens = 0  # tokens sampled, over all requests
-        logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
-            model_path.name, self.runner.device, self.runner.dtype,
-            self.runner.num_blocks, self.config.block_size,
+
+    def _block_manager(self) -> BlockManager:
+        return BlockManager(
+            self.runner.num_blocks,
+            self.config.block_size,
+            enable_caching=self.config.enable_prefix_caching,
         )
 
     # -- requests ------------------------------------------------------------------
@@ -98,7 +138,7 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt, add_special_tokens)
         self.check_prompt(token_ids)
         salt = hashlib.sha256(cache_salt.encode()).digest() if cache_salt else b""
-        seqs, detokenizers = [], []
+        seqs, detokenizers, stop_checkers = [], [], []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             seq = Sequence(
@@ -113,9 +153,16 @@ class LLMEngine:
                 fork_parent=seqs[0] if seqs else None,
             )
             seqs.append(seq)
-            detokenizers.append(IncrementalDetokenizer(self.tokenizer, token_ids, params))
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens
+            )
+            detokenizers.append(detokenizer)
+            stop_checkers.append(StopChecker(
+                params, self.eos_token_ids, self.config.max_model_len, len(token_ids), detokenizer
+            ))
         self.requests[request_id] = Request(
-            request_id, text, token_ids, seqs, detokenizers, [0] * params.n
+            request_id, text, token_ids, seqs, detokenizers, stop_checkers,
+            [0] * params.n, [False] * params.n,
         )
         self.num_prompt_tokens += len(token_ids)
         for seq in seqs:
@@ -173,7 +220,11 @@ class LLMEngine:
             if seq.params.logprobs is not None:
                 seq.output_logprobs.append(sampled.logprobs[row])
                 seq.output_top_logprobs.append(sampled.top_logprobs[row])
-            self._check_stop(seq, request.detokenizers[seq.index])
+            stop = request.stop_checkers[seq.index].check(
+                seq.output_token_ids[-1], len(seq.output_token_ids)
+            )
+            if stop is not None:
+                self.scheduler.finish(seq, stop.finish_reason, stop.stop_reason)
             moved[request.request_id] = request
         outputs = [self._output(request) for request in moved.values()]
         for request in moved.values():
@@ -181,31 +232,19 @@ class LLMEngine:
                 del self.requests[request.request_id]
         return outputs
 
-    def _check_stop(self, seq: Sequence, detokenizer: IncrementalDetokenizer) -> None:
-        """Finish `seq` if its newest token ends it; feed the detokenizer otherwise."""
-        params = seq.params
-        token = seq.output_token_ids[-1]
-        num_out = len(seq.output_token_ids)
-        may_stop = num_out >= params.min_tokens
-        if may_stop and token in params.stop_token_ids:
-            if params.include_stop_str_in_output:
-                detokenizer.update([token])
-            self.scheduler.finish(seq, "stop", token)
-            return
-        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
-            self.scheduler.finish(seq, "stop")
-            return
-        stop_string = detokenizer.update([token])
-        if stop_string is not None and may_stop:
-            self.scheduler.finish(seq, "stop", stop_string)
-        elif num_out >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            self.scheduler.finish(seq, "length")
-
     def _output(self, request: Request) -> RequestOutput:
         completions = []
         for i, (seq, detok) in enumerate(zip(request.seqs, request.detokenizers)):
+            # A stream holds back text that may still turn out to be a stop string.
+            hold_back = request.stop_checkers[i].held_back_length()
             start = request.reported[i]
             request.reported[i] = len(seq.output_token_ids)
+            # A choice changed if it grew or finished in this step; sibling choices
+            # that finished earlier ride along unchanged (n > 1).
+            changed = start < len(seq.output_token_ids) or (
+                seq.is_finished and not request.finish_reported[i]
+            )
+            request.finish_reported[i] = seq.is_finished
             wants_logprobs = seq.params.logprobs is not None
             completions.append(
                 CompletionOutput(
@@ -216,8 +255,9 @@ class LLMEngine:
                     stop_reason=seq.stop_reason,
                     logprobs=list(seq.output_logprobs) if wants_logprobs else None,
                     top_logprobs=list(seq.output_top_logprobs) if wants_logprobs else None,
-                    delta_text=detok.get_delta(seq.is_finished),
+                    delta_text=detok.get_delta(seq.is_finished, hold_back),
                     delta_token_ids=seq.output_token_ids[start:],
+                    changed=changed,
                 )
             )
         return RequestOutput(
@@ -252,6 +292,34 @@ class LLMEngine:
             "kv_blocks_total": self.block_manager.num_usable_blocks,
             "kv_blocks_cached": self.block_manager.num_cached_blocks,
         }
+
+
+def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunner]:
+    """Read the checkpoint that `config` names: the config with the model's own
+    max_model_len filled in, what the engine must know of the model, and the
+    runner holding its weights and KV cache."""
+    model_path = resolve_model_path(config.model, config.cache_dir)
+    hf_config = load_hf_config(model_path)
+    config = config.resolve_max_model_len(hf_config.max_position_embeddings)
+    tokenizer = (
+        load_tokenizer(config.tokenizer, required=True)
+        if config.tokenizer
+        else load_tokenizer(model_path)
+    )
+    eos_token_ids = _eos_token_ids(hf_config, tokenizer)
+    runner = ModelRunner(config, hf_config, model_path, eos_token_ids)
+    info = ModelInfo(
+        vocab_size=runner.model.args.vocab_size,
+        eos_token_ids=eos_token_ids,
+        fingerprint=model_fingerprint(model_path, runner.dtype, config),
+        tokenizer=tokenizer,
+        path=model_path,
+    )
+    logger.info(
+        "model ready: %s on %s (%s), %d KV blocks of %d tokens",
+        model_path.name, runner.device, runner.dtype, runner.num_blocks, config.block_size,
+    )
+    return config, info, runner
 
 
 def model_fingerprint(model_path, dtype, config: EngineConfig) -> bytes:

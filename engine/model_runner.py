@@ -9,6 +9,8 @@ into the flat tensors the model wants:
     positions:  [  9   4 |  0  1  2  3 ]
     slots:      [ table_A[9 // bs] * bs + 9 % bs, ... ]     where each new K/V row is written
     logits:     only at the last token of each sequence that samples this step
+    sampling:   one SamplingRequest per such sequence, built here (build_sampling_batch)
+                from the SchedulerOutput; the tokens it may not draw come from stopping
 
 The KV cache is one tensor, [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim];
 layer i reads kv_cache[0][i] (K) and kv_cache[1][i] (V).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -25,8 +28,9 @@ from engine.config import EngineConfig
 from engine.cpu_allocator import keep_freed_memory
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.models.loader import iter_safetensors
-from engine.sampler import Sampler, SamplerOutput
+from engine.sampler import Sampler, SamplerOutput, SamplingRequest
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.stopping import banned_token_ids
 from kernels import check_backend_support, get_backend
 
 logger = logging.getLogger(__name__)
@@ -38,6 +42,58 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class ModelRunnerOutput:
     seq_ids: list[int]  # the sequences that sampled, in the order of the sampler's rows
     sampled: SamplerOutput
+
+
+class Runner(Protocol):
+    """What LLMEngine needs of whatever runs the model: ModelRunner is one.
+
+    `LLMEngine(config, runner=..., model_info=...)` takes any object of this
+    shape and loads nothing: a benchmark's null model that "samples" fake
+    tokens, or a wrapper that times the real runner. The engine sizes its
+    block manager from `num_blocks`, makes seeded requests' generators on
+    `device`, and hands each step's SchedulerOutput to `execute`, which
+    returns one sampled token for every sequence whose `sampling` is set.
+    What the engine must know of the model itself (vocabulary, EOS ids,
+    fingerprint, tokenizer) is not the runner's business: see
+    engine.llm_engine.ModelInfo.
+    """
+
+    num_blocks: int  # KV blocks, the null block 0 included
+    device: torch.device | str
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass
+class SamplingBatch:
+    rows: list[int]  # the flat batch row of each sampled sequence's last token
+    seq_ids: list[int]
+    requests: list[SamplingRequest]  # the sampler's input, one per row
+
+
+def build_sampling_batch(
+    ordered: list[ScheduledSequence], eos_token_ids: frozenset[int]
+) -> SamplingBatch:
+    """The sampler's input for a step whose tokens are flattened in `ordered`
+    order: a row for every sequence that samples. Which tokens a row may not
+    draw is stopping's decision (min_tokens); the sampler only masks them."""
+    batch = SamplingBatch([], [], [])
+    end = 0
+    for s in ordered:
+        end += s.num_new_tokens
+        if s.sampling is None:
+            continue
+        batch.rows.append(end - 1)
+        batch.seq_ids.append(s.seq_id)
+        banned = banned_token_ids(s.sampling, len(s.output_token_ids), eos_token_ids)
+        batch.requests.append(SamplingRequest(
+            params=s.sampling,
+            generator=s.generator,
+            prompt_token_ids=s.prompt_token_ids,
+            output_token_ids=s.output_token_ids,
+            banned_token_ids=banned,
+        ))
+    return batch
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -91,7 +147,8 @@ class ModelRunner:
             2, args.num_layers, self.num_blocks, self.block_size, args.num_kv_heads,
             args.head_dim, dtype=self.dtype, device=self.device,
         )
-        self.sampler = Sampler(eos_token_ids, args.vocab_size, seed=config.seed)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sampler = Sampler(args.vocab_size, seed=config.seed)
 
     # -- start-up -------------------------------------------------------------------
     def _load_model(self, hf_config, model_path) -> LlamaForCausalLM:
@@ -172,17 +229,11 @@ class ModelRunner:
         input_ids, positions, slots = self._flatten(ordered)
         meta = self._metadata(decodes, prefills, slots)
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_cache, meta)
-        rows, requests, seq_ids, end = [], [], [], 0
-        for s in ordered:
-            end += s.num_new_tokens
-            if s.sampling is not None:
-                rows.append(end - 1)
-                requests.append(s.sampling)
-                seq_ids.append(s.seq_id)
-        if not rows:
+        batch = build_sampling_batch(ordered, self.eos_token_ids)
+        if not batch.rows:
             return ModelRunnerOutput([], SamplerOutput([], [], []))
-        logits = self.model.compute_logits(hidden[self._tensor(rows)])
-        return ModelRunnerOutput(seq_ids, self.sampler(logits, requests))
+        logits = self.model.compute_logits(hidden[self._tensor(batch.rows)])
+        return ModelRunnerOutput(batch.seq_ids, self.sampler(logits, batch.requests))
 
     def _use_configured_threads(self) -> None:
         """Apply --num-threads in whichever thread steps the engine: an OpenMP

@@ -3,6 +3,8 @@
 Each step produces a `RequestOutput` for every request that made progress.
 `text` and `token_ids` are cumulative; `delta_text` and `delta_token_ids`
 hold only what this step added, which is what a streaming client sends on.
+`changed` says whether a choice grew or finished in this step: a request with
+n > 1 reports every choice, and a streaming client sends on only the changed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class CompletionOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    changed: bool = True
 
     @property
     def finished(self) -> bool:

@@ -3,7 +3,8 @@
 Processing order follows vLLM, so results can be compared with it:
 
 1. logprobs are taken from the raw logits (vLLM's default "raw" mode);
-2. min_tokens: stop tokens are banned while a sequence is too short;
+2. banned tokens: each row's banned_token_ids are masked out (engine/stopping.py
+   decides them: min_tokens; the sampler only applies the mask);
 3. repetition penalty (HF/vLLM), then frequency/presence penalties (OpenAI);
 4. greedy rows take the argmax;
 5. other rows: temperature, top-k, top-p, min-p, then a random draw.
@@ -35,6 +36,8 @@ class SamplingRequest:
     generator: torch.Generator | None
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    # Ids this row may not draw now; ids outside the vocabulary are ignored.
+    banned_token_ids: Collection[int] = ()
 
 
 @dataclass
@@ -59,10 +62,9 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Collection[int], vocab_size: int, seed: int | None = None):
+    def __init__(self, vocab_size: int, seed: int | None = None):
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.vocab_size = vocab_size
         self._seed = seed
         # One default generator per device, created on first use because the
@@ -72,7 +74,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:
         logits = self._prepare_logits(logits, len(requests))
         raw_logprobs = _raw_logprobs(logits, requests)
-        logits = apply_min_tokens(logits, requests, self.eos_token_ids)
+        logits = apply_banned_tokens(logits, requests)
         logits = _apply_request_penalties(logits, requests)
         token_ids = self._choose_tokens(logits, requests)
         return _build_output(token_ids, raw_logprobs, requests)
@@ -195,26 +197,21 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def apply_min_tokens(
-    logits: torch.Tensor, requests: Sequence[SamplingRequest], eos_token_ids: Collection[int]
+def apply_banned_tokens(
+    logits: torch.Tensor, requests: Sequence[SamplingRequest]
 ) -> torch.Tensor:
-    """Ban a row's stop tokens while it has fewer than min_tokens outputs.
+    """Set each row's banned_token_ids to -inf.
 
-    Banned: params.stop_token_ids, plus eos_token_ids unless ignore_eos (with
-    ignore_eos, EOS does not end the sequence, so it need not be banned; this
-    matches vLLM). Returns a new tensor; ids outside the vocabulary are ignored.
+    Which ids are banned is not the sampler's business (stopping.py decides:
+    the tokens that would stop a sequence still short of min_tokens). Returns a
+    new tensor, or `logits` itself when nothing is banned; ids outside the
+    vocabulary are ignored.
     """
     rows: list[int] = []
     cols: list[int] = []
     vocab = logits.shape[-1]
     for row, request in enumerate(requests):
-        params = request.params
-        if len(request.output_token_ids) >= params.min_tokens:
-            continue
-        banned = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            banned.update(eos_token_ids)
-        for token_id in banned:
+        for token_id in request.banned_token_ids:
             if 0 <= token_id < vocab:
                 rows.append(row)
                 cols.append(token_id)

@@ -30,7 +30,10 @@ first writes into a block that is still shared gets a private copy of it
 (copy on write; the runner copies the K/V before the forward pass).
 
 The result is a `SchedulerOutput`: plain data, the only thing the model
-runner sees.
+runner sees. It says which sequences run and which of their tokens; for a
+sequence whose logits are sampled it also carries what sampling reads (its
+settings, generator and tokens), but the sampler's batch is the runner's to
+build.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sampler import SamplingRequest
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -50,7 +55,14 @@ class ScheduledSequence:
     token_ids: list[int]  # the tokens whose K/V this step computes
     start_position: int  # position of token_ids[0] == num_computed_tokens before the step
     block_table: list[int]  # covers start_position + len(token_ids) tokens
-    sampling: SamplingRequest | None  # set when this step's logits are sampled
+    # The request's settings when this step samples the sequence (its chunk
+    # reaches the last known token), None otherwise.
+    sampling: SamplingParams | None
+    # What sampling reads, owned by the sequence (the runner only reads them):
+    # the generator of a seeded request, and the tokens for penalties and min_tokens.
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
 
     @property
     def num_new_tokens(self) -> int:
@@ -213,20 +225,15 @@ class Scheduler:
         # every layer writes the K/V of the whole batch before any attention reads.
         self.block_manager.cache_full_blocks(seq.seq_id, seq.block_hashes, start + num_new)
         self.num_prompt_tokens_computed += num_new - (1 if decodes else 0)
-        sampling = None
-        if reaches_end:
-            sampling = SamplingRequest(
-                params=seq.params,
-                generator=seq.generator,
-                prompt_token_ids=seq.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
-            )
         return ScheduledSequence(
             seq_id=seq.seq_id,
             token_ids=seq.token_slice(start, start + num_new),
             start_position=start,
             block_table=self.block_manager.block_table(seq.seq_id),
-            sampling=sampling,
+            sampling=seq.params if reaches_end else None,
+            generator=seq.generator,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
         )
 
     # -- after the model ran -----------------------------------------------------------

@@ -4,11 +4,8 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,8 +38,8 @@ def tokenizer():
 
 class PieceTokenizer:
     """A toy tokenizer: token id i decodes to pieces[i], and ids in `special`
-    are dropped under skip_special_tokens. It makes stop-string cases exact
-    and runs without the real tokenizer."""
+    are dropped under skip_special_tokens. It makes text and stop-string cases
+    exact and runs without the real tokenizer (test_stopping uses it too)."""
 
     def __init__(self, pieces, special=()):
         self.pieces = list(pieces)
@@ -68,18 +65,17 @@ class PieceTokenizer:
         return ids
 
 
-def stream(detokenizer, token_ids, chunk_sizes=None, finish=True):
-    """Feed tokens in chunks; return (deltas, stop string or None)."""
-    deltas, stop, position = [], None, 0
+def stream(detokenizer, token_ids, chunk_sizes=None):
+    """Feed tokens in chunks, taking a delta after each; return the deltas."""
+    deltas, position = [], 0
     chunk_sizes = iter(chunk_sizes or [])
-    while position < len(token_ids) and stop is None:
+    while position < len(token_ids):
         size = next(chunk_sizes, 1)
-        stop = detokenizer.update(token_ids[position : position + size])
+        detokenizer.update(token_ids[position : position + size])
         position += size
-        deltas.append(detokenizer.get_delta(finished=stop is not None))
-    if finish and stop is None:
-        deltas.append(detokenizer.get_delta(finished=True))
-    return deltas, stop
+        deltas.append(detokenizer.get_delta(finished=False))
+    deltas.append(detokenizer.get_delta(finished=True))
+    return deltas
 
 
 # -- agreement with a full decode (real tokenizer) ---------------------------------------
@@ -89,16 +85,14 @@ def stream(detokenizer, token_ids, chunk_sizes=None, finish=True):
 def test_random_slices_match_full_decode(tokenizer, skip_special_tokens):
     ids = tokenizer.encode(SAMPLE_TEXT)
     rng = random.Random(0)
-    params = SamplingParams(skip_special_tokens=skip_special_tokens)
     for _ in range(150):
         start = rng.randrange(len(ids))
         end = rng.randrange(start, len(ids) + 1)
         prompt, output = ids[:start], ids[start:end]
-        detokenizer = IncrementalDetokenizer(tokenizer, prompt, params)
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
         chunks = [rng.randrange(1, 4) for _ in output]
-        deltas, stop = stream(detokenizer, output, chunks)
+        deltas = stream(detokenizer, output, chunks)
         expected = tokenizer.decode(output, skip_special_tokens=skip_special_tokens)
-        assert stop is None
         assert detokenizer.output_text == expected, (prompt[-5:], output)
         assert "".join(deltas) == expected
 
@@ -110,10 +104,8 @@ def test_random_token_ids_match_full_decode(tokenizer):
         output = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 30))]
         prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 8))]
         skip = trial % 2 == 0
-        detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt, SamplingParams(skip_special_tokens=skip)
-        )
-        deltas, _ = stream(detokenizer, output)
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+        deltas = stream(detokenizer, output)
         expected = tokenizer.decode(output, skip_special_tokens=skip)
         assert detokenizer.output_text == expected
         assert "".join(deltas) == expected
@@ -122,7 +114,7 @@ def test_random_token_ids_match_full_decode(tokenizer):
 def test_partial_characters_are_never_streamed(tokenizer):
     text = " 🤖 世界 🇫🇷 👩‍👩‍👧‍👦 é"
     ids = tokenizer.encode(text)
-    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"), SamplingParams())
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"))
     streamed = ""
     for token_id in ids:
         detokenizer.update([token_id])
@@ -136,7 +128,7 @@ def test_partial_characters_are_never_streamed(tokenizer):
 def test_robot_emoji_split_over_three_tokens(tokenizer):
     ids = tokenizer.encode(" 🤖")
     assert len(ids) == 3  # " \xf0\x9f", "\xa4", "\x96": the emoji is split
-    detokenizer = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
     deltas = []
     for token_id in ids:
         detokenizer.update([token_id])
@@ -146,7 +138,7 @@ def test_robot_emoji_split_over_three_tokens(tokenizer):
 
 def test_output_ending_inside_a_character_is_flushed_as_replacement(tokenizer):
     ids = tokenizer.encode("ok 🤖")[:-1]  # drop the emoji's last byte token
-    detokenizer = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
     detokenizer.update(ids)
     assert detokenizer.get_delta(finished=False) == "ok"
     expected = tokenizer.decode(ids)
@@ -160,8 +152,8 @@ def test_output_ending_inside_a_character_is_flushed_as_replacement(tokenizer):
 def test_prompt_ending_inside_a_character(tokenizer):
     ids = tokenizer.encode("a 世界 b")
     for cut in range(1, len(ids)):
-        detokenizer = IncrementalDetokenizer(tokenizer, ids[:cut], SamplingParams())
-        deltas, _ = stream(detokenizer, ids[cut:])
+        detokenizer = IncrementalDetokenizer(tokenizer, ids[:cut])
+        deltas = stream(detokenizer, ids[cut:])
         assert "".join(deltas) == tokenizer.decode(ids[cut:]) == detokenizer.output_text
 
 
@@ -169,33 +161,9 @@ def test_special_tokens_follow_skip_special_tokens(tokenizer):
     ids = tokenizer.encode("Hi<|im_end|> there")
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in ids
     for skip, expected in [(True, "Hi there"), (False, "Hi<|im_end|> there")]:
-        params = SamplingParams(skip_special_tokens=skip)
-        detokenizer = IncrementalDetokenizer(tokenizer, [], params)
-        deltas, _ = stream(detokenizer, ids)
+        detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
+        deltas = stream(detokenizer, ids)
         assert detokenizer.output_text == "".join(deltas) == expected
-
-
-def test_stop_string_split_across_tokens_real_tokenizer(tokenizer):
-    text = "The answer is 42. Next question: why?"
-    ids = tokenizer.encode(text)
-    stop = "42. Next"
-    # The stop string must really span several tokens for this test to mean anything.
-    assert all(stop not in tokenizer.decode([i]) for i in ids)
-    for include, expected in [(False, "The answer is "), (True, "The answer is 42. Next")]:
-        params = SamplingParams(stop=[stop], include_stop_str_in_output=include)
-        detokenizer = IncrementalDetokenizer(tokenizer, [], params)
-        deltas, matched = stream(detokenizer, ids)
-        assert matched == stop
-        assert detokenizer.output_text == "".join(deltas) == expected
-
-
-def test_multibyte_stop_string(tokenizer):
-    ids = tokenizer.encode("héllo 🤖 世界 🇫🇷 end")
-    params = SamplingParams(stop=["🤖 世"])
-    detokenizer = IncrementalDetokenizer(tokenizer, [], params)
-    deltas, matched = stream(detokenizer, ids)
-    assert matched == "🤖 世"
-    assert detokenizer.output_text == "".join(deltas) == "héllo "
 
 
 def test_decode_windows_stay_small(tokenizer):
@@ -208,162 +176,60 @@ def test_decode_windows_stay_small(tokenizer):
             return tokenizer.decode(ids, **kwargs)
 
     ids = tokenizer.encode(SAMPLE_TEXT * 20)
-    params = SamplingParams(stop=["zzz"])
-    detokenizer = IncrementalDetokenizer(CountingTokenizer(), [1, 2, 3], params)
-    deltas, _ = stream(detokenizer, ids)
+    detokenizer = IncrementalDetokenizer(CountingTokenizer(), [1, 2, 3])
+    deltas = stream(detokenizer, ids)
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
     assert len(ids) > 1000
     assert max(calls) <= 12
     assert len(calls) <= 2 * len(ids) + 4
 
 
-# -- stop strings and streaming (toy tokenizer, exact) --------------------------------------
+# -- update, trim and hold-back (toy tokenizer, exact) ------------------------------------
 
 
 LETTERS = PieceTokenizer(["a", "b", "c", "#", "##", "x y", "<s>", " "], special=[6])
 
 
-def ids_for(text):
-    return LETTERS.encode(text)
-
-
-def test_stop_string_over_several_tokens():
-    detokenizer = IncrementalDetokenizer(LETTERS, [], SamplingParams(stop=["b##c"]))
-    tokens = [0, 1, 3, 3, 2, 0]  # a b # # c a
-    results = [detokenizer.update([token]) for token in tokens[:5]]
-    assert results == [None, None, None, None, "b##c"]
-    assert detokenizer.output_text == "a"
-    assert detokenizer.stopped
-    assert detokenizer.update([0]) is None  # ignored after the stop
-    assert detokenizer.output_text == "a"
-    assert detokenizer.num_output_tokens == 5
-
-
-def test_include_stop_str_in_output():
-    params = SamplingParams(stop=["b#"], include_stop_str_in_output=True)
-    detokenizer = IncrementalDetokenizer(LETTERS, [], params)
-    assert detokenizer.update([0, 1, 4, 2]) == "b#"  # a b ## c: matches inside "##"
-    assert detokenizer.output_text == "ab#"
-    assert detokenizer.num_output_tokens == 3  # "c" was never consumed
-    assert detokenizer.get_delta(finished=False) == "ab#"
-
-
-def test_earliest_stop_string_wins():
-    # One token completes both: "bc" starts first although listed second.
-    pieces = PieceTokenizer(["a", "bcab"])
-    detokenizer = IncrementalDetokenizer(pieces, [], SamplingParams(stop=["cab", "bc"]))
-    assert detokenizer.update([0, 1]) == "bc"
-    assert detokenizer.output_text == "a"
-
-
-def test_stop_strings_wait_for_min_tokens():
-    params = SamplingParams(stop=["a"], min_tokens=3)
-    detokenizer = IncrementalDetokenizer(LETTERS, [], params)
-    assert detokenizer.update([0, 0]) is None  # "a" twice, but only 2 tokens
-    assert detokenizer.update([1]) is None  # third token: "b", no new match
+def test_update_returns_the_text_it_committed():
+    detokenizer = IncrementalDetokenizer(LETTERS, [])
     assert detokenizer.update([0]) == "a"
-    assert detokenizer.output_text == "aab"
+    assert detokenizer.update([1, 4]) == "b##"
+    assert detokenizer.update([6]) == ""  # a skipped special token adds nothing
+    assert detokenizer.output_text == "ab##"
 
 
-def test_stop_string_in_prompt_does_not_match():
-    detokenizer = IncrementalDetokenizer(LETTERS, ids_for("ab#"), SamplingParams(stop=["#b", "b#"]))
-    assert detokenizer.update([1]) is None  # prompt "...#" + "b" must not match "#b"
-    assert detokenizer.output_text == "b"
-
-
-def test_hold_back_only_possible_stop_prefixes():
-    detokenizer = IncrementalDetokenizer(LETTERS, [], SamplingParams(stop=["###", "cab"]))
-    detokenizer.update([0, 3])  # "a#": "#" may start "###"
-    assert detokenizer.get_delta(False) == "a"
-    detokenizer.update([3])  # "a##"
-    assert detokenizer.get_delta(False) == ""
-    detokenizer.update([0])  # "a##a": no longer a stop prefix
-    assert detokenizer.get_delta(False) == "##a"
-    detokenizer.update([2, 0])  # "ca" may start "cab"
-    assert detokenizer.get_delta(False) == ""
-    detokenizer.update([2])  # "cac": only the last "c" may start "cab"
-    assert detokenizer.get_delta(False) == "ca"
-    assert detokenizer.get_delta(True) == "c"
-    assert detokenizer.output_text == "a##acac"
-
-
-def test_no_stop_strings_means_no_hold_back():
-    detokenizer = IncrementalDetokenizer(LETTERS, [], SamplingParams())
+def test_no_hold_back_means_everything_committed_is_streamed():
+    detokenizer = IncrementalDetokenizer(LETTERS, [])
     detokenizer.update([3, 3])
     assert detokenizer.get_delta(False) == "##"
 
 
-def test_skipped_special_token_between_stop_parts():
-    params = SamplingParams(stop=["ab"])
-    detokenizer = IncrementalDetokenizer(LETTERS, [], params)
-    assert detokenizer.update([0, 6, 1]) == "ab"  # a <s> b: <s> is skipped
-    assert detokenizer.output_text == ""
-    params = SamplingParams(stop=["ab"], skip_special_tokens=False)
-    detokenizer = IncrementalDetokenizer(LETTERS, [], params)
-    assert detokenizer.update([0, 6, 1]) is None
-    assert detokenizer.output_text == "a<s>b"
+def test_hold_back_withholds_the_tail_until_finished():
+    detokenizer = IncrementalDetokenizer(LETTERS, [])
+    detokenizer.update([0, 1, 2])  # "abc"
+    assert detokenizer.get_delta(False, hold_back=2) == "a"
+    assert detokenizer.get_delta(False, hold_back=2) == ""
+    detokenizer.update([3])  # "abc#"
+    assert detokenizer.get_delta(False, hold_back=1) == "bc"
+    assert detokenizer.get_delta(True, hold_back=1) == "#"  # finished: nothing held
+    assert detokenizer.output_text == "abc#"
+
+
+def test_trim_drops_committed_text_across_pieces():
+    detokenizer = IncrementalDetokenizer(LETTERS, [])
+    for token in [0, 5, 4, 2]:  # "a" "x y" "##" "c"
+        detokenizer.update([token])
+    assert detokenizer.output_text == "ax y##c"
+    detokenizer.trim(4)
+    assert detokenizer.output_text == "ax "
+    assert detokenizer.get_delta(True) == "ax "
+    detokenizer.trim(0)
+    assert detokenizer.output_text == "ax "
 
 
 def test_without_tokenizer_text_stays_empty():
-    detokenizer = IncrementalDetokenizer(None, [1, 2], SamplingParams(stop=["a"]))
-    assert detokenizer.update([5, 6, 7]) is None
+    detokenizer = IncrementalDetokenizer(None, [1, 2])
+    assert detokenizer.update([5, 6, 7]) == ""
     assert detokenizer.output_text == ""
     assert detokenizer.get_delta(False) == ""
     assert detokenizer.get_delta(True) == ""
-    assert detokenizer.num_output_tokens == 3
-    assert not detokenizer.stopped
-
-
-def reference_stop(pieces, stops, min_tokens, include):
-    """Brute force: the first token after which some stop string occurs in
-    the text; the earliest such occurrence wins."""
-    text = ""
-    for count, piece in enumerate(pieces, start=1):
-        previous = text
-        text += piece
-        if count < min_tokens or not piece:
-            continue
-        matches = []
-        for stop in stops:
-            position = text.find(stop, max(0, len(previous) - len(stop) + 1))
-            if position != -1:
-                matches.append((position, stop))
-        if matches:
-            position, stop = min(matches)
-            return text[: position + len(stop) if include else position], stop
-    return text, None
-
-
-PIECES = ["a", "b", "#", "ab", "#a", "b#b", ""]
-TOY = PieceTokenizer(PIECES)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    tokens=st.lists(st.integers(0, len(PIECES) - 1), max_size=25),
-    stops=st.lists(st.text(alphabet="ab#", min_size=1, max_size=4), max_size=3),
-    chunks=st.lists(st.integers(1, 3), max_size=25),
-    min_tokens=st.integers(0, 4),
-    include=st.booleans(),
-)
-def test_stop_strings_against_brute_force(tokens, stops, chunks, min_tokens, include):
-    params = SamplingParams(
-        stop=stops, min_tokens=min_tokens, include_stop_str_in_output=include, max_tokens=30
-    )
-    expected_text, expected_stop = reference_stop(
-        [PIECES[t] for t in tokens], stops, min_tokens, include
-    )
-    detokenizer = IncrementalDetokenizer(TOY, [], params)
-    streamed, matched, position = "", None, 0
-    chunk_sizes = iter(chunks)
-    while position < len(tokens) and matched is None:
-        size = next(chunk_sizes, 1)
-        matched = detokenizer.update(tokens[position : position + size])
-        position += size
-        streamed += detokenizer.get_delta(finished=False)
-        # Nothing streamed is ever taken back: no stop string leaks.
-        assert expected_text.startswith(streamed)
-    streamed += detokenizer.get_delta(finished=True)
-    assert matched == expected_stop
-    assert detokenizer.output_text == expected_text
-    assert streamed == expected_text

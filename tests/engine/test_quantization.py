@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cli import add_engine_args, config_from_args
+from engine.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
 from engine.models.quantization import GROUP_SIZE, INT4_KERNEL_MAX_ROWS, Int4Linear, quantize_int4
 

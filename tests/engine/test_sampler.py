@@ -7,14 +7,16 @@ from engine.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRequest,
+    apply_banned_tokens,
     apply_min_p,
-    apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p,
     make_generator,
     token_counts,
 )
+from engine.model_runner import build_sampling_batch
 from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSequence
 
 EOS = 2
 
@@ -23,12 +25,13 @@ EOS = 2
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def request(params=None, generator=None, prompt=(), output=()):
+def request(params=None, generator=None, prompt=(), output=(), banned=()):
     return SamplingRequest(
         params=params or SamplingParams(),
         generator=generator,
         prompt_token_ids=list(prompt),
         output_token_ids=list(output),
+        banned_token_ids=frozenset(banned),
     )
 
 
@@ -40,12 +43,12 @@ def random_logits(rows, vocab, seed):
 
 
 def test_empty_batch():
-    out = Sampler([EOS], 8)(torch.zeros(0, 8), [])
+    out = Sampler(8)(torch.zeros(0, 8), [])
     assert out == SamplerOutput([], [], [])
 
 
 def test_rejects_wrong_shapes():
-    sampler = Sampler([EOS], 8)
+    sampler = Sampler(8)
     with pytest.raises(ValueError, match="shape"):
         sampler(torch.zeros(2, 8), [request()])
     with pytest.raises(ValueError, match="vocab_size=8"):
@@ -59,7 +62,8 @@ def test_input_logits_are_not_modified():
         temperature=0.7, top_k=5, top_p=0.8, min_p=0.1, repetition_penalty=1.5,
         frequency_penalty=1.0, presence_penalty=1.0, min_tokens=3,
     )
-    Sampler([EOS], 16, seed=0)(logits, [request(params, prompt=[1, 2], output=[3])] * 3)
+    row = request(params, prompt=[1, 2], output=[3], banned=[EOS])
+    Sampler(16, seed=0)(logits, [row] * 3)
     assert torch.equal(logits, before)
 
 
@@ -67,7 +71,7 @@ def test_padded_vocab_columns_are_never_chosen():
     logits = torch.zeros(2, 12)
     logits[:, 10:] = 100.0  # LM-head padding beyond the real vocabulary
     logits[:, 4] = 1.0
-    out = Sampler([EOS], 10, seed=0)(
+    out = Sampler(10, seed=0)(
         logits, [request(SamplingParams(temperature=0)), request(SamplingParams(top_k=1))]
     )
     assert out.token_ids == [4, 4]
@@ -76,7 +80,7 @@ def test_padded_vocab_columns_are_never_chosen():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_accepts_any_float_dtype(dtype):
     logits = random_logits(2, 32, seed=1)
-    out = Sampler([EOS], 32)(logits.to(dtype), [request(SamplingParams(temperature=0))] * 2)
+    out = Sampler(32)(logits.to(dtype), [request(SamplingParams(temperature=0))] * 2)
     assert out.token_ids == logits.to(dtype).float().argmax(dim=-1).tolist()
 
 
@@ -85,7 +89,7 @@ def test_accepts_any_float_dtype(dtype):
 
 def test_greedy_is_argmax():
     logits = random_logits(6, 50, seed=2)
-    out = Sampler([EOS], 50)(logits, [request(SamplingParams(temperature=0))] * 6)
+    out = Sampler(50)(logits, [request(SamplingParams(temperature=0))] * 6)
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 6
     assert out.top_logprobs == [None] * 6
@@ -93,7 +97,7 @@ def test_greedy_is_argmax():
 
 def test_greedy_ties_go_to_lowest_id():
     logits = torch.tensor([[0.0, 5.0, 1.0, 5.0, 5.0]])
-    out = Sampler([EOS], 5)(logits, [request(SamplingParams(temperature=0))])
+    out = Sampler(5)(logits, [request(SamplingParams(temperature=0))])
     assert out.token_ids == [1]
 
 
@@ -109,7 +113,7 @@ def test_greedy_ties_go_to_lowest_id():
 )
 def test_degenerate_filters_equal_greedy(params):
     logits = random_logits(64, 100, seed=3)
-    sampler = Sampler([EOS], 100, seed=0)
+    sampler = Sampler(100, seed=0)
     seeded = [request(params, make_generator(i)) for i in range(32)]
     unseeded = [request(params) for _ in range(32)]
     out = sampler(logits, seeded + unseeded)
@@ -159,7 +163,7 @@ def test_min_p_zeroes_relative_to_best():
 
 def sample_counts(logits_row, params, draws, seed=0):
     """Token frequencies over `draws` unseeded rows of one sampler call."""
-    sampler = Sampler([EOS], logits_row.shape[-1], seed=seed)
+    sampler = Sampler(logits_row.shape[-1], seed=seed)
     logits = logits_row.expand(draws, -1)
     out = sampler(logits, [request(params)] * draws)
     return torch.bincount(torch.tensor(out.token_ids), minlength=logits_row.shape[-1])
@@ -202,7 +206,7 @@ def test_top_k_renormalises_kept_tokens():
 def test_seeded_generator_frequencies_match_probabilities():
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     logits = probs.log()[None, :]
-    sampler = Sampler([EOS], 4)
+    sampler = Sampler(4)
     generator = make_generator(1234)
     tokens = [sampler(logits, [request(generator=generator)]).token_ids[0] for _ in range(3000)]
     counts = torch.bincount(torch.tensor(tokens), minlength=4)
@@ -223,7 +227,7 @@ def run_decode(batch_layout, steps=12, vocab=300, sampler_seed=None):
 
     Each entry is (name, params, seed or None). Returns tokens per name.
     """
-    sampler = Sampler([EOS], vocab, seed=sampler_seed)
+    sampler = Sampler(vocab, seed=sampler_seed)
     rows = []
     for name, params, seed in batch_layout:
         generator = None if seed is None else make_generator(seed)
@@ -281,7 +285,7 @@ def test_sampler_seed_makes_unseeded_rows_reproducible():
 def test_generator_advances_by_one_fixed_draw_per_sampled_token():
     vocab = 64
     generator = make_generator(3)
-    Sampler([EOS], vocab)(random_logits(1, vocab, 0), [request(generator=generator)])
+    Sampler(vocab)(random_logits(1, vocab, 0), [request(generator=generator)])
     reference = make_generator(3)
     torch.empty(vocab).exponential_(generator=reference)
     assert torch.equal(generator.get_state(), reference.get_state())
@@ -291,7 +295,7 @@ def test_greedy_rows_do_not_consume_their_generator():
     generator = make_generator(3)
     state = generator.get_state()
     params = SamplingParams(temperature=0)
-    Sampler([EOS], 16)(random_logits(1, 16, 0), [request(params, generator)])
+    Sampler(16)(random_logits(1, 16, 0), [request(params, generator)])
     assert torch.equal(generator.get_state(), state)
 
 
@@ -347,7 +351,7 @@ def test_sampler_applies_penalties_only_to_rows_that_ask():
     logits = torch.tensor([[1.0, 3.0, 2.0]] * 2)
     greedy = SamplingParams(temperature=0)
     penalised = SamplingParams(temperature=0, frequency_penalty=1.5)
-    out = Sampler([EOS], 3)(
+    out = Sampler(3)(
         logits, [request(greedy, output=[1]), request(penalised, output=[1])]
     )
     assert out.token_ids == [1, 2]
@@ -356,13 +360,13 @@ def test_sampler_applies_penalties_only_to_rows_that_ask():
 def test_repetition_penalty_counts_prompt_tokens_in_sampler():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     params = SamplingParams(temperature=0, repetition_penalty=2.0)
-    assert Sampler([EOS], 3)(logits, [request(params, prompt=[1])]).token_ids == [2]
+    assert Sampler(3)(logits, [request(params, prompt=[1])]).token_ids == [2]
     # Frequency/presence penalties ignore the prompt.
     params = SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0)
-    assert Sampler([EOS], 3)(logits, [request(params, prompt=[1])]).token_ids == [1]
+    assert Sampler(3)(logits, [request(params, prompt=[1])]).token_ids == [1]
 
 
-# -- min_tokens ----------------------------------------------------------------------
+# -- banned tokens (stopping.py decides which: min_tokens) ---------------------------
 
 
 def eos_favoured_logits(rows=1):
@@ -373,42 +377,30 @@ def eos_favoured_logits(rows=1):
     return logits
 
 
-def test_min_tokens_blocks_eos_until_reached():
-    sampler = Sampler([EOS], 8)
-    params = SamplingParams(temperature=0, min_tokens=3)
-    for produced, expected in [(0, 5), (2, 5), (3, EOS), (4, EOS)]:
-        out = sampler(eos_favoured_logits(), [request(params, output=[7] * produced)])
-        assert out.token_ids == [expected], produced
-
-
-def test_min_tokens_blocks_stop_token_ids_and_all_eos_ids():
-    params = SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[5])
-    out = Sampler([EOS, 3], 8)(eos_favoured_logits(), [request(params)])
-    assert out.token_ids == [6]
-    masked = apply_min_tokens(eos_favoured_logits(), [request(params)], [EOS, 3])
+def test_banned_tokens_are_masked_exactly():
+    params = SamplingParams(temperature=0)
+    masked = apply_banned_tokens(eos_favoured_logits(), [request(params, banned=[EOS, 3, 5])])
     assert sorted(masked[0].isinf().nonzero().flatten().tolist()) == [EOS, 3, 5]
+    out = Sampler(8)(eos_favoured_logits(), [request(params, banned=[EOS, 5])])
+    assert out.token_ids == [6]
 
 
-def test_min_tokens_with_ignore_eos_leaves_eos_alone():
-    params = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[5])
-    masked = apply_min_tokens(eos_favoured_logits(), [request(params)], [EOS])
-    assert masked[0].isinf().nonzero().flatten().tolist() == [5]
-    assert Sampler([EOS], 8)(eos_favoured_logits(), [request(params)]).token_ids == [EOS]
+def test_banned_tokens_are_per_row():
+    params = SamplingParams(temperature=0)
+    rows = [request(params, banned=[EOS]), request(params), request(params, banned=[EOS, 5])]
+    assert Sampler(8)(eos_favoured_logits(3), rows).token_ids == [5, EOS, 6]
 
 
-def test_min_tokens_ignores_out_of_vocab_ids_and_short_circuit():
+def test_banned_tokens_ignore_out_of_vocab_ids_and_short_circuit():
     logits = eos_favoured_logits()
-    params = SamplingParams(min_tokens=1, stop_token_ids=[100])
-    masked = apply_min_tokens(logits, [request(params)], [200])
+    masked = apply_banned_tokens(logits, [request(banned=[100, 200])])
     assert torch.equal(masked, logits)
-    done = SamplingParams(min_tokens=1)
-    assert apply_min_tokens(logits, [request(done, output=[1])], [EOS]) is logits
+    assert apply_banned_tokens(logits, [request()]) is logits
 
 
-def test_min_tokens_applies_to_sampled_rows():
-    params = SamplingParams(min_tokens=5)
+def test_banned_tokens_apply_to_sampled_rows():
     logits = eos_favoured_logits(500)
-    out = Sampler([EOS], 8, seed=0)(logits, [request(params)] * 500)
+    out = Sampler(8, seed=0)(logits, [request(SamplingParams(), banned=[EOS])] * 500)
     assert EOS not in out.token_ids
 
 
@@ -429,7 +421,7 @@ def test_logprobs_come_from_raw_logits():
         request(params[1], output=[int(logits[1].argmax())]),
         request(params[2]),
     ]
-    out = Sampler([EOS], vocab, seed=0)(logits, requests)
+    out = Sampler(vocab, seed=0)(logits, requests)
     for row in (0, 1):
         token = out.token_ids[row]
         assert out.logprobs[row] == pytest.approx(raw[row, token].item(), abs=1e-6)
@@ -446,6 +438,42 @@ def test_logprobs_come_from_raw_logits():
 def test_logprobs_with_different_k_per_row():
     logits = random_logits(2, 30, seed=8)
     requests = [request(SamplingParams(temperature=0, logprobs=k)) for k in (2, 7)]
-    out = Sampler([EOS], 30)(logits, requests)
+    out = Sampler(30)(logits, requests)
     assert [len(top) for top in out.top_logprobs] == [2, 7]
     assert out.top_logprobs[0][0][0] == out.token_ids[0]  # greedy: the best token
+
+
+# -- the sampler's batch, as the runner builds it from the scheduler's output ----------
+
+
+def scheduled(seq_id, num_new, params, output=(), generator=None):
+    return ScheduledSequence(
+        seq_id=seq_id, token_ids=[9] * num_new, start_position=3, block_table=[1, 2],
+        sampling=params, generator=generator, prompt_token_ids=[9, 9, 9],
+        output_token_ids=list(output),
+    )
+
+
+def test_sampling_batch_rows_ids_and_requests():
+    generator = make_generator(0)
+    greedy = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[5])
+    ordered = [
+        scheduled(10, 1, greedy, output=[4]),  # decode, row 0
+        scheduled(11, 1, None),  # a one-token chunk short of the prompt's end, row 1
+        scheduled(12, 4, SamplingParams(), generator=generator),  # prefill, rows 2..5
+        scheduled(13, 3, None),  # a prefill chunk short of the prompt's end
+    ]
+    batch = build_sampling_batch(ordered, frozenset({EOS}))
+    assert batch.rows == [0, 5]
+    assert batch.seq_ids == [10, 12]
+    first, second = batch.requests
+    assert first.params is greedy and first.generator is None
+    assert first.prompt_token_ids is ordered[0].prompt_token_ids
+    assert first.output_token_ids is ordered[0].output_token_ids
+    assert set(first.banned_token_ids) == {EOS, 5}  # one output, min_tokens=2
+    assert second.generator is generator and set(second.banned_token_ids) == set()
+
+
+def test_sampling_batch_of_a_step_that_samples_nothing():
+    batch = build_sampling_batch([scheduled(1, 4, None)], frozenset({EOS}))
+    assert (batch.rows, batch.seq_ids, batch.requests) == ([], [], [])

@@ -91,10 +91,10 @@ def step(sched: Scheduler) -> Step:
         assert len(s.block_table) == bm.blocks_for(s.context_len)
         assert s.block_table == bm.block_table(s.seq_id)
         assert (s.sampling is not None) == (s.context_len == seq.num_tokens)
-        if s.sampling is not None:
-            assert s.sampling.params is seq.params
-            assert list(s.sampling.prompt_token_ids) == seq.prompt_token_ids
-            assert list(s.sampling.output_token_ids) == seq.output_token_ids
+        assert s.sampling is (seq.params if s.context_len == seq.num_tokens else None)
+        assert s.generator is seq.generator  # sampling reads the sequence's own state
+        assert s.prompt_token_ids is seq.prompt_token_ids
+        assert s.output_token_ids is seq.output_token_ids
     sampled = {
         s.seq_id: fake_token(s.seq_id, len(running[s.seq_id].output_token_ids))
         for s in out.sequences
