@@ -28,7 +28,6 @@ a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from bench.report import print_table, write_json
 from kernels import get_backend
 
 GPU_BATCHES = (1, 8, 32, 128, 256)
@@ -161,16 +161,16 @@ def _decode_variants(shape, backend, timer, query, k_cache, v_cache, tables, len
     """Triton only: plain vs split-KV timings, to check the split heuristic."""
     if backend.name != "triton":
         return {}
-    from kernels import paged_attention as pa
+    from kernels import paged_decode as pd
 
     batch, context = query.shape[0], tables.shape[1] * shape.block_size
     sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
-    chosen = pa.choose_decode_partitions(batch, shape.num_kv_heads, context, sms)
-    split = max(2, -(-context // pa.DEFAULT_PARTITION_SIZE))
+    chosen = pd.choose_decode_partitions(batch, shape.num_kv_heads, context, sms)
+    split = max(2, -(-context // pd.DEFAULT_PARTITION_SIZE))
     timings = {"chosen_partitions": chosen}
     for name, parts in (("plain_ms", 1), ("split_ms", split)):
-        timings[name] = timer(lambda parts=parts: pa.decode_attention_partitioned(
-            query, k_cache, v_cache, tables, lens, scale, parts, pa.DEFAULT_PARTITION_SIZE))
+        timings[name] = timer(lambda parts=parts: pd.decode_attention_partitioned(
+            query, k_cache, v_cache, tables, lens, scale, parts, pd.DEFAULT_PARTITION_SIZE))
     return timings
 
 
@@ -280,18 +280,13 @@ def run_sweep(shape: Shape, backend, timer, kernels, batches, contexts, args):
     return rows, skipped
 
 
-def format_table(rows: list[Row]) -> str:
-    header = ("kernel", "batch", "context", "ms", "GB/s", "% copy", "TFLOP/s", "baseline", "base ms",
-              "base GB/s")
-    lines = [header]
-    for r in rows:
-        lines.append((
-            r.kernel, str(r.batch), str(r.context), f"{r.ms:.4f}", f"{r.gbps:.1f}",
-            _fmt(r.fraction_of_copy, "{:.0%}"), _fmt(r.tflops, "{:.1f}"), r.baseline,
-            _fmt(r.baseline_ms, "{:.4f}"), _fmt(r.baseline_gbps, "{:.1f}"),
-        ))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
+def print_rows(rows: list[Row]) -> None:
+    print_table(
+        ["kernel", "batch", "context", "ms", "GB/s", "% copy", "TFLOP/s", "baseline", "base ms",
+         "base GB/s"],
+        [[r.kernel, r.batch, r.context, f"{r.ms:.4f}", f"{r.gbps:.1f}",
+          _fmt(r.fraction_of_copy, "{:.0%}"), _fmt(r.tflops, "{:.1f}"), r.baseline,
+          _fmt(r.baseline_ms, "{:.4f}"), _fmt(r.baseline_gbps, "{:.1f}")] for r in rows])
 
 
 def _fmt(value, pattern: str) -> str:
@@ -352,19 +347,17 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     print(f"\n{device_name}, backend {backend_name}, {dtype}, heads {shape.num_heads}/{shape.num_kv_heads}, "
           f"head_dim {shape.head_dim}, block_size {shape.block_size}; copy bandwidth {copy_gbps:.1f} GB/s")
-    print(format_table(rows))
+    print_rows(rows)
     for skip in skipped:
         print(f"skipped {skip['kernel']} batch {skip['batch']} context {skip['context']}: {skip['reason']}")
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
         report = {
             "device": device_name, "backend": backend_name, "dtype": str(dtype).replace("torch.", ""),
             "shape": {k: v for k, v in asdict(shape).items() if k not in ("dtype", "device")},
             "copy_bandwidth_gbps": copy_gbps, "gpu": cuda,
             "results": [asdict(row) for row in rows], "skipped": skipped,
         }
-        args.output.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.output}")
+        write_json(args.output, report)
     return 0
 
 

@@ -35,6 +35,8 @@ from pathlib import Path
 import httpx
 from tqdm.auto import tqdm
 
+from bench.report import percentile, print_table
+
 
 @dataclass
 class Request:
@@ -233,15 +235,11 @@ def first_model(base_url: str, headers: dict) -> str:
 
 # -- report -------------------------------------------------------------------------------
 def summarize(values: list[float]) -> dict[str, float]:
+    """Percentiles interpolate linearly between ranks, as `vllm bench serve` does."""
     if not values:
         return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered),
-            "p90": pct(0.90), "p99": pct(0.99)}
+    return {"mean": statistics.fmean(values), "median": statistics.median(values),
+            "p90": percentile(values, 90), "p99": percentile(values, 99)}
 
 
 def report(results: list[Result], duration: float, hit_rate: float | None) -> dict:
@@ -267,22 +265,25 @@ def report(results: list[Result], duration: float, hit_rate: float | None) -> di
     }
 
 
-def print_table(summary: dict) -> None:
-    print(f"{'completed / failed':<28}{summary['completed']} / {summary['failed']}")
-    print(f"{'duration (s)':<28}{summary['duration_s']:.2f}")
-    print(f"{'request throughput (req/s)':<28}{summary['request_throughput']:.2f}")
-    print(f"{'output throughput (tok/s)':<28}{summary['output_throughput']:.1f}")
-    print(f"{'total throughput (tok/s)':<28}{summary['total_token_throughput']:.1f}")
+def print_summary(summary: dict) -> None:
+    rows = [
+        ("completed / failed", f"{summary['completed']} / {summary['failed']}"),
+        ("duration (s)", f"{summary['duration_s']:.2f}"),
+        ("request throughput (req/s)", f"{summary['request_throughput']:.2f}"),
+        ("output throughput (tok/s)", f"{summary['output_throughput']:.1f}"),
+        ("total throughput (tok/s)", f"{summary['total_token_throughput']:.1f}"),
+    ]
     if summary["prefix_cache_hit_rate"] is not None:
-        print(f"{'prefix cache hit rate':<28}{summary['prefix_cache_hit_rate']:.1%}")
-    print(f"{'ms':<10}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
-    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
-        s = summary[key]
-        print(f"{key[:-2].upper():<10}" + "".join(
-            f"{s[q] * 1000:>10.1f}" for q in ("mean", "median", "p90", "p99")))
-    if summary.get("server_engine_step_median_s"):
-        print(f"{'server engine step median':<28}{summary['server_engine_step_median_s'] * 1000:.1f} ms"
-              f"  (median ITL / step = {summary['itl_median_over_engine_step']:.2f})")
+        rows.append(("prefix cache hit rate", f"{summary['prefix_cache_hit_rate']:.1%}"))
+    step = summary.get("server_engine_step_median_s")
+    if step:
+        rows.append(("server engine step median (ms)", f"{step * 1000:.1f}"))
+        rows.append(("median ITL / engine step", f"{summary['itl_median_over_engine_step']:.2f}"))
+    print_table(["metric", "value"], rows)
+    quantiles = ("mean", "median", "p90", "p99")
+    print_table(["ms", *quantiles], [
+        [key[:-2].upper(), *(f"{summary[key][q] * 1000:.1f}" for q in quantiles)]
+        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s")])
     for error in summary["errors"]:
         print(f"error: {error}")
 
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["server_engine_step_median_s"] = step
     if step:
         summary["itl_median_over_engine_step"] = summary["itl_s"]["median"] / step
-    print_table(summary)
+    print_summary(summary)
     if args.output:
         settings = {k: v for k, v in vars(args).items() if k != "api_key"}
         settings["request_rate"] = str(args.request_rate)

@@ -35,27 +35,55 @@ def _is_power_of_two(n: int) -> bool:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None  # defaults to the model folder
-    dtype: str = "auto"
-    quantization: str | None = None  # "int4": weight-only, CPU bfloat16 (engine/models/quantization.py)
-    seed: int = 0
+    """Each field is also a command-line flag (engine/args.py makes `--block-size`
+    from `block_size`), so its default and help are written here and only here.
+    metadata: "help" for --help, "choices" for a closed set, "cli": False for a
+    field that only the Python API sets."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "a model name (see engine/models/loader.py), an HF folder or a .gguf file"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer folder or name (default: the model's own)"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and KV cache; auto: the checkpoint's, bfloat16 for float32 "
+                "checkpoints where bf16 matmuls are fast",
+        "choices": DTYPES})
+    quantization: str | None = field(default=None, metadata={
+        "help": "weight-only int4 (CPU, bfloat16): faster small-batch decode",
+        "choices": QUANTIZATIONS})
+    seed: int = field(default=0, metadata={
+        "help": "seed of the sampler's draws for unseeded requests"})
     # Paged KV cache.
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.90
-    kv_cache_memory_bytes: int = 1 << 30  # CPU budget for the KV cache (1 GiB)
-    num_gpu_blocks_override: int | None = None  # tests: an exact number of KV blocks
-    enable_prefix_caching: bool = True
+    block_size: int = field(default=16, metadata={
+        "help": f"tokens per KV block: a power of two up to {MAX_BLOCK_SIZE}"})
+    gpu_memory_utilization: float = field(default=0.90, metadata={
+        "help": "CUDA: fraction of GPU memory for weights, activations and KV cache"})
+    kv_cache_memory_bytes: int = field(default=1 << 30, metadata={
+        "help": "CPU: KV cache budget in bytes"})
+    # Tests: an exact number of KV blocks, to force preemption on a tiny cache.
+    num_gpu_blocks_override: int | None = field(default=None, metadata={"cli": False})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of shared prompt prefixes"})
     # Scheduler.
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 0  # 0: the model's own limit
+    max_num_seqs: int = field(default=256, metadata={
+        "help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(default=8192, metadata={
+        "help": "most tokens in one step (the chunked-prefill budget)"})
+    max_model_len: int = field(default=0, metadata={
+        "help": "longest sequence, prompt and output; 0: the model's own limit"})
     # Parallelism and kernels.
-    tensor_parallel_size: int = 1
-    kernel_backend: str = "auto"
-    device: str = "auto"  # "auto" -> cuda when available, else cpu
-    num_threads: int = 0  # CPU: torch intra-op threads for the model; 0 = torch's default
-    cache_dir: Path = field(default_factory=default_cache_dir)
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "GPUs per replica (only 1 for now)"})
+    kernel_backend: str = field(default="auto", metadata={
+        "help": "attention kernels; auto: Triton on CUDA, the CPU ops elsewhere; "
+                "torch: the pure-torch reference",
+        "choices": KERNEL_BACKENDS})
+    device: str = field(default="auto", metadata={
+        "help": "auto, cpu or cuda[:N]; auto: cuda when available, else cpu"})
+    num_threads: int = field(default=0, metadata={
+        "help": "CPU: torch threads for the model; 0: torch's default, one per core"})
+    # Converted models live here; $XDG_CACHE_HOME already moves it, so no flag.
+    cache_dir: Path = field(default_factory=default_cache_dir, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         self._check_ints()

@@ -15,7 +15,7 @@ import sys
 
 import uvicorn
 
-from engine.cli import add_engine_args, config_from_args
+from engine.args import add_engine_args, config_from_args
 from service.config import ServiceConfig
 
 

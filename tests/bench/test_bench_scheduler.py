@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench import scheduler as bench
-from engine.cli import main as cli_main
+from pagedserve.cli import main as cli_main
 
 SIZES = [1, 8]
 ADMISSION_RUNNING = 4

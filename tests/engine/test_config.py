@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
 import pytest
 
 from engine import LLM
+from engine.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
 
 
@@ -170,6 +172,74 @@ def test_resolve_max_model_len():
         ValueError, match=r"max_model_len=1025 exceeds the model's limit \(max_position_embeddings=1024\)"
     ):
         EngineConfig(max_model_len=1025).resolve_max_model_len(1024)
+
+
+# -- the engine flags, generated from the fields (engine/args.py) ---------------------------
+def engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="test")
+    add_engine_args(parser)
+    return parser
+
+
+def flag_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)]
+
+
+def test_no_flags_give_the_default_config():
+    assert config_from_args(engine_parser().parse_args([])) == EngineConfig()
+
+
+def test_every_flag_defaults_to_its_field():
+    args = engine_parser().parse_args([])
+    for field in flag_fields():
+        if field.default is dataclasses.MISSING:  # a computed default: left to EngineConfig
+            assert not hasattr(args, field.name)
+        else:
+            assert getattr(args, field.name) == field.default, field.name
+
+
+def test_only_api_knobs_are_not_flags():
+    every = {f.name for f in dataclasses.fields(EngineConfig)}
+    not_flags = every - {f.name for f in flag_fields()}
+    assert not_flags == {"num_gpu_blocks_override", "cache_dir"}
+
+
+def test_every_flag_has_its_help(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag: no hyphen broken by wrapping
+    text = " ".join(engine_parser().format_help().split())
+    for field in flag_fields():
+        help_text = field.metadata.get("help", "")
+        assert help_text.strip(), f"{field.name} has no help"
+        flag = "--" + field.name.replace("_", "-")
+        assert f"{flag} " in text and " ".join(help_text.split()) in text, field.name
+
+
+def test_the_documented_flags_keep_their_spelling():
+    argv = ["--model", "m", "--tokenizer", "t", "--dtype", "bfloat16", "--quantization", "int4",
+            "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+            "--max-model-len", "128", "--gpu-memory-utilization", "0.5",
+            "--kv-cache-memory-bytes", "4096", "--tensor-parallel-size", "1",
+            "--no-enable-prefix-caching", "--kernel-backend", "torch", "--device", "cpu",
+            "--num-threads", "2", "--seed", "7"]
+    assert config_from_args(engine_parser().parse_args(argv)) == EngineConfig(
+        model="m", tokenizer="t", dtype="bfloat16", quantization="int4", block_size=32,
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+        gpu_memory_utilization=0.5, kv_cache_memory_bytes=4096, tensor_parallel_size=1,
+        enable_prefix_caching=False, kernel_backend="torch", device="cpu", num_threads=2, seed=7)
+    assert engine_parser().parse_args(["--enable-prefix-caching"]).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("argv", [["--dtype", "int8"], ["--quantization", "None"],
+                                  ["--kernel-backend", "cuda"], ["--block-size", "x"]])
+def test_flags_outside_their_choices_or_type_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        engine_parser().parse_args(argv)
+    assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_flag_values_go_through_the_config_checks():
+    with pytest.raises(ValueError, match="block_size=3 is not supported"):
+        config_from_args(engine_parser().parse_args(["--block-size", "3"]))
 
 
 # -- start-up through LLM(...) -------------------------------------------------------------

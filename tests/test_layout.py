@@ -1,0 +1,146 @@
+"""The folder tree is the architecture: these tests keep it so.
+
+- Layers point down: pagedserve (the command) -> service -> engine -> kernels;
+  bench may use everything below the command. Checked on every import
+  statement, including those inside functions.
+- Every file reads in one sitting: no source file over 400 lines, no function
+  over 60.
+- The `pagedserve` dispatcher hands each command line to the right module.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import MappingProxyType
+
+import pytest
+
+from pagedserve.cli import BENCHMARKS, COMMANDS, main, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+# What each package may import from the project's other packages.
+MAY_IMPORT = MappingProxyType({
+    "kernels": frozenset(),
+    "engine": frozenset({"kernels"}),
+    "service": frozenset({"engine", "kernels"}),
+    "bench": frozenset({"engine", "kernels", "service"}),
+    "clients": frozenset(),  # the client speaks HTTP; it installs without the server
+    "pagedserve": frozenset({"engine", "kernels", "service", "bench", "clients"}),
+})
+# Folders that hold no project source (virtualenvs and dot-folders are skipped too).
+NOT_SOURCE = frozenset({"tests", "build", "dist", "node_modules", "__pycache__"})
+
+
+def python_files(folder: Path):
+    for path in sorted(folder.rglob("*.py")):
+        if "__pycache__" not in path.parts:
+            yield path
+
+
+def imported_modules(path: Path):
+    """(line, module) of every absolute import in the file, at any depth."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+        # A relative import (level > 0) stays inside its own package.
+
+
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_layers_point_down(package):
+    others = set(MAY_IMPORT) - {package}
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in python_files(ROOT / package)
+        for line, module in imported_modules(path)
+        if module.split(".")[0] in others - MAY_IMPORT[package]
+    ]
+    allowed = ", ".join(sorted(MAY_IMPORT[package])) or "nothing"
+    assert not wrong, f"{package}/ may import only {allowed} of the project:\n" + "\n".join(wrong)
+
+
+def source_files():
+    """Every non-test Python file of the repository."""
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if d not in NOT_SOURCE and not d.startswith(".")
+                         and not d.endswith(".egg-info"))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield Path(folder, name)
+
+
+def size_offenders(path: Path) -> list[str]:
+    text = path.read_text()
+    where = path.relative_to(ROOT)
+    found = []
+    lines = len(text.splitlines())
+    if lines > MAX_FILE_LINES:
+        found.append(f"{where}: {lines} lines (max {MAX_FILE_LINES})")
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{where}:{node.lineno} {node.name}() is {length} lines "
+                             f"(max {MAX_FUNCTION_LINES})")
+    return found
+
+
+def test_files_and_functions_are_short():
+    offenders = [o for path in source_files() for o in size_offenders(path)]
+    assert not offenders, "too long to read in one sitting:\n" + "\n".join(offenders)
+
+
+# -- the dispatcher ------------------------------------------------------------------------
+def test_every_command_names_a_module_that_exists():
+    for module, _ in [*COMMANDS.values(), *BENCHMARKS.values()]:
+        assert importlib.util.find_spec(module) is not None, module
+
+
+@pytest.mark.parametrize("argv, module, rest", [
+    (["serve", "--port", "9"], "service.cli", ["--port", "9"]),
+    (["generate"], "pagedserve.generate", []),
+    (["bench", "serve", "--help"], "bench.serve", ["--help"]),
+    (["bench", "prefix", "--serve"], "bench.prefix_caching", ["--serve"]),
+])
+def test_resolve_hands_the_rest_to_the_module(argv, module, rest):
+    assert resolve(argv) == (module, rest)
+
+
+@pytest.mark.parametrize("argv, code", [
+    ([], 2), (["nope"], 2), (["bench"], 2), (["bench", "nope"], 2), (["--help"], 0),
+    (["bench", "--help"], 0),
+])
+def test_no_command_or_help_is_argparse(argv, code, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == code
+    out = capsys.readouterr()
+    assert "usage: pagedserve" in out.out + out.err
+
+
+def test_a_configuration_mistake_is_one_line_and_exit_2(capsys):
+    assert main(["generate", "--block-size", "3", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedserve: error: block_size=3 is not supported")
+    assert err.count("\n") == 1
+
+
+def test_help_loads_no_layer():
+    """--help lists the commands without importing them (and torch with them)."""
+    probe = ("import sys\n"
+             "from pagedserve.cli import build_parser\n"
+             "build_parser().format_help()\n"
+             "print(sorted({'torch', 'engine', 'service', 'bench'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]"
