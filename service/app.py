@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import anyio
 import msgspec
@@ -35,14 +36,13 @@ logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 
-# sse-starlette cancels every open stream the moment uvicorn sees SIGTERM. We
-# want the opposite: streams run on for the grace period (uvicorn's
-# timeout_graceful_shutdown), then uvicorn cancels what is left, which aborts
-# those requests. The switch is the library's own, process-wide.
-AppStatus.disable_automatic_graceful_drain()
-
-
 def create_app(config: ServiceConfig) -> Starlette:
+    # sse-starlette cancels every open stream the moment uvicorn sees SIGTERM.
+    # We want the opposite: streams run on for the grace period (uvicorn's
+    # timeout_graceful_shutdown), then uvicorn cancels what is left, which
+    # aborts those requests. The switch is the library's own, process-wide.
+    AppStatus.disable_automatic_graceful_drain()
+
     @asynccontextmanager
     async def lifespan(app: Starlette):
         # Loading takes seconds; a worker thread keeps the loop responsive meanwhile.
@@ -53,13 +53,13 @@ def create_app(config: ServiceConfig) -> Starlette:
         bridge.start()
         tokenizer_source = config.engine.tokenizer or engine.model_path
         state = ServiceState(
-            config=config,
+            # From here on the engine's resolved config is the only one.
+            config=replace(config, engine=bridge.config),
             engine=bridge,
             # Its own tokenizer: the engine thread detokenizes with the other one.
             tokenizer=await anyio.to_thread.run_sync(load_tokenizer, tokenizer_source),
             metrics=metrics,
             model_name=config.served_model_name or config.engine.model,
-            max_model_len=engine.config.max_model_len,
         )
         app.state.service = state
         logger.info("serving %s at http://%s:%d", state.model_name, config.host, config.port)

@@ -1,12 +1,13 @@
-"""What chat and text completions share: the server's state, turning a request
-into token ids and SamplingParams, and submitting it to the engine.
+"""What chat and text completions share: the server's state and admit().
 
-A route handler is then only: parse, prompt, submit, shape the answer.
+A route handler reads: parse -> render the prompt -> admit -> respond. admit()
+does every check, builds the SamplingParams, picks the tenant's cache salt and
+submits to the engine; what it returns (service/admission.py) is read as a
+stream of changed choices or collected whole.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -15,13 +16,13 @@ from dataclasses import dataclass, field
 import msgspec
 from starlette.requests import Request
 
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from engine.outputs import RequestOutput
+from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
+from service.admission import Admission, TimedStream
 from service.auth import cache_salt
 from service.config import ServiceConfig
 from service.errors import APIError, bad_request, from_decode_error, from_validation_error
-from service.metrics import Metrics, RequestTimer
+from service.metrics import Metrics
 from service.protocol import SamplingFields
 
 logger = logging.getLogger(__name__)
@@ -29,42 +30,82 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class ServiceState:
-    """The running server: its config, the engine bridge, a tokenizer and metrics."""
+    """The running server: its config, the engine bridge, a tokenizer and metrics.
+
+    `config.engine` is the engine's resolved config (max_model_len, dtype
+    filled in from the model), the same object as `engine.config`.
+    """
 
     config: ServiceConfig
     engine: AsyncEngine
     tokenizer: object  # the service's own instance: the engine thread uses another
     metrics: Metrics
     model_name: str
-    max_model_len: int
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM received: finish what runs, take nothing new
 
-    # -- checks ---------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
+    def admit(
+        self,
+        request: Request,
+        body: SamplingFields,
+        prompts: list[list[int]],
+        *,
+        id_prefix: str,
+        prompt_param: str,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> Admission:
+        """Check a parsed request and hand its prompts to the engine.
+
+        Every refusal is raised here as an APIError, before any output: the
+        model name (404), a draining or dead engine (503), a prompt or
+        sampling value the engine cannot take (400), a full queue (429).
+        """
+        self._check_model(body.model)
+        self._check_accepting()
+        all_params = [
+            self._sampling_params(body, token_ids, prompt_param, max_tokens, logprobs)
+            for token_ids in prompts
+        ]
+        request_id = new_id(id_prefix)
+        salt = cache_salt(self.config, getattr(request.state, "api_key", None), body.cache_salt)
+        streams: list[TimedStream] = []
+        try:
+            for i, (token_ids, params) in enumerate(zip(prompts, all_params)):
+                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(self._submit(engine_id, token_ids, params, salt))
+        except BaseException:
+            for stream in streams:  # a later prompt was refused (429): drop the earlier ones
+                stream.close()
+            raise
+        return Admission(request_id, streams)
+
+    def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
                 404, f"the model {model!r} does not exist; this server serves "
                 f"{self.model_name!r}", param="model", code="model_not_found",
             )
 
-    def check_accepting(self) -> None:
+    def _check_accepting(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if self.engine.failure is not None:
             raise APIError(503, self.engine.failure, code="engine_dead")
 
-    def check_prompt(self, token_ids: list[int], param: str) -> None:
+    def _sampling_params(self, body, token_ids, prompt_param, max_tokens, logprobs):
         try:
-            self.engine.engine.check_prompt(token_ids)
+            self.engine.check_prompt(token_ids)
         except ValueError as exc:
-            raise bad_request(f"{exc}", param=param) from None
+            raise bad_request(f"{exc}", param=prompt_param) from None
+        return sampling_params(
+            body, prompt_len=len(token_ids), max_model_len=self.engine.config.max_model_len,
+            max_tokens=max_tokens, logprobs=logprobs, prompt_param=prompt_param,
+        )
 
-    # -- submitting -------------------------------------------------------------------
-    def submit(
+    def _submit(
         self, request_id: str, token_ids: list[int], params: SamplingParams, salt: str | None
-    ) -> "TimedStream":
-        """Hand a request to the engine; 429/503 are raised here, before any output."""
+    ) -> TimedStream:
         try:
             stream = self.engine.generate(request_id, token_ids, params, cache_salt=salt)
         except QueueFullError as exc:
@@ -77,69 +118,6 @@ class ServiceState:
         if self.config.log_prompts:
             logger.info("request %s: %d prompt tokens %s", request_id, len(token_ids), token_ids)
         return TimedStream(stream, self.metrics.timer())
-
-    def salt(self, request: Request, body: SamplingFields) -> str | None:
-        return cache_salt(self.config, getattr(request.state, "api_key", None), body.cache_salt)
-
-
-class TimedStream:
-    """A RequestStream that records latency metrics and reports a dead engine as 503."""
-
-    def __init__(self, stream: RequestStream, timer: RequestTimer) -> None:
-        self.stream = stream
-        self.timer = timer
-
-    def __aiter__(self) -> "TimedStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        try:
-            output = await self.stream.__anext__()
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), code="engine_dead") from None
-        self.timer.tokens(sum(len(c.delta_token_ids) for c in output.outputs))
-        if output.finished:
-            self.timer.finished()
-        return output
-
-    def close(self) -> None:
-        self.stream.close()
-
-    async def aclose(self, *_ignored) -> None:
-        """Also usable as sse-starlette's client-close callback (it passes the message)."""
-        self.close()
-
-
-async def close_on_disconnect(request: Request, streams: list[TimedStream]):
-    """Collect every stream's final output, or abort them all if the client leaves.
-
-    A non-streaming client that disconnects would otherwise keep its request
-    generating until max_tokens; uvicorn reports the disconnect as a message
-    on `receive`, which is all this watches for.
-    """
-
-    async def last(stream: TimedStream) -> RequestOutput:
-        final = None
-        async for output in stream:
-            final = output
-        return final
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            return work.result()
-        return None  # the client is gone; the finally below aborts its requests
-    finally:
-        for task in (work, watcher):
-            task.cancel()
-        for stream in streams:
-            stream.close()
 
 
 def new_id(prefix: str) -> str:

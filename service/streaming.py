@@ -10,15 +10,18 @@ Each event is encoded straight to bytes (sse-starlette passes bytes through
 untouched). Once the response has started its status is 200 for good, so an
 error after that point travels in-band as an event with OpenAI's error
 object, followed by [DONE] so clients stop reading. A client that goes away
-cancels the generator, which aborts the request in the engine.
+aborts the request in the engine: sse_response() closes the admission then,
+whether or not the event generator had started.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from sse_starlette import EventSourceResponse
+
+from service.admission import Admission
 from service.errors import APIError
 from service.protocol import encoder
 
@@ -44,42 +47,25 @@ async def with_done(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield DONE
 
 
-async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """Interleave several async iterators as items arrive: yields (which, item).
+def sse_response(events: AsyncIterator[bytes], admission: Admission,
+                 ping_seconds: float) -> EventSourceResponse:
+    """Stream `events`, then [DONE]; the admission is closed however the stream ends.
 
-    Used for a completions request with a batch of prompts: each prompt is
-    its own engine request, and their outputs stream back as they come.
-    Closing the merge (client gone) cancels every reader, which aborts every
-    request.
+    Ended, failed, cancelled mid-await or closed by sse-starlette after a send
+    failed: the body's `finally` runs. A client that disconnects before the
+    body first ran would skip it, so the disconnect callback closes it too.
     """
-    if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
 
-    async def pump(index: int, iterator: AsyncIterator) -> None:
+    async def body() -> AsyncIterator[bytes]:
         try:
-            async for item in iterator:
-                await queue.put((index, item))
-        except BaseException as exc:  # re-raised on the consumer's side
-            await queue.put((index, exc))
-            return
-        await queue.put((index, done))
+            async for chunk in with_done(events):
+                yield chunk
+        finally:
+            admission.close()
 
-    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async def on_disconnect(_message) -> None:
+        admission.close()
+
+    return EventSourceResponse(
+        body(), ping=ping_seconds, client_close_handler_callable=on_disconnect
+    )

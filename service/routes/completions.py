@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import time
 
-from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.admission import Admission
 from service.errors import bad_request
 from service.protocol import (
     CompletionChoice, CompletionRequest, CompletionResponse, encoder,
 )
 from service.routes.logprobs import completion_logprobs
 from service.routes.usage import usage
-from service.serving import ServiceState, close_on_disconnect, new_id, parse, sampling_params
-from service.streaming import event, merge, with_done
+from service.serving import ServiceState, parse
+from service.streaming import event, sse_response
 
 # OpenAI's default for /v1/completions (chat defaults to "whatever fits").
 DEFAULT_MAX_TOKENS = 16
@@ -29,49 +29,24 @@ MAX_PROMPTS = 64
 async def create(request: Request) -> Response:
     state: ServiceState = request.app.state.service
     body = await parse(request, CompletionRequest)
-    state.check_model(body.model)
-    state.check_accepting()
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    prompts = _prompts(state.tokenizer, body.prompt)
-    all_params = []
-    for token_ids in prompts:
-        state.check_prompt(token_ids, "prompt")
-        all_params.append(sampling_params(
-            body,
-            prompt_len=len(token_ids),
-            max_model_len=state.max_model_len,
-            max_tokens=DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
-            logprobs=body.logprobs,
-            prompt_param="prompt",
-        ))
-    request_id = new_id("cmpl")
-    salt = state.salt(request, body)
-    streams = []
-    try:
-        for i, (token_ids, params) in enumerate(zip(prompts, all_params)):
-            streams.append(state.submit(f"{request_id}-{i}", token_ids, params, salt))
-    except BaseException:
-        for stream in streams:  # a later prompt was refused (429): drop the earlier ones
-            stream.close()
-        raise
-
-    async def close_all(_message=None) -> None:
-        for stream in streams:
-            stream.close()
-
+    admission = state.admit(
+        request, body, _prompts(state.tokenizer, body.prompt),
+        id_prefix="cmpl",
+        prompt_param="prompt",
+        max_tokens=DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+        logprobs=body.logprobs,
+    )
     if body.stream:
-        return EventSourceResponse(
-            with_done(_events(state, request_id, streams, body, close_all)),
-            ping=state.config.sse_ping_seconds,
-            client_close_handler_callable=close_all,
-        )
-    outputs = await close_on_disconnect(request, streams)
+        return sse_response(_events(state, admission, body), admission,
+                            state.config.sse_ping_seconds)
+    outputs = await admission.collect(request)
     if outputs is None:
-        return Response(status_code=499)
-    return Response(encoder.encode(_response(state, request_id, outputs, body)),
+        return Response(status_code=499)  # nobody is listening any more
+    return Response(encoder.encode(_response(state, admission.request_id, outputs, body)),
                     media_type="application/json")
 
 
@@ -102,18 +77,19 @@ def _is_token(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _choice(state, c, prompt_index: int, n: int, body, start: int, text: str,
+def _choice(state, c, prompt_index: int, body, text: str, start: int,
             text_offset: int) -> CompletionChoice:
+    """Choice j of prompt i is choice i*n + j; logprobs cover tokens [start, end)."""
     logprobs = None
     if body.logprobs is not None:
         logprobs = completion_logprobs(state.tokenizer, c, start, len(c.token_ids), text_offset)
-    return CompletionChoice(prompt_index * n + c.index, text, logprobs, c.finish_reason,
+    return CompletionChoice(prompt_index * body.n + c.index, text, logprobs, c.finish_reason,
                             c.stop_reason)
 
 
 def _response(state, request_id, outputs, body) -> CompletionResponse:
     choices = [
-        _choice(state, c, i, body.n, body, 0, c.text, 0)
+        _choice(state, c, i, body, c.text, 0, 0)
         for i, output in enumerate(outputs)
         for c in output.outputs
     ]
@@ -121,29 +97,22 @@ def _response(state, request_id, outputs, body) -> CompletionResponse:
                               usage=usage(*outputs))
 
 
-async def _events(state, request_id, streams, body, close_all):
+async def _events(state, admission: Admission, body):
     created, model = int(time.time()), state.model_name
-    n = body.n
-    sent = [[0] * n for _ in streams]  # tokens sent per (prompt, sample)
-    chars = [[0] * n for _ in streams]  # characters sent: the logprobs text offset
-    finished = [[False] * n for _ in streams]
-    finals = [None] * len(streams)
-    try:
-        async for i, output in merge(streams):
-            choices = []
-            for c in output.outputs:
-                new_tokens = len(c.token_ids) > sent[i][c.index]
-                if finished[i][c.index] or not (c.delta_text or c.finished or new_tokens):
-                    continue
-                choices.append(_choice(state, c, i, n, body, sent[i][c.index],
-                                       c.delta_text, chars[i][c.index]))
-                sent[i][c.index] = len(c.token_ids)
-                chars[i][c.index] += len(c.delta_text)
-                finished[i][c.index] = c.finished
-            if choices:
-                yield event(CompletionResponse(request_id, created, model, choices))
-            finals[i] = output
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield event(CompletionResponse(request_id, created, model, [], usage=usage(*finals)))
-    finally:
-        await close_all()
+    # Legacy logprobs number each token by its text offset in the choice; the
+    # offsets run on across chunks, so they match a non-streamed answer.
+    offsets: dict[tuple[int, int], int] = {}
+    async for update in admission.updates():
+        choices = []
+        for c in update.choices:
+            key = (update.prompt_index, c.index)
+            start = len(c.token_ids) - len(c.delta_token_ids)
+            choice = _choice(state, c, update.prompt_index, body, c.delta_text, start,
+                             offsets.get(key, 0))
+            if choice.logprobs is not None:
+                offsets[key] = offsets.get(key, 0) + sum(map(len, choice.logprobs.tokens))
+            choices.append(choice)
+        yield event(CompletionResponse(admission.request_id, created, model, choices))
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield event(CompletionResponse(admission.request_id, created, model, [],
+                                       usage=usage(*admission.latest)))

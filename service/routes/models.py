@@ -14,7 +14,7 @@ async def list_models(request: Request) -> Response:
         id=state.model_name,
         created=state.created,
         owned_by="pagedserve",
-        max_model_len=state.max_model_len,
+        max_model_len=state.config.engine.max_model_len,
         root=state.config.engine.model,
     )
     return Response(encoder.encode(ModelList([card])), media_type="application/json")

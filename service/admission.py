@@ -1,0 +1,154 @@
+"""An admitted request: its engine streams, read as changed choices, closed once.
+
+    admit() ──► Admission(request_id, [TimedStream per prompt])
+                    │
+                    ├── updates()   each engine output's changed choices (streaming)
+                    ├── collect()   the final outputs, or None if the client left
+                    │               first (non-streaming)
+                    └── close()     aborts whatever still runs (safe to repeat);
+                                    collect() and streaming.sse_response() call it
+
+A chat request has one prompt; a completions request may carry a batch, each
+prompt its own engine request, their outputs interleaved as they come. The
+engine already says which choices changed in a step (`CompletionOutput.changed`)
+and what each one added (`delta_text`, `delta_token_ids`), so nothing here
+counts what was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from engine.async_engine import EngineDeadError, RequestStream
+from engine.outputs import CompletionOutput, RequestOutput
+from service.errors import APIError
+from service.metrics import RequestTimer
+
+
+class TimedStream:
+    """A RequestStream that records latency metrics and reports a dead engine as 503."""
+
+    def __init__(self, stream: RequestStream, timer: RequestTimer) -> None:
+        self.stream = stream
+        self.timer = timer
+
+    def __aiter__(self) -> "TimedStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            output = await self.stream.__anext__()
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
+        self.timer.tokens(sum(len(c.delta_token_ids) for c in output.outputs))
+        if output.finished:
+            self.timer.finished()
+        return output
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+@dataclass(frozen=True)
+class Update:
+    """One engine output of prompt `prompt_index`, with the choices it changed."""
+
+    prompt_index: int
+    output: RequestOutput
+    choices: list[CompletionOutput]
+
+
+@dataclass(eq=False)
+class Admission:
+    request_id: str
+    streams: list[TimedStream]
+    # The latest output of each prompt: after the last update, what usage counts.
+    latest: list[RequestOutput | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.latest = [None] * len(self.streams)
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """Changed choices as the engine reports them, until every prompt finished."""
+        async for index, output in merge(self.streams):
+            self.latest[index] = output
+            changed = [c for c in output.outputs if c.changed]
+            if changed:
+                yield Update(index, output, changed)
+
+    async def collect(self, request: Request) -> list[RequestOutput] | None:
+        """Every prompt's final output, or None if the client disconnects first.
+
+        A non-streaming client that leaves would otherwise keep its request
+        generating until max_tokens; uvicorn reports the disconnect as a
+        message on `receive`, which is all this watches for.
+        """
+
+        async def drain() -> None:
+            async for _ in self.updates():
+                pass
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.ensure_future(drain())
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                return None  # the client is gone; the finally below aborts its requests
+            work.result()  # re-raises an engine error as its APIError
+            return list(self.latest)
+        finally:
+            for task in (work, watcher):
+                task.cancel()
+            self.close()
+
+    def close(self) -> None:
+        """Abort every prompt that has not finished; safe to call again."""
+        for stream in self.streams:
+            stream.close()
+
+
+async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators as items arrive: yields (which, item).
+
+    Closing the merge (client gone) cancels every reader; the caller's close()
+    then aborts every request.
+    """
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, iterator: AsyncIterator) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((index, item))
+        except BaseException as exc:  # re-raised on the consumer's side
+            await queue.put((index, exc))
+            return
+        await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
