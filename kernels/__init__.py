@@ -4,6 +4,7 @@ Two implementations share one contract (see ``kernels/reference.py``):
 
 * ``torch``  - pure PyTorch reference (any device; the CPU engine uses it),
 * ``triton`` - Triton GPU kernels (``kernels/store_kvcache_triton.py``,
+  ``kernels/paged_decode.py``, ``kernels/paged_prefill.py``, sharing
   ``kernels/paged_attention.py``).
 
 ``auto`` is Triton on CUDA and the reference elsewhere, except attention in
@@ -68,17 +69,18 @@ class KernelBackend:
 def _triton_modules():
     """Import the Triton kernels on demand (sys.modules caches them)."""
     store = importlib.import_module("kernels.store_kvcache_triton")
-    attention = importlib.import_module("kernels.paged_attention")
-    return store, attention
+    decode = importlib.import_module("kernels.paged_decode")
+    prefill = importlib.import_module("kernels.paged_prefill")
+    return store, decode, prefill
 
 
 def _triton_backend() -> KernelBackend:
-    store, attention = _triton_modules()
+    store, decode, prefill = _triton_modules()
     return KernelBackend(
         name="triton",
         store_kvcache=store.store_kvcache,
-        paged_decode_attention=attention.paged_decode_attention,
-        paged_prefill_attention=attention.paged_prefill_attention,
+        paged_decode_attention=decode.paged_decode_attention,
+        paged_prefill_attention=prefill.paged_prefill_attention,
     )
 
 
@@ -101,7 +103,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
     """Causal prefill/extend attention over the paged cache; see kernels.reference."""
     if query.is_cuda:
-        return _triton_modules()[1].paged_prefill_attention(
+        return _triton_modules()[2].paged_prefill_attention(
             query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     return paged_prefill_attention_cpu(
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

@@ -51,31 +51,31 @@ def _poisoned(like):
 
 
 def _run_decode(kc, case, seed, device):
-    from kernels import paged_attention as pa
+    from kernels import paged_decode as pd
     from kernels.reference import paged_decode_attention_reference
 
     x = kc.build_decode_inputs(case, seed, device)
     args = (x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["context_lens"], x["scale"])
     out = _poisoned(x["query"])
     if case["variant"] == "auto":
-        pa.paged_decode_attention(*args, out=out)
+        pd.paged_decode_attention(*args, out=out)
     else:
-        block_n = pa._decode_config(x["query"].shape[2], 1)["BLOCK_N"]
+        block_n = pd._decode_config(x["query"].shape[2], 1)["BLOCK_N"]
         max_context = x["block_tables"].shape[1] * x["k_cache"].shape[1]
         parts = -(-max_context // block_n) if case["variant"] == "split" else 1
-        pa.decode_attention_partitioned(*args, parts, block_n, out=out)
+        pd.decode_attention_partitioned(*args, parts, block_n, out=out)
     return kc.compare(out, paged_decode_attention_reference(*args), case["dtype"])
 
 
 def _run_prefill(kc, case, seed, device):
-    from kernels import paged_attention as pa
+    from kernels import paged_prefill as pp
     from kernels.reference import paged_prefill_attention_reference
 
     x = kc.build_prefill_inputs(case, seed, device)
     args = (x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu_seqlens_q"],
             x["context_lens"], x["scale"])
     out = _poisoned(x["query"])
-    pa.paged_prefill_attention(*args, out=out)
+    pp.paged_prefill_attention(*args, out=out)
     return kc.compare(out, paged_prefill_attention_reference(*args), case["dtype"])
 
 

@@ -33,7 +33,8 @@ def compile_all(dtype: torch.dtype, head_dim: int, group: int, block_size: int, 
     """Compile decode (plain, split), reduce, prefill and store for one config."""
     import triton
 
-    from kernels import paged_attention as pa
+    from kernels import paged_decode as pd
+    from kernels import paged_prefill as pp
     from kernels import store_kvcache_triton as sk
 
     t = "*" + TRITON_TYPES[dtype]
@@ -42,13 +43,13 @@ def compile_all(dtype: torch.dtype, head_dim: int, group: int, block_size: int, 
                      part_m_ptr="*fp32", part_l_ptr="*fp32", qk_scale="fp32", stride_block="i64")
     shared = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, UPCAST=False)
     for split in (False, True):
-        _compile(pa._decode_kernel, attention, dict(shared, SPLIT=split, **pa._decode_config(head_dim, group)),
+        _compile(pd._decode_kernel, attention, dict(shared, SPLIT=split, **pd._decode_config(head_dim, group)),
                  capability)
-    prefill = pa._prefill_config(head_dim, group, dtype)
+    prefill = pp._prefill_config(head_dim, group, dtype)
     stages = prefill.pop("num_stages")
-    _compile(pa._prefill_kernel, attention, dict(shared, **prefill), capability, num_stages=stages)
+    _compile(pp._prefill_kernel, attention, dict(shared, **prefill), capability, num_stages=stages)
     dim_pad = triton.next_power_of_2(head_dim)
-    _compile(pa._decode_reduce_kernel, attention, dict(HEAD_DIM=head_dim, DIM_PAD=dim_pad, PARTS_PAD=64),
+    _compile(pd._decode_reduce_kernel, attention, dict(HEAD_DIM=head_dim, DIM_PAD=dim_pad, PARTS_PAD=64),
              capability)
     store = dict(key_ptr=t, value_ptr=t, k_cache_ptr=t, v_cache_ptr=t, slot_ptr="*i64")
     _compile(sk._store_kvcache_kernel, store,
