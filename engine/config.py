@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+# kernels.BACKEND_NAMES, restated so that building a config (and --help) imports
+# no torch; tests/kernels/test_kernels_api.py holds the two equal.
+KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
 QUANTIZATIONS = (None, "int4")
 MAX_BLOCK_SIZE = 128
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -75,8 +77,9 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "GPUs per replica (only 1 for now)"})
     kernel_backend: str = field(default="auto", metadata={
-        "help": "attention kernels; auto: Triton on CUDA, the CPU ops elsewhere; "
-                "torch: the pure-torch reference",
+        "help": "attention kernels; auto: Triton on CUDA, the compiled CPU op elsewhere "
+                "(the torch paths where it can't build); torch: the pure-torch reference; "
+                "cpu: the compiled CPU op or an error",
         "choices": KERNEL_BACKENDS})
     device: str = field(default="auto", metadata={
         "help": "auto, cpu or cuda[:N]; auto: cuda when available, else cpu"})

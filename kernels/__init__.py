@@ -7,10 +7,13 @@ Two implementations share one contract (see ``kernels/reference.py``):
   ``kernels/paged_decode.py``, ``kernels/paged_prefill.py``, sharing
   ``kernels/paged_attention.py``).
 
-``auto`` is Triton on CUDA and the reference elsewhere, except attention in
-bf16/fp16 on the CPU, which goes through ``kernels/cpu_attention.py``
-(prefill in the cache dtype, a block-gathering decode; float32 stays on the
-reference, which matches HF bit for bit).  The store module is *not* called
+* ``cpu``    - compiled C++ attention for the CPU (``kernels/csrc/``, built
+  on first use by ``kernels/cpu_ops.py``), reading the paged cache in place.
+
+``auto`` is Triton on CUDA. On the CPU its attention is the compiled op when
+it builds and takes the head_dim; otherwise ``kernels/cpu_attention.py``
+(bf16/fp16: prefill in the cache dtype, a block-gathering decode) or the
+reference (float32, bit for bit HF's arithmetic), after one logged warning.  The store module is *not* called
   ``kernels/store_kvcache.py``: importing it would make Python bind the
   submodule to ``kernels.store_kvcache``, replacing the function below.
 
@@ -33,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from kernels import cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.reference import (
     paged_decode_attention_reference,
@@ -50,7 +54,7 @@ __all__ = [
     "store_kvcache",
 ]
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "torch", "triton", "cpu")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
 TRITON_MAX_BLOCK_SIZE = 256
@@ -97,6 +101,10 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     if query.is_cuda:
         return _triton_modules()[1].paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale)
+    ops = cpu_ops.ops_for(query.shape[-1])
+    if ops is not None:
+        return ops.paged_decode_attention(
+            query.contiguous(), k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -105,8 +113,25 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     if query.is_cuda:
         return _triton_modules()[2].paged_prefill_attention(
             query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    ops = cpu_ops.ops_for(query.shape[-1])
+    if ops is not None:
+        return ops.paged_prefill_attention(
+            query.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     return paged_prefill_attention_cpu(
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+
+def _compiled(name: str) -> Callable[..., torch.Tensor]:
+    """One op of the ``cpu`` backend: the compiled build, contiguous query."""
+
+    def op(query, *args):
+        ops = cpu_ops.ops_for(query.shape[-1])
+        if ops is None:  # check_backend_support refuses this config up front
+            raise RuntimeError(f"cpu backend: {cpu_ops.unavailable_reason(query.shape[-1])}")
+        return getattr(ops, name)(query.contiguous(), *args)
+
+    op.__name__ = name
+    return op
 
 
 def get_backend(name: str) -> KernelBackend:
@@ -122,6 +147,9 @@ def get_backend(name: str) -> KernelBackend:
         )
     if name == "triton":
         return _triton_backend()
+    if name == "cpu":
+        return KernelBackend("cpu", store_kvcache_reference, _compiled("paged_decode_attention"),
+                             _compiled("paged_prefill_attention"))
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 
 
@@ -135,7 +163,12 @@ def check_backend_support(backend_name: str, block_size: int, head_dim: int,
       * triton: block_size a power of two in [1, 256]; head_dim in
         {64, 80, 96, 128, 256}; a CUDA device (or CPU under TRITON_INTERPRET=1);
         triton importable;
+      * cpu: a CPU device, and the compiled ops built for this CPU with a
+        head_dim that is a multiple of the build's vector pair;
       * auto: the triton rules on CUDA, the torch rules elsewhere.
+
+    On the CPU this is also where the compiled ops are built or loaded (once
+    per process), so the first request does not wait for the compiler.
     """
     if backend_name not in BACKEND_NAMES:
         raise ValueError(f"unknown kernel backend {backend_name!r}; expected one of {BACKEND_NAMES}")
@@ -146,6 +179,12 @@ def check_backend_support(backend_name: str, block_size: int, head_dim: int,
     _check_common(block_size, head_dim, dtype)
     if resolved == "triton":
         _check_triton(block_size, head_dim, device)
+    elif device.type == "cpu":
+        ops = cpu_ops.ops_for(head_dim)  # builds now; auto falls back if None
+        if backend_name == "cpu" and ops is None:
+            raise ValueError(f"cpu backend: {cpu_ops.unavailable_reason(head_dim)}")
+    elif backend_name == "cpu":
+        raise ValueError(f"cpu backend needs a CPU device, got {device}")
 
 
 def _check_common(block_size: int, head_dim: int, dtype: torch.dtype) -> None:

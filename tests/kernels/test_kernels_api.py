@@ -35,7 +35,7 @@ def test_triton_refuses_head_dim(head_dim, triton_available):
         check_backend_support("triton", 16, head_dim, torch.float16, "cuda")
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.float8_e4m3fn])
 def test_every_backend_refuses_dtype(backend, dtype):
     with pytest.raises(ValueError, match="supported: float32, float16, bfloat16"):
@@ -78,7 +78,10 @@ def test_torch_backend_is_the_reference():
         backend.name = "triton"  # frozen
 
 
-def test_auto_backend_on_cpu_matches_reference():
+def test_auto_backend_on_cpu_without_the_compiled_op_is_the_reference(monkeypatch):
+    # With the compiled op (tests/kernels/test_kernels_cpu_compiled.py) auto is
+    # close to the reference; turned off, float32 is the reference exactly.
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "off")
     torch.manual_seed(0)
     k_cache, v_cache = torch.randn(2, 6, 4, 2, 16).unbind(0)
     tables = torch.tensor([[3, 1], [5, 0]], dtype=torch.int32)
@@ -120,3 +123,9 @@ def test_decode_split_heuristic(triton_available):
     # One long sequence: one partition per DEFAULT_PARTITION_SIZE tokens.
     assert choose_decode_partitions(1, 8, 32768, num_sms=132) == 32768 // DEFAULT_PARTITION_SIZE
     assert choose_decode_partitions(2, 4, 1000, num_sms=132) == 2
+
+
+def test_the_config_lists_the_same_backends():
+    from engine.config import KERNEL_BACKENDS
+
+    assert KERNEL_BACKENDS == kernels.BACKEND_NAMES

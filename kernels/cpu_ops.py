@@ -1,0 +1,189 @@
+"""Building and loading the compiled CPU attention ops (``kernels/csrc/``).
+
+One source, three builds, chosen by the running CPU at load time::
+
+    isa          compiler flags                             head_dim multiple
+    avx512bf16   -mavx512f/bw/vl/dq -mavx512bf16 -mfma -mf16c       32
+    avx2         -mavx2 -mfma -mf16c                                16
+    portable     none (the compiler's baseline)                     16
+
+Each build is its own extension *and* op namespace
+(``torch.ops.pagedserve_attention_<isa>``), compiled by
+``torch.utils.cpp_extension.load`` at first use into::
+
+    $XDG_CACHE_HOME/pagedserve/cpu_kernels/py311-torch2.13.0+cpu/pagedserve_attention_avx2/
+
+so builds for different ISAs, Pythons or torch versions never overwrite each
+other, and torch's own lock file serialises processes building at once.
+Nothing is compiled at import; ``python -m kernels.cpu_ops`` compiles ahead
+of time (``make install`` runs it), else the first CPU attention call does
+(about half a minute on two cores, then 0.01 s to load from the cache).
+
+``PAGEDSERVE_CPU_KERNELS`` = auto (default) | avx512bf16 | avx2 | portable | off
+forces a build, or the pure-PyTorch path.  When the build fails (no compiler,
+no ninja) the PyTorch path serves, after one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "PAGEDSERVE_CPU_KERNELS"
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+# -ffp-contract=off: the compiler must not fuse a * b + c on its own, so the
+# fold of two softmax states rounds the same way wherever it is inlined.
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+ISA_FLAGS = {
+    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                   "-mavx2", "-mfma", "-mf16c", "-DPAGEDSERVE_ISA_AVX512BF16"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DPAGEDSERVE_ISA_AVX2"],
+    "portable": [],
+}
+HEAD_DIM_MULTIPLE = {"avx512bf16": 32, "avx2": 16, "portable": 16}
+ISAS = tuple(ISA_FLAGS)
+
+
+def extension_name(isa: str) -> str:
+    """Extension file and op namespace of one build."""
+    return f"pagedserve_attention_{isa}"
+
+
+def cache_root() -> Path:
+    """Where builds live: under the project's cache dir, keyed by Python and torch."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return Path(base) / "pagedserve" / "cpu_kernels" / tag
+
+
+def _cpuinfo_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _torch_probe(name: str) -> bool:
+    """torch's cpuinfo probes (they also check that the OS saves the registers)."""
+    return bool(getattr(torch.cpu, name, lambda: False)())
+
+
+def isa_for_this_cpu() -> str:
+    """The best build this CPU runs: avx512bf16, avx2 or portable."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "portable"
+    flags = _cpuinfo_flags()  # empty where /proc is missing: trust torch's probes
+    if _torch_probe("_is_avx512_bf16_supported") and (
+            not flags or {"avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= flags):
+        return "avx512bf16"
+    if _torch_probe("_is_avx2_supported") and (not flags or {"fma", "f16c"} <= flags):
+        return "avx2"
+    return "portable"
+
+
+def requested_isa() -> str | None:
+    """The build to use: PAGEDSERVE_CPU_KERNELS, else this CPU's best; None = off."""
+    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if choice == "off":
+        return None
+    if choice == "auto":
+        return isa_for_this_cpu()
+    if choice not in ISA_FLAGS:
+        raise ValueError(f"{ENV_VAR}={choice!r}: expected auto, off or one of {ISAS}")
+    return choice
+
+
+def build(isa: str, verbose: bool = False):
+    """Compile (or find cached) and load one build; return its op namespace. Raises on failure."""
+    from torch.utils import cpp_extension
+
+    name = extension_name(isa)
+    directory = cache_root() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = COMMON_FLAGS + ISA_FLAGS[isa]
+    cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE_DIR / "attention.cpp")],
+        extra_cflags=flags + [f"-DPAGEDSERVE_OPS_NS={name}"],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(SOURCE_DIR)],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return getattr(torch.ops, name)
+
+
+# Cached per process: torch.ops registrations are process-wide anyway, and a
+# failed build is tried (and reported) once, not on every attention call.
+@functools.lru_cache(maxsize=None)
+def load(isa: str):
+    """The op namespace of one build, or None (logged once) when it cannot be built."""
+    try:
+        return build(isa)
+    except Exception as exc:  # no compiler, no ninja, a compiler error: fall back
+        logger.warning(
+            "compiled CPU attention (%s) unavailable, using the PyTorch path: %s "
+            "(needs a C++ compiler and ninja; %s=off silences this)", isa, _reason(exc), ENV_VAR)
+        return None
+
+
+def _reason(exc: Exception) -> str:
+    """One line out of a build failure (ninja output can run to pages)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    text = (errors or lines or [type(exc).__name__])[0]
+    return text[:300]
+
+
+def ops_for(head_dim: int):
+    """The compiled ops for this process (PAGEDSERVE_CPU_KERNELS, else this
+    CPU's best build) if they take `head_dim`, else None: turned off, a
+    head_dim the build's vectors don't divide, or a failed build (logged once)."""
+    isa = requested_isa()
+    if isa is None or head_dim % HEAD_DIM_MULTIPLE[isa]:
+        return None
+    return load(isa)
+
+
+def unavailable_reason(head_dim: int) -> str:
+    """Why ops_for(head_dim) is None, in a sentence."""
+    isa = requested_isa()
+    if isa is None:
+        return f"turned off ({ENV_VAR}=off)"
+    if head_dim % HEAD_DIM_MULTIPLE[isa]:
+        return f"the {isa} build needs head_dim a multiple of {HEAD_DIM_MULTIPLE[isa]}, got {head_dim}"
+    return f"the {isa} build failed (see the warning above; needs a C++ compiler and ninja)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile ahead of time: ``python -m kernels.cpu_ops [--isa NAME] [--verbose]``."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--isa", choices=ISAS, default=None, help="default: this CPU's best")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    isa = args.isa or isa_for_this_cpu()
+    start = time.perf_counter()
+    ops = build(isa, verbose=args.verbose)
+    print(f"compiled CPU attention: {isa} ({ops.isa()}) in {time.perf_counter() - start:.1f} s, "
+          f"cached under {cache_root()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

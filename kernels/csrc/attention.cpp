@@ -1,0 +1,41 @@
+// Torch ops: paged decode and prefill attention over the paged KV cache, read
+// in place.  Same contract as kernels/reference.py.
+//
+// Work items are (sequence, kv head) for decode, (sequence, kv head, tile of
+// query tokens) for prefill: the query heads of a kv group share every K/V
+// load.  Items go longest first to whichever thread is free.  A decode batch
+// too small or too ragged to keep every thread busy splits its long
+// sequences into kPartition-token items and merges them afterwards.
+//
+// Built once per ISA (-DPAGEDSERVE_ISA_*) under its own op namespace
+// (-DPAGEDSERVE_OPS_NS), so several builds can be loaded side by side.
+#include <torch/library.h>
+
+#include <string>
+
+#ifndef PAGEDSERVE_OPS_NS
+#error "build with -DPAGEDSERVE_OPS_NS=<op namespace>"
+#endif
+
+#include "decode.h"
+#include "prefill.h"
+
+namespace pagedserve {
+namespace {
+
+std::string isa_name() { return PAGEDSERVE_ISA_NAME; }
+
+}  // namespace
+}  // namespace pagedserve
+
+#define PAGEDSERVE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor",
+        &pagedserve::paged_decode_attention);
+  m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale) -> Tensor",
+        &pagedserve::paged_prefill_attention);
+  m.def("isa() -> str", &pagedserve::isa_name);
+}

@@ -1,0 +1,272 @@
+// Paged attention for one work item: some query rows that share one kv head.
+//
+// A row is one (query token, query head) pair.  Decode has `group` rows (the
+// query heads of one kv head) that all see the whole context; a prefill work
+// item has the rows of several consecutive query tokens, each seeing one more
+// token than the one before (causal).  Every row walks the context in tiles
+// of kTile tokens, reading K and V straight from their cache blocks:
+//
+//   block_table  [ 7 | 2 | 5 ]         block_size 16, kTile 32
+//   tokens       0 ........ 31 | 32 ... 47
+//   tile 0       block 7 rows 0-15, block 2 rows 0-15
+//   tile 1       block 5 rows 0-15
+//   per tile:  S = Q.K^T (scaled, log2 domain) -> online softmax -> acc += P.V
+//
+// Results never depend on how the work was cut:
+//   * tiles start at multiples of kTile, whatever the block size;
+//   * every kPartition tokens the running (max, sum, acc) of a row is folded
+//     into a total and restarted, the same fold the split-KV reduction does,
+//     so splitting a long context across threads changes no bit;
+//   * a prefill row at position p does exactly what a decode row with
+//     context p + 1 does (masked scores are -inf, their weights exactly 0).
+// So chunked prefill, prefix-cache hits and batch composition all give the
+// same outputs for the same tokens.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(PAGEDSERVE_ISA_AVX512BF16)
+#include "vec_avx512.h"
+#define PAGEDSERVE_ISA_NAME "avx512bf16"
+#elif defined(PAGEDSERVE_ISA_AVX2)
+#include "vec_avx2.h"
+#define PAGEDSERVE_ISA_NAME "avx2"
+#else
+#include "vec_portable.h"
+#define PAGEDSERVE_ISA_NAME "portable"
+#endif
+
+namespace pagedserve {
+
+constexpr int kTile = 32;         // context tokens per online-softmax step
+constexpr int kPartition = 512;   // tokens per split-KV partition (a multiple of kTile)
+constexpr int kPair = 2 * vec::W; // head_dim must be a multiple of this
+constexpr int kRowBlock = 4;      // query rows sharing one pass over V
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Kv heads [head0, head0 + heads) of one sequence in a paged layer
+// [num_blocks, block_size, kv_heads, head_dim].  One token's heads sit side
+// by side, so a tile read for all of them streams through whole blocks:
+//
+//   block 7:  token 0 [h0 h1 h2] token 1 [h0 h1 h2] ... token 15 [h0 h1 h2]
+//             <- slot_stride ->
+template <typename T>
+struct KvView {
+  const T* k;
+  const T* v;
+  const int32_t* table;  // this sequence's block table row
+  int64_t block_size;
+  int64_t slot_stride;   // kv_heads * head_dim
+  int head0, heads, head_dim;
+};
+
+// Per-thread buffers, sized once per op call.  T is the cache type, QT what
+// Q.K multiplies: float (queries converted) or T itself (dpbf16 path).
+// Rows are numbered head-major: row = head * rows_per_head + r.
+template <typename T, typename QT>
+struct Scratch {
+  Scratch(int max_rows, int head_dim)
+      : q(size_t(max_rows) * head_dim), kf(size_t(kTile) * head_dim), vf(kf.size()),
+        scores(size_t(max_rows) * kTile), part_m(max_rows), part_l(max_rows),
+        part_acc(q.size()), tot_m(max_rows), tot_l(max_rows), tot_acc(q.size()),
+        zero_f(head_dim, 0.0f), zero_t(head_dim, T{}), visible(max_rows) {}
+  std::vector<QT> q;                 // rows x head_dim, loader layout when QT is float
+  std::vector<float> kf, vf;         // one head's tile of K / V converted to fp32
+  std::vector<float> scores;         // rows x kTile: scores, then weights
+  std::vector<float> part_m, part_l, part_acc;  // running state in this partition
+  std::vector<float> tot_m, tot_l, tot_acc;     // folded over partitions
+  std::vector<float> zero_f;         // a zero row: pads the last group of 8 tokens
+  std::vector<T> zero_t;
+  std::vector<int64_t> visible;      // per row of a head: context tokens it may see
+  int64_t slots[2][kTile];           // element offsets of this tile's and the next tile's tokens
+};
+
+// Element offset of each token's first head, tokens t0 .. t0 + n - 1.
+template <typename T>
+void tile_slots(const KvView<T>& kv, int64_t t0, int n, int64_t* out) {
+  int64_t block = t0 / kv.block_size, row = t0 % kv.block_size;
+  const int64_t head = int64_t(kv.head0) * kv.head_dim;
+  for (int i = 0; i < n; ++i) {
+    out[i] = (int64_t(kv.table[block]) * kv.block_size + row) * kv.slot_stride + head;
+    if (++row == kv.block_size) {
+      row = 0;
+      ++block;
+    }
+  }
+}
+
+// The next tile's tokens sit in blocks the hardware prefetcher cannot guess;
+// ask for them (all this item's heads: one contiguous run per token) while
+// this tile computes.
+template <typename T>
+void prefetch_tile(const KvView<T>& kv, const int64_t* slots, int n) {
+  const int64_t bytes = int64_t(sizeof(T)) * kv.heads * kv.head_dim;
+  for (int i = 0; i < n; ++i)
+    for (int64_t c = 0; c < bytes; c += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kv.k + slots[i]) + c, 0, 3);
+      __builtin_prefetch(reinterpret_cast<const char*>(kv.v + slots[i]) + c, 0, 3);
+    }
+}
+
+// Row (raw cache type) -> fp32 in the loader layout.
+template <typename T>
+inline void convert_row(const T* src, float* dst, int head_dim) {
+  for (int d = 0; d < head_dim; d += kPair) {
+    vec::F a, b;
+    vec::load_pair(src + d, a, b);
+    vec::store_pair(dst + d, a, b);
+  }
+}
+
+// Eight dot products q . k[t]; fp32 accumulation in the loader layout.
+template <typename KT>
+inline void dot8(const float* q, const KT* const* k, int head_dim, float* out) {
+  vec::F acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = vec::zero();
+  for (int d = 0; d < head_dim; d += kPair) {
+    vec::F qa, qb;
+    vec::load_pair(q + d, qa, qb);
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      vec::F ka, kb;
+      vec::load_pair(k[t] + d, ka, kb);
+      acc[t] = vec::fma(qa, ka, acc[t]);
+      acc[t] = vec::fma(qb, kb, acc[t]);
+    }
+  }
+  vec::reduce8(acc, out);
+}
+
+#ifdef PAGEDSERVE_HAS_DPBF16
+inline void dot8(const bf16_t* q, const bf16_t* const* k, int head_dim, float* out) {
+  vec::dot8_bf16(q, k, head_dim, out);
+}
+#endif
+
+// Scores of one row over a tile, in the log2 domain; tokens it may not see
+// (past its causal position or the tile's end) are -inf.
+template <typename QT, typename KT>
+void score_row(const QT* q, const KT* const* k, int visible, int head_dim, float scale2, float* s) {
+  for (int g = 0; g < visible; g += 8) dot8(q, k + g, head_dim, s + g);
+  for (int i = 0; i < kTile; ++i) s[i] = i < visible ? s[i] * scale2 : kNegInf;
+}
+
+// Online softmax over one tile: scores -> weights, running max / sum updated
+// and the accumulator rescaled when the max moved.
+inline void softmax_row(float* s, float& m, float& l, float* acc, int head_dim) {
+  vec::F top = vec::load(s);
+  for (int i = vec::W; i < kTile; i += vec::W) top = vec::max(top, vec::load(s + i));
+  float m_new = std::max(m, vec::reduce_max(top));
+  float alpha = std::exp2(m - m_new);  // 0 at a partition's first tile (m = -inf)
+  vec::F shift = vec::set1(m_new), sum = vec::zero();
+  for (int i = 0; i < kTile; i += vec::W) {
+    vec::F p = vec::exp2(vec::sub(vec::load(s + i), shift));
+    vec::store(s + i, p);
+    sum = vec::add(sum, p);
+  }
+  l = l * alpha + vec::reduce_add(sum);
+  if (alpha != 1.0f) {
+    vec::F a = vec::set1(alpha);
+    for (int d = 0; d < head_dim; d += vec::W) vec::store(acc + d, vec::mul(vec::load(acc + d), a));
+  }
+  m = m_new;
+}
+
+// acc[r] += sum_t p[r][t] * v[t] for R rows at once: each V element is
+// loaded (and converted) once per R rows.  Tokens go in ascending order for
+// every row, whatever R is, so the sums round the same way in any blocking.
+template <int R, typename VT>
+void pv_rows(const float* p, const VT* const* v, int n, float* acc, int head_dim) {
+  for (int d = 0; d < head_dim; d += kPair) {
+    vec::F a[R], b[R];
+    for (int r = 0; r < R; ++r) vec::load_pair(acc + r * head_dim + d, a[r], b[r]);
+    for (int t = 0; t < n; ++t) {
+      vec::F va, vb;
+      vec::load_pair(v[t] + d, va, vb);
+      for (int r = 0; r < R; ++r) {
+        vec::F w = vec::set1(p[r * kTile + t]);
+        a[r] = vec::fma(w, va, a[r]);
+        b[r] = vec::fma(w, vb, b[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) vec::store_pair(acc + r * head_dim + d, a[r], b[r]);
+  }
+}
+
+// Rows [first, rows) over V; n_for(r) = tokens row r sees in this tile.
+template <typename VT, typename Visible>
+void pv_tile(const float* scores, const VT* const* v, int first, int rows, Visible n_for,
+             float* acc, int head_dim) {
+  for (int r = first; r < rows; r += kRowBlock) {
+    int count = std::min(kRowBlock, rows - r);
+    int n = n_for(r + count - 1);  // rows see non-decreasing counts: the last sees most
+    const float* p = scores + size_t(r) * kTile;
+    float* a = acc + size_t(r) * head_dim;
+    switch (count) {
+      case 1: pv_rows<1>(p, v, n, a, head_dim); break;
+      case 2: pv_rows<2>(p, v, n, a, head_dim); break;
+      case 3: pv_rows<3>(p, v, n, a, head_dim); break;
+      default: pv_rows<4>(p, v, n, a, head_dim); break;
+    }
+  }
+}
+
+// total <- total (+) part: the log-sum-exp merge of two softmax states.
+// The split-KV reduction calls this too, in the same order, on the same values.
+inline void fold_row(float& tm, float& tl, float* tacc, float pm, float pl, const float* pacc,
+                     int head_dim) {
+  if (pl == 0.0f) return;  // the row saw nothing in this partition
+  float m = std::max(tm, pm);
+  float st = std::exp2(tm - m), sp = std::exp2(pm - m);
+  tl = tl * st + pl * sp;
+  vec::F vt = vec::set1(st), vp = vec::set1(sp);
+  for (int d = 0; d < head_dim; d += vec::W)
+    vec::store(tacc + d, vec::fma(vec::load(pacc + d), vp, vec::mul(vec::load(tacc + d), vt)));
+  tm = m;
+}
+
+inline void reset_rows(float* m, float* l, float* acc, int rows, int head_dim) {
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.0f);
+  std::fill(acc, acc + size_t(rows) * head_dim, 0.0f);
+}
+
+template <typename T, typename QT>
+void fold_partition(Scratch<T, QT>& s, int rows, int head_dim) {
+  for (int r = 0; r < rows; ++r)
+    fold_row(s.tot_m[r], s.tot_l[r], &s.tot_acc[size_t(r) * head_dim], s.part_m[r],
+             s.part_l[r], &s.part_acc[size_t(r) * head_dim], head_dim);
+  reset_rows(s.part_m.data(), s.part_l.data(), s.part_acc.data(), rows, head_dim);
+}
+
+// Normalised output row: acc / l in the output type (zeros when l == 0).
+template <typename T>
+void finish_row(const float* acc, float l, int head_dim, T* out) {
+  vec::F inv = vec::set1(l > 0.0f ? 1.0f / l : 0.0f);
+  for (int d = 0; d < head_dim; d += kPair) {
+    vec::F a, b;
+    vec::load_pair(acc + d, a, b);
+    vec::store_pair(out + d, vec::mul(a, inv), vec::mul(b, inv));
+  }
+}
+
+// Query row (cache type) -> what Q.K multiplies: fp32 in the loader layout,
+// or the raw row for the dpbf16 path.
+template <typename T, typename QT>
+void prepare_query(const T* q, int head_dim, QT* out) {
+  if constexpr (std::is_same_v<QT, float>) {
+    convert_row(q, out, head_dim);
+  } else {
+    std::memcpy(out, q, sizeof(T) * head_dim);
+  }
+}
+
+}  // namespace pagedserve
+
+#include "attention_tile.h"

@@ -1,0 +1,156 @@
+// Decode: one query token per sequence, attending to its whole context.
+//
+//   items   (seq, tokens [begin, end)) x every kv head, longest first: a tile
+//           of a sequence is read for all its heads at once, whole blocks
+//           streaming in rather than one head's strided slices
+//   short batch or one long row:  long contexts split into kPartition items
+//     item -> (max, sum, acc) per query row in `partials`
+//     merge_partials folds them in order, exactly as one whole item would.
+#pragma once
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "ops_common.h"
+
+namespace pagedserve {
+
+struct DecodeItem {
+  int64_t seq, begin, end;  // tokens [begin, end) of the context, every kv head
+  int64_t partial;          // where a split item leaves its state; -1: it writes the output
+};
+
+struct DecodePlan {
+  std::vector<DecodeItem> items;
+  std::vector<int64_t> split_seqs;            // sequences whose items left partial states
+  std::vector<int64_t> first_partial, parts;  // per sequence
+  int64_t num_partials = 0;
+};
+
+// Whole sequences as items, unless one is more than half of a thread's fair
+// share of the work: then long contexts are cut into partitions too.
+inline DecodePlan plan_decode(const int32_t* lens, int64_t seqs, int64_t threads) {
+  DecodePlan plan;
+  int64_t total = 0, longest = 0;
+  for (int64_t i = 0; i < seqs; ++i) {
+    total += lens[i];
+    longest = std::max<int64_t>(longest, lens[i]);
+  }
+  const bool split = threads > 1 && longest > kPartition && 2 * longest * threads > total;
+  plan.first_partial.assign(seqs, -1);
+  plan.parts.assign(seqs, 0);
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int64_t len = lens[i];
+    if (!split || len <= kPartition) {
+      plan.items.push_back({i, 0, len, -1});
+      continue;
+    }
+    const int64_t parts = (len + kPartition - 1) / kPartition;
+    plan.first_partial[i] = plan.num_partials;
+    plan.parts[i] = parts;
+    plan.split_seqs.push_back(i);
+    for (int64_t p = 0; p < parts; ++p)
+      plan.items.push_back({i, p * kPartition, std::min(len, (p + 1) * kPartition),
+                            plan.num_partials + p});
+    plan.num_partials += parts;
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(), [](const DecodeItem& a, const DecodeItem& b) {
+    return a.end - a.begin > b.end - b.begin;
+  });
+  return plan;
+}
+
+template <typename T>
+struct DecodeArgs {
+  Layer l;
+  const T* query;
+  T* out;
+  const at::Tensor& k_cache;
+  const at::Tensor& v_cache;
+  const int32_t* tables;
+  const int32_t* lens;
+  float scale2;
+  bool convert;
+  float* part_ml;   // [num_partials, heads, 2]: max, sum
+  float* part_acc;  // [num_partials, heads, head_dim]
+};
+
+// Rows are the query heads, in order: head h reads kv head h / group.
+template <typename T, typename QT>
+void decode_item(Scratch<T, QT>& s, const DecodeArgs<T>& a, const DecodeItem& it) {
+  const int heads = int(a.l.heads), head_dim = int(a.l.head_dim);
+  const T* query = a.query + it.seq * heads * head_dim;
+  for (int h = 0; h < heads; ++h) prepare_query(query + h * head_dim, head_dim, &s.q[size_t(h) * head_dim]);
+  for (int g = 0; g < a.l.group; ++g) s.visible[g] = a.lens[it.seq];
+  Work<T> w{kv_view<T>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, 0, int(a.l.kv_heads)),
+            int(a.l.group), s.visible.data(), a.scale2};
+  attend(s, w, it.begin, it.end, a.convert);
+  if (it.partial < 0) {
+    T* out = a.out + it.seq * heads * head_dim;
+    for (int h = 0; h < heads; ++h)
+      finish_row(&s.tot_acc[size_t(h) * head_dim], s.tot_l[h], head_dim, out + h * head_dim);
+    return;
+  }
+  float* ml = a.part_ml + it.partial * heads * 2;
+  for (int h = 0; h < heads; ++h) {
+    ml[2 * h] = s.tot_m[h];
+    ml[2 * h + 1] = s.tot_l[h];
+  }
+  std::copy_n(s.tot_acc.data(), size_t(heads) * head_dim, a.part_acc + it.partial * heads * head_dim);
+}
+
+// Fold a split sequence's partitions in order (as attend() folds them) and write its rows.
+template <typename T, typename QT>
+void merge_partials(Scratch<T, QT>& s, const DecodeArgs<T>& a, const DecodePlan& plan, int64_t seq) {
+  const int heads = int(a.l.heads), head_dim = int(a.l.head_dim);
+  reset_rows(s.tot_m.data(), s.tot_l.data(), s.tot_acc.data(), heads, head_dim);
+  for (int64_t p = 0; p < plan.parts[seq]; ++p) {
+    const float* ml = a.part_ml + (plan.first_partial[seq] + p) * heads * 2;
+    const float* acc = a.part_acc + (plan.first_partial[seq] + p) * heads * head_dim;
+    for (int h = 0; h < heads; ++h)
+      fold_row(s.tot_m[h], s.tot_l[h], &s.tot_acc[size_t(h) * head_dim], ml[2 * h], ml[2 * h + 1],
+               acc + size_t(h) * head_dim, head_dim);
+  }
+  T* out = a.out + seq * heads * head_dim;
+  for (int h = 0; h < heads; ++h)
+    finish_row(&s.tot_acc[size_t(h) * head_dim], s.tot_l[h], head_dim, out + h * head_dim);
+}
+
+template <typename T>
+void decode_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
+                  double scale, at::Tensor& out) {
+  using QT = QueryOf<T>;
+  const DecodePlan plan = plan_decode(lens.data_ptr<int32_t>(), query.size(0), at::get_num_threads());
+  at::Tensor part_ml = at::empty({plan.num_partials, l.heads, 2}, query.options().dtype(at::kFloat));
+  at::Tensor part_acc = at::empty({plan.num_partials, l.heads, l.head_dim}, part_ml.options());
+  const DecodeArgs<T> a{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
+                        k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                        float(scale) * kLog2e, !std::is_same_v<T, float> && l.group > kRowBlock,
+                        part_ml.data_ptr<float>(), part_acc.data_ptr<float>()};
+  auto make = [&] { return Scratch<T, QT>(int(l.heads), int(l.head_dim)); };
+  run_items(int64_t(plan.items.size()), make,
+            [&](Scratch<T, QT>& s, int64_t i) { decode_item(s, a, plan.items[i]); });
+  run_items(int64_t(plan.split_seqs.size()), make,
+            [&](Scratch<T, QT>& s, int64_t i) { merge_partials(s, a, plan, plan.split_seqs[i]); });
+}
+
+inline at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                         const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                         const at::Tensor& context_lens, double scale) {
+  const Layer l = check_inputs(query, k_cache, v_cache, block_tables, context_lens);
+  const int64_t seqs = query.size(0);
+  TORCH_CHECK_VALUE(context_lens.numel() == seqs && block_tables.size(0) >= seqs,
+                    "paged_decode_attention: one context_len and one block table row per query");
+  check_tables(l, block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), seqs);
+  at::Tensor out = at::empty_like(query);
+  dispatch_dtype(query.scalar_type(), [&](auto tag) {
+    decode_typed<decltype(tag)>(l, query, k_cache, v_cache, block_tables, context_lens, scale, out);
+  });
+  return out;
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,99 @@
+// What both ops share: input checks, the work-item scheduler, cache views.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <type_traits>
+
+#include "attention.h"
+
+namespace pagedserve {
+
+#ifdef PAGEDSERVE_HAS_DPBF16
+template <typename T>
+using QueryOf = std::conditional_t<std::is_same_v<T, bf16_t>, bf16_t, float>;
+#else
+template <typename T>
+using QueryOf = float;
+#endif
+
+constexpr int kPrefillRows = 48;  // query rows (tokens x group) per prefill item
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Layer {
+  int64_t heads, kv_heads, group, head_dim, num_blocks, block_size, max_blocks;
+};
+
+inline Layer check_inputs(const at::Tensor& query, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                          const at::Tensor& context_lens) {
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged attention (cpu): tensors must be on the CPU");
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "paged attention (cpu): query [tokens, heads, head_dim], caches "
+              "[num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged attention (cpu): query and caches must share a dtype");
+  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged attention (cpu): query and caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous() && context_lens.scalar_type() == at::kInt &&
+                  context_lens.is_contiguous(),
+              "paged attention (cpu): block_tables and context_lens must be contiguous int32");
+  Layer l{query.size(1), k_cache.size(2), 0, query.size(2), k_cache.size(0), k_cache.size(1),
+          block_tables.size(1)};
+  TORCH_CHECK_VALUE(l.kv_heads > 0 && l.heads % l.kv_heads == 0, "num_heads (", l.heads,
+                    ") must be a multiple of num_kv_heads (", l.kv_heads, ")");
+  TORCH_CHECK(k_cache.size(3) == l.head_dim, "paged attention (cpu): head_dim mismatch");
+  TORCH_CHECK(l.head_dim % kPair == 0, "paged attention (cpu): head_dim ", l.head_dim,
+              " is not a multiple of ", kPair, " in this build");
+  l.group = l.heads / l.kv_heads;
+  return l;
+}
+
+// Every block a context needs must exist: a bad table would read out of bounds.
+inline void check_tables(const Layer& l, const int32_t* tables, const int32_t* lens, int64_t seqs) {
+  for (int64_t i = 0; i < seqs; ++i) {
+    TORCH_CHECK_VALUE(lens[i] >= 0 && lens[i] <= l.max_blocks * l.block_size, "sequence ", i,
+                      ": context_len ", lens[i], " does not fit its block table");
+    const int32_t* row = tables + i * l.max_blocks;
+    for (int64_t b = 0; b * l.block_size < lens[i]; ++b)
+      TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < l.num_blocks, "sequence ", i, ": block id ",
+                        row[b], " out of range [0, ", l.num_blocks, ")");
+  }
+}
+
+// Items longest first, handed out one at a time; each thread makes its own scratch.
+template <typename Make, typename Run>
+void run_items(int64_t count, const Make& make, const Run& run) {
+  if (count == 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    auto scratch = make();
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) run(scratch, i);
+  });
+}
+
+template <typename T>
+KvView<T> kv_view(const Layer& l, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const int32_t* tables, int64_t seq, int head0, int heads) {
+  return {static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()),
+          tables + seq * l.max_blocks, l.block_size, l.kv_heads * l.head_dim, head0, heads,
+          int(l.head_dim)};
+}
+
+template <typename F>
+void dispatch_dtype(at::ScalarType dtype, const F& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(bf16_t{}); break;
+    case at::kHalf: f(fp16_t{}); break;
+    default: TORCH_CHECK_VALUE(false, "paged attention (cpu): unsupported dtype ", dtype);
+  }
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,138 @@
+// Prefill / extend: sequence i's query rows cu[i]..cu[i+1] are the last nq of
+// its context_len L tokens (already in the cache), causal.
+//
+//   items   (seq, kv head, query tokens [j0, j1))     rows = tokens x group
+//   row (j, g) sees L - nq + j + 1 tokens:  a staircase, longest row last
+//
+//     context  0 ............................ L-1
+//     j0       ######################....                 (# = visible)
+//     j0+1     #######################...
+//     j1-1     ##########################
+#pragma once
+
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "ops_common.h"
+
+namespace pagedserve {
+
+struct PrefillItem {
+  int64_t seq, head, j0, j1;
+};
+
+template <typename T>
+struct PrefillArgs {
+  Layer l;
+  const T* query;
+  T* out;
+  const at::Tensor& k_cache;
+  const at::Tensor& v_cache;
+  const int32_t* tables;
+  const int32_t* lens;
+  const int32_t* cu;
+  float scale2;
+  bool convert;
+};
+
+inline std::vector<PrefillItem> plan_prefill(const Layer& l, const int32_t* cu, const int32_t* lens,
+                                             int64_t seqs, int64_t tokens_per_item) {
+  std::vector<PrefillItem> items;
+  std::vector<int64_t> cost;
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int64_t nq = cu[i + 1] - cu[i];
+    for (int64_t j0 = 0; j0 < nq; j0 += tokens_per_item)
+      for (int64_t h = 0; h < l.kv_heads; ++h)
+        items.push_back({i, h, j0, std::min(nq, j0 + tokens_per_item)});
+  }
+  auto work = [&](const PrefillItem& it) {  // rows x the longest row's context
+    return (it.j1 - it.j0) * (lens[it.seq] - (cu[it.seq + 1] - cu[it.seq]) + it.j1);
+  };
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const PrefillItem& a, const PrefillItem& b) { return work(a) > work(b); });
+  return items;
+}
+
+template <typename T, typename QT>
+void prefill_item(Scratch<T, QT>& s, const PrefillArgs<T>& a, const PrefillItem& it) {
+  const int group = int(a.l.group), head_dim = int(a.l.head_dim);
+  const int64_t nq = a.cu[it.seq + 1] - a.cu[it.seq], len = a.lens[it.seq];
+  const int rows = int(it.j1 - it.j0) * group;
+  for (int64_t j = it.j0; j < it.j1; ++j) {
+    const int64_t row0 = (a.cu[it.seq] + j) * a.l.heads + it.head * group;
+    for (int g = 0; g < group; ++g) {
+      const int r = int(j - it.j0) * group + g;
+      prepare_query(a.query + (row0 + g) * head_dim, head_dim, &s.q[size_t(r) * head_dim]);
+      s.visible[r] = len - nq + j + 1;
+    }
+  }
+  Work<T> w{kv_view<T>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, int(it.head), 1), rows,
+            s.visible.data(), a.scale2};
+  attend(s, w, 0, s.visible[rows - 1], a.convert);
+  for (int64_t j = it.j0; j < it.j1; ++j) {
+    const int64_t row0 = (a.cu[it.seq] + j) * a.l.heads + it.head * group;
+    for (int g = 0; g < group; ++g) {
+      const int r = int(j - it.j0) * group + g;
+      finish_row(&s.tot_acc[size_t(r) * head_dim], s.tot_l[r], head_dim,
+                 a.out + (row0 + g) * head_dim);
+    }
+  }
+}
+
+inline void check_prefill(const at::Tensor& query, const at::Tensor& cu_t, const at::Tensor& lens_t,
+                          const at::Tensor& tables) {
+  const int64_t seqs = lens_t.numel();
+  TORCH_CHECK_VALUE(cu_t.scalar_type() == at::kInt && cu_t.is_contiguous() && cu_t.numel() == seqs + 1,
+                    "paged_prefill_attention: cu_seqlens_q must be int32 [num_seqs + 1]");
+  TORCH_CHECK_VALUE(tables.size(0) >= seqs, "paged_prefill_attention: a block table row per sequence");
+  const int32_t* cu = cu_t.data_ptr<int32_t>();
+  const int32_t* lens = lens_t.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(cu[0] >= 0 && cu[seqs] <= query.size(0),
+                    "paged_prefill_attention: cu_seqlens_q out of range");
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int64_t nq = cu[i + 1] - cu[i];
+    TORCH_CHECK_VALUE(nq >= 0, "paged_prefill_attention: cu_seqlens_q must not decrease");
+    TORCH_CHECK_VALUE(nq <= lens[i], "sequence ", i, ": ", nq, " query tokens but context_len ", lens[i]);
+  }
+}
+
+template <typename T>
+void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_cache,
+                   const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& cu,
+                   const at::Tensor& lens, double scale, at::Tensor& out) {
+  using QT = QueryOf<T>;
+  const int64_t tokens_per_item = std::max<int64_t>(1, kPrefillRows / l.group);
+  const std::vector<PrefillItem> items =
+      plan_prefill(l, cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.numel(), tokens_per_item);
+  const PrefillArgs<T> a{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
+                         k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                         cu.data_ptr<int32_t>(), float(scale) * kLog2e,
+                         !std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock};
+  auto make = [&] { return Scratch<T, QT>(int(tokens_per_item * l.group), int(l.head_dim)); };
+  run_items(int64_t(items.size()), make,
+            [&](Scratch<T, QT>& s, int64_t i) { prefill_item(s, a, items[i]); });
+}
+
+inline at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                          const at::Tensor& cu_seqlens_q,
+                                          const at::Tensor& context_lens, double scale) {
+  const Layer l = check_inputs(query, k_cache, v_cache, block_tables, context_lens);
+  check_prefill(query, cu_seqlens_q, context_lens, block_tables);
+  const int64_t seqs = context_lens.numel();
+  check_tables(l, block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), seqs);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  // Rows outside every sequence's range stay zero, as in the reference.
+  const bool covered = cu[0] == 0 && cu[seqs] == query.size(0);
+  at::Tensor out = covered ? at::empty_like(query) : at::zeros_like(query);
+  dispatch_dtype(query.scalar_type(), [&](auto tag) {
+    prefill_typed<decltype(tag)>(l, query, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                 context_lens, scale, out);
+  });
+  return out;
+}
+
+}  // namespace pagedserve

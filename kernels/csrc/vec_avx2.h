@@ -1,0 +1,122 @@
+// AVX2 + FMA + F16C: 8 fp32 lanes.
+//
+// The loader layout: a "pair" is 16 consecutive elements of a cache row, held
+// as two fp32 vectors.  bf16 converts for free if we keep the even and odd
+// elements apart (a bf16 is the top half of an fp32):
+//
+//   16 bf16 in memory      e0 o0 e1 o1 ... e7 o7   (as 8 x 32-bit lanes: o_i:e_i)
+//   a = lanes << 16        e0 e1 ... e7            one shift
+//   b = lanes & 0xffff0000 o0 o1 ... o7            one and
+//
+// Every row (queries, K, V, accumulators) goes through the same loader, so
+// dot products and P.V never see the permutation; only store_pair undoes it.
+// fp16 and fp32 pairs are simply the low and high 8 elements.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "reduce8_avx.h"
+#include "types.h"
+
+namespace pagedserve::vec {
+
+constexpr int W = 8;
+
+struct F {
+  __m256 v;
+};
+
+inline F zero() { return {_mm256_setzero_ps()}; }
+inline F set1(float x) { return {_mm256_set1_ps(x)}; }
+inline F load(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void store(float* p, F a) { _mm256_storeu_ps(p, a.v); }
+inline F add(F a, F b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline F sub(F a, F b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline F mul(F a, F b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline F max(F a, F b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline F fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
+
+inline float reduce_max(F a) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+inline float reduce_add(F a) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+inline void reduce8(const F* acc, float* out) {
+  __m256 raw[8];
+  for (int i = 0; i < 8; ++i) raw[i] = acc[i].v;
+  reduce8_m256(raw, out);
+}
+
+// 2^x for x <= 0 (scores minus their running max).  Degree-6 polynomial on
+// [-0.5, 0.5] after taking out the integer part; relative error ~2e-7.
+// x <= -126.5 (and -inf) gives exactly 0: masked scores weigh nothing.
+inline F exp2(F x) {
+  __m256 y = _mm256_max_ps(x.v, _mm256_set1_ps(-127.0f));
+  __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381608e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return {_mm256_mul_ps(p, _mm256_castsi256_ps(e))};
+}
+
+// ---- pairs: 16 elements of a row <-> two vectors in the loader layout ----
+
+inline void load_pair(const float* p, F& a, F& b) {
+  a = load(p);
+  b = load(p + W);
+}
+
+inline void load_pair(const bf16_t* p, F& a, F& b) {
+  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a.v = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  b.v = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+
+inline void load_pair(const fp16_t* p, F& a, F& b) {
+  a.v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  b.v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W)));
+}
+
+inline void store_pair(float* p, F a, F b) {
+  store(p, a);
+  store(p + W, b);
+}
+
+// fp32 -> bf16 bits in the high half, rounded to nearest even; NaN stays NaN.
+inline __m256i round_to_bf16_high(__m256 x) {
+  __m256i u = _mm256_castps_si256(x);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+}
+
+inline void store_pair(bf16_t* p, F a, F b) {
+  __m256i even = _mm256_srli_epi32(round_to_bf16_high(a.v), 16);
+  __m256i odd = _mm256_and_si256(round_to_bf16_high(b.v), _mm256_set1_epi32(int32_t(0xffff0000u)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_or_si256(even, odd));
+}
+
+inline void store_pair(fp16_t* p, F a, F b) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + W), _mm256_cvtps_ph(b.v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+}  // namespace pagedserve::vec

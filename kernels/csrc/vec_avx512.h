@@ -1,0 +1,128 @@
+// AVX-512 (F, BW, VL, DQ) + AVX512-BF16: 16 fp32 lanes.
+//
+// Same loader layout as the AVX2 build, twice as wide: a pair is 32
+// elements, bf16 split into even and odd elements by a shift and an and.
+// Q.K in bf16 does not convert at all: _mm512_dpbf16_ps multiplies 32 bf16
+// pairs and accumulates in fp32 (dot8_bf16 below).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "reduce8_avx.h"
+#include "types.h"
+
+#define PAGEDSERVE_HAS_DPBF16 1
+
+namespace pagedserve::vec {
+
+constexpr int W = 16;
+
+struct F {
+  __m512 v;
+};
+
+inline F zero() { return {_mm512_setzero_ps()}; }
+inline F set1(float x) { return {_mm512_set1_ps(x)}; }
+inline F load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, F a) { _mm512_storeu_ps(p, a.v); }
+inline F add(F a, F b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline F sub(F a, F b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline F mul(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F max(F a, F b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline F fma(F a, F b, F c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
+
+inline __m256 fold_halves(__m512 a) {
+  __m256 lo = _mm512_castps512_ps256(a);
+  __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+  return _mm256_add_ps(lo, hi);
+}
+
+inline float reduce_max(F a) { return _mm512_reduce_max_ps(a.v); }
+inline float reduce_add(F a) { return _mm512_reduce_add_ps(a.v); }
+
+inline void reduce8(const F* acc, float* out) {
+  __m256 half[8];
+  for (int i = 0; i < 8; ++i) half[i] = fold_halves(acc[i].v);
+  reduce8_m256(half, out);
+}
+
+// 2^x for x <= 0: the AVX2 build's polynomial and exponent trick, so that
+// -inf (and anything below -126.5) is exactly 0.
+inline F exp2(F x) {
+  __m512 y = _mm512_max_ps(x.v, _mm512_set1_ps(-127.0f));
+  __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return {_mm512_mul_ps(p, _mm512_castsi512_ps(e))};
+}
+
+// ---- pairs: 32 elements of a row <-> two vectors in the loader layout ----
+
+inline void load_pair(const float* p, F& a, F& b) {
+  a = load(p);
+  b = load(p + W);
+}
+
+inline void load_pair(const bf16_t* p, F& a, F& b) {
+  __m512i x = _mm512_loadu_si512(p);
+  a.v = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  b.v = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xffff0000u))));
+}
+
+inline void load_pair(const fp16_t* p, F& a, F& b) {
+  a.v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  b.v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + W)));
+}
+
+inline void store_pair(float* p, F a, F b) {
+  store(p, a);
+  store(p + W, b);
+}
+
+// fp32 -> bf16 bits in the high half, rounded to nearest even; NaN stays NaN.
+inline __m512i round_to_bf16_high(__m512 x) {
+  __m512i u = _mm512_castps_si512(x);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+}
+
+inline void store_pair(bf16_t* p, F a, F b) {
+  __m512i even = _mm512_srli_epi32(round_to_bf16_high(a.v), 16);
+  __m512i odd = _mm512_and_si512(round_to_bf16_high(b.v), _mm512_set1_epi32(int32_t(0xffff0000u)));
+  _mm512_storeu_si512(p, _mm512_or_si512(even, odd));
+}
+
+inline void store_pair(fp16_t* p, F a, F b) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + W), _mm512_cvtps_ph(b.v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// Eight bf16 dot products of one query row (raw bf16, natural order) with
+// eight K rows, head_dim a multiple of 32: no conversion, one instruction
+// per 32 elements.
+inline void dot8_bf16(const bf16_t* q, const bf16_t* const* k, int head_dim, float* out) {
+  F acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = zero();
+  for (int d = 0; d < head_dim; d += 2 * W) {
+    __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      __m512bh kv = (__m512bh)_mm512_loadu_si512(k[t] + d);
+      acc[t].v = _mm512_dpbf16_ps(acc[t].v, qv, kv);
+    }
+  }
+  reduce8(acc, out);
+}
+
+}  // namespace pagedserve::vec

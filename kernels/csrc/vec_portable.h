@@ -1,0 +1,108 @@
+// Portable build: plain C++ over 8-float arrays (the compiler vectorises what
+// it can for the baseline ISA).  Pairs are the natural 16 elements.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "types.h"
+
+namespace pagedserve::vec {
+
+constexpr int W = 8;
+
+struct F {
+  float v[W];
+};
+
+#define PAGEDSERVE_LANES(expr) \
+  F r;                         \
+  for (int i = 0; i < W; ++i) r.v[i] = (expr); \
+  return r
+
+inline F zero() { PAGEDSERVE_LANES(0.0f); }
+inline F set1(float x) { PAGEDSERVE_LANES(x); }
+inline F load(const float* p) { PAGEDSERVE_LANES(p[i]); }
+inline void store(float* p, F a) { std::memcpy(p, a.v, sizeof(a.v)); }
+inline F add(F a, F b) { PAGEDSERVE_LANES(a.v[i] + b.v[i]); }
+inline F sub(F a, F b) { PAGEDSERVE_LANES(a.v[i] - b.v[i]); }
+inline F mul(F a, F b) { PAGEDSERVE_LANES(a.v[i] * b.v[i]); }
+inline F max(F a, F b) { PAGEDSERVE_LANES(std::max(a.v[i], b.v[i])); }
+inline F fma(F a, F b, F c) { PAGEDSERVE_LANES(std::fma(a.v[i], b.v[i], c.v[i])); }
+inline F exp2(F x) { PAGEDSERVE_LANES(std::exp2(std::max(x.v[i], -127.0f))); }
+
+#undef PAGEDSERVE_LANES
+
+inline float reduce_max(F a) {
+  float m = a.v[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, a.v[i]);
+  return m;
+}
+
+inline float reduce_add(F a) {
+  float s = a.v[0];
+  for (int i = 1; i < W; ++i) s += a.v[i];
+  return s;
+}
+
+inline void reduce8(const F* acc, float* out) {
+  for (int t = 0; t < 8; ++t) out[t] = reduce_add(acc[t]);
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t u = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  if (std::isnan(f)) return 0x7fc0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+inline void load_pair(const float* p, F& a, F& b) {
+  a = load(p);
+  b = load(p + W);
+}
+
+inline void load_pair(const bf16_t* p, F& a, F& b) {
+  for (int i = 0; i < W; ++i) {
+    a.v[i] = bf16_to_float(p[i].bits);
+    b.v[i] = bf16_to_float(p[i + W].bits);
+  }
+}
+
+inline void load_pair(const fp16_t* p, F& a, F& b) {
+  for (int i = 0; i < W; ++i) {
+    a.v[i] = c10::detail::fp16_ieee_to_fp32_value(p[i].bits);
+    b.v[i] = c10::detail::fp16_ieee_to_fp32_value(p[i + W].bits);
+  }
+}
+
+inline void store_pair(float* p, F a, F b) {
+  store(p, a);
+  store(p + W, b);
+}
+
+inline void store_pair(bf16_t* p, F a, F b) {
+  for (int i = 0; i < W; ++i) {
+    p[i].bits = float_to_bf16(a.v[i]);
+    p[i + W].bits = float_to_bf16(b.v[i]);
+  }
+}
+
+inline void store_pair(fp16_t* p, F a, F b) {
+  for (int i = 0; i < W; ++i) {
+    p[i].bits = c10::detail::fp16_ieee_from_fp32_value(a.v[i]);
+    p[i + W].bits = c10::detail::fp16_ieee_from_fp32_value(b.v[i]);
+  }
+}
+
+}  // namespace pagedserve::vec
