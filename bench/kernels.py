@@ -20,9 +20,9 @@ and a [batch, context, kv_heads, head_dim] tensor::
     tables:   s0 -> [1, 2, ...], s1 -> [1 + n, 2 + n, ...]
     SDPA:     k_cache[1:].view(batch, context, kv_heads, dim).transpose(1, 2)
 
-Without CUDA it runs a tiny sweep of the torch reference backend only, so
-the command and its output format can be checked anywhere; GPU figures need
-a GPU.
+Without CUDA it runs a small CPU sweep of the compiled CPU op (``--backend
+cpu``, the default there when it builds; ``--backend torch`` for the
+reference), against the same SDPA baseline and the machine's copy bandwidth.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from bench.report import print_table, write_json
-from kernels import get_backend
+from kernels import BACKEND_NAMES, cpu_ops, get_backend
 
 GPU_BATCHES = (1, 8, 32, 128, 256)
 GPU_CONTEXTS = (128, 1024, 4096, 16384, 32768)
-CPU_BATCHES = (1, 4)
-CPU_CONTEXTS = (128, 512)
+CPU_BATCHES = (1, 16, 64)
+CPU_CONTEXTS = (128, 1024)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KERNELS = ("decode", "prefill", "store")
 
@@ -307,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--backend", choices=BACKEND_NAMES,
+                        help="default: triton on CUDA; cpu elsewhere (torch if it can't build)")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--max-prefill-tokens", type=int, default=131072)
     parser.add_argument("--max-prefill-tflop", type=float, default=60.0,
@@ -315,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--copy-bytes", type=int, default=1 << 30,
                         help="tensor size for the copy-bandwidth measurement")
     return parser
+
+
+def _default_backend(cuda: bool, head_dim: int) -> str:
+    if cuda:
+        return "triton"
+    return "cpu" if cpu_ops.ops_for(head_dim) is not None else "torch"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,14 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"unknown kernels {sorted(unknown)}; choose from {KERNELS}")
     dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     shape = Shape(args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, dtype, device)
-    backend_name = "triton" if cuda else "torch"
+    backend_name = args.backend or _default_backend(cuda, shape.head_dim)
     from kernels import check_backend_support
 
     check_backend_support(backend_name, shape.block_size, shape.head_dim, dtype, device)
     backend = get_backend(backend_name)
-    if not cuda:
-        print("No CUDA device: running a tiny CPU sweep of the torch reference backend only.\n"
-              "GPU figures (Triton kernels, GB/s against copy bandwidth) need a GPU.")
     timer = make_timer(device)
     copy_bytes = args.copy_bytes if cuda else min(args.copy_bytes, 1 << 26)
     copy_gbps = copy_bandwidth_gbps(device, timer, copy_bytes)
