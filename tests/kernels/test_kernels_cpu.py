@@ -97,14 +97,16 @@ def test_float32_goes_to_the_reference(session_seed):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_auto_backend_uses_the_cpu_path_on_cpu(dtype, session_seed):
+def test_auto_backend_without_the_compiled_op_uses_the_cpu_path(dtype, session_seed, monkeypatch):
+    # With the compiled op built, auto takes it instead (test_kernels_cpu_compiled.py).
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "off")
     x = _ragged_batch(session_seed, dtype)
     auto = kernels.get_backend("auto")
     assert torch.equal(_run(auto.paged_decode_attention, x), _run(paged_decode_attention_cpu, x))
 
 
-
-def test_cpu_prefill_in_float32_is_the_reference(session_seed):
+def test_cpu_prefill_in_float32_is_the_reference(session_seed, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "off")  # else auto takes the compiled op
     x = build_prefill_inputs({"shape": [64, 4, 2, 16], "dtype": "float32"}, session_seed, "cpu")
     assert torch.equal(_run_prefill(paged_prefill_attention_cpu, x),
                        _run_prefill(paged_prefill_attention_reference, x))
