@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from bench.report import print_table, write_json
-from kernels import BACKEND_NAMES, cpu_ops, get_backend
+from kernels import BACKEND_NAMES, get_backend
+from kernels.cpu import ops as cpu_ops
 
 GPU_BATCHES = (1, 8, 32, 128, 256)
 GPU_CONTEXTS = (128, 1024, 4096, 16384, 32768)

@@ -7,8 +7,8 @@ Two implementations share one contract (see ``kernels/reference.py``):
   ``kernels/paged_decode.py``, ``kernels/paged_prefill.py``, sharing
   ``kernels/paged_attention.py``).
 
-* ``cpu``    - compiled C++ attention for the CPU (``kernels/csrc/``, built
-  on first use by ``kernels/cpu_ops.py``), reading the paged cache in place.
+* ``cpu``    - compiled C++ attention for the CPU (``kernels/cpu/csrc/``, built
+  on first use by ``kernels/cpu/ops.py``), reading the paged cache in place.
 
 ``auto`` is Triton on CUDA. On the CPU its attention is the compiled op when
 it builds and takes the head_dim; otherwise ``kernels/cpu_attention.py``
@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.reference import (
     paged_decode_attention_reference,

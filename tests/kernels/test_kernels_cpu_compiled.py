@@ -1,4 +1,4 @@
-"""The compiled CPU attention (kernels/csrc/, built by kernels/cpu_ops.py)
+"""The compiled CPU attention (kernels/cpu/csrc/, built by kernels/cpu/ops.py)
 against the naive float64 loop, on fresh random inputs, and its fallbacks.
 
 The caches come from the shared builders: NaN wherever nothing was written,
@@ -20,7 +20,7 @@ import torch
 import kernels
 from kernel_cases import (DTYPES, SHAPES, build_decode_inputs, build_prefill_inputs, compare,
                           make_paged_cache)
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 from kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
 from test_kernels_reference import naive_decode, naive_prefill
 

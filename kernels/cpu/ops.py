@@ -1,4 +1,4 @@
-"""Building and loading the compiled CPU attention ops (``kernels/csrc/``).
+"""Building and loading the compiled CPU attention ops (``kernels/cpu/csrc/``).
 
 One source, three builds, chosen by the running CPU at load time::
 
@@ -15,7 +15,7 @@ Each build is its own extension *and* op namespace
 
 so builds for different ISAs, Pythons or torch versions never overwrite each
 other, and torch's own lock file serialises processes building at once.
-Nothing is compiled at import; ``python -m kernels.cpu_ops`` compiles ahead
+Nothing is compiled at import; ``python -m kernels.cpu.ops`` compiles ahead
 of time (``make install`` runs it), else the first CPU attention call does
 (about half a minute on two cores, then 0.01 s to load from the cache).
 
@@ -172,7 +172,7 @@ def unavailable_reason(head_dim: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Compile ahead of time: ``python -m kernels.cpu_ops [--isa NAME] [--verbose]``."""
+    """Compile ahead of time: ``python -m kernels.cpu.ops [--isa NAME] [--verbose]``."""
     import argparse
     import time
 
