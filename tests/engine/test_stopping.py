@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence
 from engine.stopping import Stop, StopChecker, banned_token_ids, may_stop
 from test_detokenizer import PieceTokenizer
+from test_sampler import eos_favoured_logits
 
 # 0 "a", 1 "b", 2 "c", 3 "#", 4 "##", 5 "x y", 6 "<s>" (special), 7 " "
 LETTERS = PieceTokenizer(["a", "b", "c", "#", "##", "x y", "<s>", " "], special=[6])
@@ -347,14 +348,6 @@ def test_ban_and_stop_check_share_one_min_tokens_rule(min_tokens):
     for produced in range(6):
         # The next token may not be a stop token exactly while the sequence may not stop.
         assert bool(banned_token_ids(params, produced, [EOS])) == (not may_stop(params, produced))
-
-
-def eos_favoured_logits(rows=1):
-    logits = torch.zeros(rows, 8)
-    logits[:, EOS] = 10.0
-    logits[:, 5] = 9.0
-    logits[:, 6] = 8.0
-    return logits
 
 
 def requests_for(params, produced=0, rows=1, eos=(EOS,)):

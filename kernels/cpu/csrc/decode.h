@@ -64,16 +64,7 @@ inline DecodePlan plan_decode(const int32_t* lens, int64_t seqs, int64_t threads
 }
 
 template <typename T>
-struct DecodeArgs {
-  Layer l;
-  const T* query;
-  T* out;
-  const at::Tensor& k_cache;
-  const at::Tensor& v_cache;
-  const int32_t* tables;
-  const int32_t* lens;
-  float scale2;
-  bool convert;
+struct DecodeArgs : OpArgs<T> {
   float* part_ml;   // [num_partials, heads, 2]: max, sum
   float* part_acc;  // [num_partials, heads, head_dim]
 };
@@ -127,9 +118,9 @@ void decode_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_c
   const DecodePlan plan = plan_decode(lens.data_ptr<int32_t>(), query.size(0), at::get_num_threads());
   at::Tensor part_ml = at::empty({plan.num_partials, l.heads, 2}, query.options().dtype(at::kFloat));
   at::Tensor part_acc = at::empty({plan.num_partials, l.heads, l.head_dim}, part_ml.options());
-  const DecodeArgs<T> a{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
-                        k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                        float(scale) * kLog2e, !std::is_same_v<T, float> && l.group > kRowBlock,
+  const DecodeArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
+                         k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                         float(scale) * kLog2e, !std::is_same_v<T, float> && l.group > kRowBlock},
                         part_ml.data_ptr<float>(), part_acc.data_ptr<float>()};
   auto make = [&] { return Scratch<T, QT>(int(l.heads), int(l.head_dim)); };
   run_items(int64_t(plan.items.size()), make,

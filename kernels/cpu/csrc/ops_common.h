@@ -54,6 +54,20 @@ inline Layer check_inputs(const at::Tensor& query, const at::Tensor& k_cache,
   return l;
 }
 
+// What every work item of one op call reads: the layer, the tensors, the scale.
+template <typename T>
+struct OpArgs {
+  Layer l;
+  const T* query;
+  T* out;
+  const at::Tensor& k_cache;
+  const at::Tensor& v_cache;
+  const int32_t* tables;
+  const int32_t* lens;
+  float scale2;   // softmax scale * log2(e)
+  bool convert;   // convert K/V tiles to fp32 once (many rows) rather than per row
+};
+
 // Every block a context needs must exist: a bad table would read out of bounds.
 inline void check_tables(const Layer& l, const int32_t* tables, const int32_t* lens, int64_t seqs) {
   for (int64_t i = 0; i < seqs; ++i) {

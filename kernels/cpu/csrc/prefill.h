@@ -25,17 +25,8 @@ struct PrefillItem {
 };
 
 template <typename T>
-struct PrefillArgs {
-  Layer l;
-  const T* query;
-  T* out;
-  const at::Tensor& k_cache;
-  const at::Tensor& v_cache;
-  const int32_t* tables;
-  const int32_t* lens;
-  const int32_t* cu;
-  float scale2;
-  bool convert;
+struct PrefillArgs : OpArgs<T> {
+  const int32_t* cu;  // cu_seqlens_q
 };
 
 inline std::vector<PrefillItem> plan_prefill(const Layer& l, const int32_t* cu, const int32_t* lens,
@@ -107,10 +98,11 @@ void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_
   const int64_t tokens_per_item = std::max<int64_t>(1, kPrefillRows / l.group);
   const std::vector<PrefillItem> items =
       plan_prefill(l, cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.numel(), tokens_per_item);
-  const PrefillArgs<T> a{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
-                         k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                         cu.data_ptr<int32_t>(), float(scale) * kLog2e,
-                         !std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock};
+  const PrefillArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
+                          k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                          float(scale) * kLog2e,
+                          !std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock},
+                         cu.data_ptr<int32_t>()};
   auto make = [&] { return Scratch<T, QT>(int(tokens_per_item * l.group), int(l.head_dim)); };
   run_items(int64_t(items.size()), make,
             [&](Scratch<T, QT>& s, int64_t i) { prefill_item(s, a, items[i]); });
