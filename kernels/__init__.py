@@ -1,4 +1,5 @@
-"""Paged KV-cache kernels: store, decode attention, prefill/extend attention.
+"""Paged KV-cache kernels (store, decode attention, prefill/extend attention)
+and the linear layers' matmul.
 
 Two implementations share one contract (see ``kernels/reference.py``):
 
@@ -13,7 +14,10 @@ Two implementations share one contract (see ``kernels/reference.py``):
 ``auto`` is Triton on CUDA. On the CPU its attention is the compiled op when
 it builds and takes the head_dim; otherwise ``kernels/cpu_attention.py``
 (bf16/fp16: prefill in the cache dtype, a block-gathering decode) or the
-reference (float32, bit for bit HF's arithmetic), after one logged warning.  The store module is *not* called
+reference (float32, bit for bit HF's arithmetic), after one logged warning.
+Its ``linear`` multiplies bf16 weights with the compiled op (fp32 FMAs over
+bf16 reads: half of fp32's bytes where torch's bf16 matmul is slow); every
+other case, and every other backend, is ``F.linear``.  The store module is *not* called
   ``kernels/store_kvcache.py``: importing it would make Python bind the
   submodule to ``kernels.store_kvcache``, replacing the function below.
 
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
@@ -48,7 +53,9 @@ __all__ = [
     "BACKEND_NAMES",
     "KernelBackend",
     "check_backend_support",
+    "compiled_bf16_linear",
     "get_backend",
+    "linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "store_kvcache",
@@ -62,12 +69,13 @@ TRITON_MAX_BLOCK_SIZE = 256
 
 @dataclass(frozen=True)
 class KernelBackend:
-    """The three kernel entry points of one implementation."""
+    """The kernel entry points of one implementation."""
 
     name: str
     store_kvcache: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
+    linear: Callable[..., torch.Tensor] = F.linear
 
 
 def _triton_modules():
@@ -121,6 +129,23 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, like F.linear.  bf16 weights on the CPU go
+    through the compiled op when it is built (output in x's dtype, fp32
+    accumulation); everything else is F.linear."""
+    if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
+        ops = cpu_ops.ops_for(weight.shape[1])
+        if ops is not None:
+            rows = x.reshape(-1, weight.shape[1])
+            return ops.linear_bf16(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def compiled_bf16_linear(in_features: int) -> bool:
+    """Whether ``linear`` multiplies bf16 weights of this width with the compiled op."""
+    return cpu_ops.ops_for(in_features) is not None
+
+
 def _compiled(name: str) -> Callable[..., torch.Tensor]:
     """One op of the ``cpu`` backend: the compiled build, contiguous query."""
 
@@ -137,7 +162,8 @@ def _compiled(name: str) -> Callable[..., torch.Tensor]:
 def get_backend(name: str) -> KernelBackend:
     """Return the ``auto``, ``torch`` or ``triton`` backend (a new frozen object)."""
     if name == "auto":
-        return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention)
+        return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
+                             linear)
     if name == "torch":
         return KernelBackend(
             "torch",
@@ -149,7 +175,7 @@ def get_backend(name: str) -> KernelBackend:
         return _triton_backend()
     if name == "cpu":
         return KernelBackend("cpu", store_kvcache_reference, _compiled("paged_decode_attention"),
-                             _compiled("paged_prefill_attention"))
+                             _compiled("paged_prefill_attention"), linear)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

@@ -153,6 +153,18 @@ def _rope_parameters(hf_config) -> tuple[torch.Tensor, float]:
     return rotary.inv_freq, float(rotary.attention_scaling)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose product is the kernel backend's: on the CPU, bf16
+    weights go through the compiled op (kernels.linear)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, kernels) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs, layer_index: int, kernels) -> None:
         super().__init__()
@@ -164,8 +176,8 @@ class Attention(nn.Module):
         self.scale = args.head_dim**-0.5
         self.layer_index = layer_index
         self.kernels = kernels
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias, kernels)
+        self.o_proj = Linear(self.q_size, args.hidden_size, False, kernels)
 
     def forward(self, rope_tables, hidden, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
@@ -195,11 +207,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, kernels) -> None:
         super().__init__()
         self.intermediate_size = args.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, args.mlp_bias, kernels)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -212,7 +224,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_index, kernels)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args, kernels)
 
     def forward(self, rope_tables, hidden, kv_cache, meta):
         hidden = hidden + self.self_attn(rope_tables, self.input_layernorm(hidden), kv_cache, meta)
@@ -238,9 +250,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, i, kernels) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rope = RotaryEmbedding(hf_config, max_positions)
+        self.kernels = kernels
         self.lm_head = None
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, False, kernels)
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every scheduled token: [num_tokens, hidden_size]."""
@@ -252,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.kernels.linear(hidden, weight)
 
     def quantize_int4(self) -> None:
         """Every decoder layer's linear layers to int4 (engine/models/quantization.py).

@@ -1,22 +1,23 @@
-"""Building and loading the compiled CPU attention ops (``kernels/cpu/csrc/``).
+"""Building and loading the compiled CPU ops (``kernels/cpu/csrc/``): paged
+attention, and linear layers over bf16 weights.
 
 One source, three builds, chosen by the running CPU at load time::
 
-    isa          compiler flags                             head_dim multiple
+    isa          compiler flags                             pair length
     avx512bf16   -mavx512f/bw/vl/dq -mavx512bf16 -mfma -mf16c       32
     avx2         -mavx2 -mfma -mf16c                                16
     portable     none (the compiler's baseline)                     16
 
 Each build is its own extension *and* op namespace
-(``torch.ops.pagedserve_attention_<isa>``), compiled by
+(``torch.ops.pagedserve_cpu_<isa>``), compiled by
 ``torch.utils.cpp_extension.load`` at first use into::
 
-    $XDG_CACHE_HOME/pagedserve/cpu_kernels/py311-torch2.13.0+cpu/pagedserve_attention_avx2/
+    $XDG_CACHE_HOME/pagedserve/cpu_kernels/py311-torch2.13.0+cpu/pagedserve_cpu_avx2/
 
 so builds for different ISAs, Pythons or torch versions never overwrite each
 other, and torch's own lock file serialises processes building at once.
 Nothing is compiled at import; ``python -m kernels.cpu.ops`` compiles ahead
-of time (``make install`` runs it), else the first CPU attention call does
+of time (``make install`` runs it), else the first call of an op does
 (about half a minute on two cores, then 0.01 s to load from the cache).
 
 ``PAGEDSERVE_CPU_KERNELS`` = auto (default) | avx512bf16 | avx2 | portable | off
@@ -48,13 +49,15 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DPAGEDSERVE_ISA_AVX2"],
     "portable": [],
 }
-HEAD_DIM_MULTIPLE = {"avx512bf16": 32, "avx2": 16, "portable": 16}
+# Elements per vector pair (two fp32 vectors): a head_dim, or a linear layer's
+# in_features, must be a multiple of it for a build to take it.
+PAIR_LENGTH = {"avx512bf16": 32, "avx2": 16, "portable": 16}
 ISAS = tuple(ISA_FLAGS)
 
 
 def extension_name(isa: str) -> str:
     """Extension file and op namespace of one build."""
-    return f"pagedserve_attention_{isa}"
+    return f"pagedserve_cpu_{isa}"
 
 
 def cache_root() -> Path:
@@ -118,7 +121,7 @@ def build(isa: str, verbose: bool = False):
     flags = COMMON_FLAGS + ISA_FLAGS[isa]
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE_DIR / "attention.cpp")],
+        sources=[str(SOURCE_DIR / "ops.cpp")],
         extra_cflags=flags + [f"-DPAGEDSERVE_OPS_NS={name}"],
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(SOURCE_DIR)],
@@ -130,7 +133,7 @@ def build(isa: str, verbose: bool = False):
 
 
 # Cached per process: torch.ops registrations are process-wide anyway, and a
-# failed build is tried (and reported) once, not on every attention call.
+# failed build is tried (and reported) once, not on every call.
 @functools.lru_cache(maxsize=None)
 def load(isa: str):
     """The op namespace of one build, or None (logged once) when it cannot be built."""
@@ -138,7 +141,7 @@ def load(isa: str):
         return build(isa)
     except Exception as exc:  # no compiler, no ninja, a compiler error: fall back
         logger.warning(
-            "compiled CPU attention (%s) unavailable, using the PyTorch path: %s "
+            "compiled CPU ops (%s) unavailable, using the PyTorch paths: %s "
             "(needs a C++ compiler and ninja; %s=off silences this)", isa, _reason(exc), ENV_VAR)
         return None
 
@@ -151,23 +154,24 @@ def _reason(exc: Exception) -> str:
     return text[:300]
 
 
-def ops_for(head_dim: int):
+def ops_for(width: int):
     """The compiled ops for this process (PAGEDSERVE_CPU_KERNELS, else this
-    CPU's best build) if they take `head_dim`, else None: turned off, a
-    head_dim the build's vectors don't divide, or a failed build (logged once)."""
+    CPU's best build) if they take rows of `width` elements (a head_dim, a
+    linear layer's in_features), else None: turned off, a width the build's
+    vectors don't divide, or a failed build (logged once)."""
     isa = requested_isa()
-    if isa is None or head_dim % HEAD_DIM_MULTIPLE[isa]:
+    if isa is None or width % PAIR_LENGTH[isa]:
         return None
     return load(isa)
 
 
-def unavailable_reason(head_dim: int) -> str:
-    """Why ops_for(head_dim) is None, in a sentence."""
+def unavailable_reason(width: int, what: str = "head_dim") -> str:
+    """Why ops_for(width) is None, in a sentence; `what` names the width."""
     isa = requested_isa()
     if isa is None:
         return f"turned off ({ENV_VAR}=off)"
-    if head_dim % HEAD_DIM_MULTIPLE[isa]:
-        return f"the {isa} build needs head_dim a multiple of {HEAD_DIM_MULTIPLE[isa]}, got {head_dim}"
+    if width % PAIR_LENGTH[isa]:
+        return f"the {isa} build needs {what} a multiple of {PAIR_LENGTH[isa]}, got {width}"
     return f"the {isa} build failed (see the warning above; needs a C++ compiler and ninja)"
 
 
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     isa = args.isa or isa_for_this_cpu()
     start = time.perf_counter()
     ops = build(isa, verbose=args.verbose)
-    print(f"compiled CPU attention: {isa} ({ops.isa()}) in {time.perf_counter() - start:.1f} s, "
+    print(f"compiled CPU ops: {isa} ({ops.isa()}) in {time.perf_counter() - start:.1f} s, "
           f"cached under {cache_root()}")
     return 0
 

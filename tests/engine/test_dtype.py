@@ -1,5 +1,6 @@
 """`dtype="auto"`: float32 checkpoints run in bfloat16 where bf16 matmuls are
-fast (CUDA with bf16, CPUs with AVX512-BF16/AMX), as vLLM does; an explicit
+fast (CUDA with bf16, CPUs with AVX512-BF16/AMX, CPUs where the compiled
+bf16-weight linear takes the model's widths), as vLLM does; an explicit
 dtype always wins; half-precision checkpoints keep their dtype. And the real
 model still answers sensibly in bf16 on the CPU fast paths."""
 
@@ -13,6 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.model_runner import has_fast_bf16, resolve_dtype
+from kernels import compiled_bf16_linear
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -43,9 +45,32 @@ def test_auto_downcasts_float32_only_where_bf16_is_fast(checkpoint):
     assert resolve_dtype(EngineConfig(), _checkpoint(checkpoint), CPU) == expected
 
 
+def _smollm2_shaped(dtype="float32"):
+    return types.SimpleNamespace(dtype=dtype, hidden_size=576, intermediate_size=1536)
+
+
+def test_auto_downcasts_where_the_compiled_linear_takes_the_layers(monkeypatch):
+    probes = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    compiled = compiled_bf16_linear(576) and compiled_bf16_linear(1536)
+    expected = torch.bfloat16 if probes or compiled else torch.float32
+    assert resolve_dtype(EngineConfig(), _smollm2_shaped(), CPU) == expected
+    # The torch backend multiplies with F.linear: only the ISA probes count.
+    torch_backend = EngineConfig(kernel_backend="torch")
+    assert resolve_dtype(torch_backend, _smollm2_shaped(), CPU) == (
+        torch.bfloat16 if probes else torch.float32)
+    # A width no build takes (or the op turned off) keeps float32.
+    odd = types.SimpleNamespace(dtype="float32", hidden_size=24, intermediate_size=1536)
+    assert resolve_dtype(EngineConfig(), odd, CPU) == (torch.bfloat16 if probes else torch.float32)
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "off")
+    assert resolve_dtype(EngineConfig(), _smollm2_shaped(), CPU) == (
+        torch.bfloat16 if probes else torch.float32)
+
+
 def test_auto_reaches_the_engine(tiny_llama_path):
     llm = LLM(str(tiny_llama_path), max_model_len=128, num_gpu_blocks_override=16)
-    expected = torch.bfloat16 if has_fast_bf16(CPU) else torch.float32
+    hf = llm.engine.runner.model.args
+    widths = (hf.hidden_size, hf.intermediate_size)
+    expected = torch.bfloat16 if has_fast_bf16(CPU, "auto", widths) else torch.float32
     assert llm.engine.runner.dtype == expected
     assert llm.engine.runner.kv_cache.dtype == expected
 

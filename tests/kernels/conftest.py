@@ -3,7 +3,8 @@
 Environment (read here only):
   PAGEDSERVE_TEST_DEVICE  cpu (default: Triton interpreter) or cuda (native Triton)
   PAGEDSERVE_TEST_SEED    reuse a printed seed to reproduce a failure
-  CI=true                 a missing triton fails the Triton tests instead of skipping them
+  CI=true                 a missing triton, or compiled CPU ops that don't build, fail
+                          their tests instead of skipping them
 
 Triton cases run in child processes (kernel_case_runner.py), several cases
 per child and one child per CPU core, so an interpreter segfault fails the
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from kernel_cases import case_seed
+from kernels.cpu import ops as cpu_ops
 from kernel_subprocess import balanced_batches, run_in_children
 
 TRITON_TEST_NAME = "test_triton_kernel_matches_reference"
@@ -49,6 +51,18 @@ def require_triton() -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def compiled_cpu_ops():
+    """This CPU's build of the compiled ops (kernels/cpu/csrc/)."""
+    built = cpu_ops.ops_for(64)
+    if built is None:
+        message = f"compiled CPU ops unavailable: {cpu_ops.unavailable_reason(64)}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return built
 
 
 @pytest.fixture

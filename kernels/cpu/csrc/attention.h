@@ -31,16 +31,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(PAGEDSERVE_ISA_AVX512BF16)
-#include "vec_avx512.h"
-#define PAGEDSERVE_ISA_NAME "avx512bf16"
-#elif defined(PAGEDSERVE_ISA_AVX2)
-#include "vec_avx2.h"
-#define PAGEDSERVE_ISA_NAME "avx2"
-#else
-#include "vec_portable.h"
-#define PAGEDSERVE_ISA_NAME "portable"
-#endif
+#include "vec.h"
 
 namespace pagedserve {
 

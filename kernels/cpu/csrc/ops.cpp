@@ -1,5 +1,6 @@
 // Torch ops: paged decode and prefill attention over the paged KV cache, read
-// in place.  Same contract as kernels/reference.py.
+// in place (same contract as kernels/reference.py), and linear layers over
+// bf16 weights (linear.h).
 //
 // Work items are (sequence, kv head) for decode, (sequence, kv head, tile of
 // query tokens) for prefill: the query heads of a kv group share every K/V
@@ -18,6 +19,7 @@
 #endif
 
 #include "decode.h"
+#include "linear.h"
 #include "prefill.h"
 
 namespace pagedserve {
@@ -37,5 +39,6 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale) -> Tensor",
         &pagedserve::paged_prefill_attention);
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &pagedserve::linear_bf16);
   m.def("isa() -> str", &pagedserve::isa_name);
 }

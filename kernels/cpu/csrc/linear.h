@@ -1,0 +1,201 @@
+// Linear layers with bf16 weights: y = x W^T (+ bias), accumulated in fp32.
+//
+// Why: a decode step of a small batch reads every weight once per token, so
+// on the CPU its time is the weights' bytes over memory bandwidth.  bf16 halves
+// fp32's bytes, but without AVX512-BF16 torch's bf16 matmul is slow (about 5x
+// fp32 at 32 rows on an AVX2 machine).  A bf16 weight becomes an fp32 with one
+// shift or one and (vec::load_pair), so this op reads bf16 and multiplies
+// with fp32 FMAs: bf16's bytes at fp32's speed.
+//
+// x (fp32 or bf16) is rearranged once per call into the order in which
+// load_pair delivers the weights, so lane i of a weight vector always meets
+// the x element it multiplies (AVX2 shown; pair_order() asks the build):
+//
+//   16 weights   w0 w1 w2 ... w15   --load_pair-->  [w0 w2 ... w14] [w1 w3 ... w15]
+//   16 of x      x0 x1 x2 ... x15   --once------->  [x0 x2 ... x14] [x1 x3 ... x15]
+//
+// Blocking (rows of x are tokens, rows of W output features):
+//
+//   for each chunk of kChunkRows tokens            the chunk's x stays in L2
+//     threads split the weight rows in strips      a strip (kStripCols rows) stays in L2
+//       for each panel of kRows tokens             the panel's x stays in L1
+//         for each tile of kCols weight rows       kRows x kCols fp32 accumulators
+//           walk K a pair at a time: 2 kCols weight vectors, 2 FMAs per (row, col)
+//
+// A tile's accumulators, its weight vectors and one x vector fit the register
+// file (AVX2: 8 + 4 + 1 of 16), so every weight vector loaded serves kRows
+// tokens and every x vector kCols features.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "vec.h"
+
+namespace pagedserve {
+namespace linear {
+
+constexpr int kPairLen = 2 * vec::W;        // in_features must be a multiple of this
+constexpr int kRows = 4;                    // tokens per tile
+constexpr int kCols = vec::W == 16 ? 4 : 2;  // weight rows per tile (AVX-512 has 32 registers)
+constexpr int kOneRowCols = 4;              // one token: more features, more independent FMAs
+constexpr int64_t kStripCols = 32;          // weight rows per work item
+constexpr int64_t kChunkRows = 128;         // tokens per pass over the weights
+
+// Which element of a 2W-element pair each lane of load_pair(bf16) holds.
+inline std::array<int, kPairLen> pair_order() {
+  bf16_t probe[kPairLen];
+  for (int i = 0; i < kPairLen; ++i) {  // small integers are exact in bf16
+    float f = float(i);
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    probe[i].bits = uint16_t(u >> 16);
+  }
+  vec::F a, b;
+  vec::load_pair(probe, a, b);
+  float lanes[kPairLen];
+  vec::store(lanes, a);
+  vec::store(lanes + vec::W, b);
+  std::array<int, kPairLen> order;
+  for (int i = 0; i < kPairLen; ++i) order[i] = int(lanes[i]);
+  return order;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16_t x) {
+  uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline void store_scalar(float* p, float v) { *p = v; }
+inline void store_scalar(bf16_t* p, float v) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  p->bits = v != v ? uint16_t(0x7fc0) : uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+// Rows [r0, r1) of x as fp32, each pair in load_pair's order.
+template <typename T>
+void permute_rows(const T* x, float* xp, int64_t K, int64_t r0, int64_t r1,
+                  const std::array<int, kPairLen>& order) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t k = 0; k < K; k += kPairLen)
+      for (int i = 0; i < kPairLen; ++i) xp[r * K + k + i] = to_float(x[r * K + k + order[i]]);
+}
+
+// R tokens (rows of xp, stride K) times C weight rows (stride K): dot[r * C + c].
+template <int R, int C>
+inline void tile(const float* xp, const bf16_t* w, int64_t K, float* dot) {
+  vec::F acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vec::zero();
+  for (int64_t k = 0; k < K; k += kPairLen) {
+    vec::F wa[C], wb[C];
+    for (int c = 0; c < C; ++c) vec::load_pair(w + c * K + k, wa[c], wb[c]);
+    for (int r = 0; r < R; ++r) {
+      const vec::F xa = vec::load(xp + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = vec::fma(xa, wa[c], acc[r][c]);
+      const vec::F xb = vec::load(xp + r * K + k + vec::W);
+      for (int c = 0; c < C; ++c) acc[r][c] = vec::fma(xb, wb[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) dot[r * C + c] = vec::reduce_add(acc[r][c]);
+}
+
+// R tokens against weight rows [n0, n1): out[r, n] = dot + bias[n].
+template <int R, int C, typename TOut>
+void tokens_times_strip(const float* xp, const bf16_t* w, const float* bias, int64_t K,
+                        int64_t n0, int64_t n1, TOut* out, int64_t N) {
+  float dot[R * C];
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) {
+    tile<R, C>(xp, w + n * K, K, dot);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        store_scalar(out + r * N + n + c, dot[r * C + c] + (bias ? bias[n + c] : 0.0f));
+  }
+  for (; n < n1; ++n) {
+    tile<R, 1>(xp, w + n * K, K, dot);
+    for (int r = 0; r < R; ++r) store_scalar(out + r * N + n, dot[r] + (bias ? bias[n] : 0.0f));
+  }
+}
+
+// Tokens [r0, r1) against weight rows [n0, n1): full panels, then the 1-3 left over.
+template <typename TOut>
+void rows_times_strip(const float* xp, const bf16_t* w, const float* bias, int64_t K, int64_t r0,
+                      int64_t r1, int64_t n0, int64_t n1, TOut* out, int64_t N) {
+  int64_t r = r0;
+  for (; r + kRows <= r1; r += kRows)
+    tokens_times_strip<kRows, kCols>(xp + r * K, w, bias, K, n0, n1, out + r * N, N);
+  switch (r1 - r) {
+    case 3: tokens_times_strip<3, kCols>(xp + r * K, w, bias, K, n0, n1, out + r * N, N); break;
+    case 2: tokens_times_strip<2, kCols>(xp + r * K, w, bias, K, n0, n1, out + r * N, N); break;
+    case 1: tokens_times_strip<1, kOneRowCols>(xp + r * K, w, bias, K, n0, n1, out + r * N, N); break;
+    default: break;
+  }
+}
+
+template <typename TIn, typename TOut>
+void run(const TIn* x, const bf16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
+         float* xp, TOut* out) {
+  const auto order = pair_order();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { permute_rows(x, xp, K, r0, r1, order); });
+  const int64_t strips = (N + kStripCols - 1) / kStripCols;
+  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
+    const int64_t m1 = std::min(M, m0 + kChunkRows);
+    at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s)
+        rows_times_strip(xp, w, bias, K, m0, m1, s * kStripCols,
+                         std::min(N, (s + 1) * kStripCols), out, N);
+    });
+  }
+}
+
+}  // namespace linear
+
+// y = x W^T + bias: x [tokens, in] fp32 or bf16, W [out, in] bf16, bias [out]
+// or None; y [tokens, out] in x's dtype.
+inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_bf16: tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "linear_bf16: x [tokens, in] and weight [out, in], got ", x.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "linear_bf16: weight must be contiguous bf16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "linear_bf16: x must be float32 or bf16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(K % linear::kPairLen == 0, "linear_bf16: in_features ", K,
+              " is not a multiple of ", linear::kPairLen, " in this build");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_bf16: bias must be [out]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  at::Tensor xp = at::empty({M, K}, x.options().dtype(at::kFloat));
+  const auto* w = reinterpret_cast<const bf16_t*>(weight.data_ptr());
+  const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    linear::run(xc.data_ptr<float>(), w, bias_ptr, M, K, N, xp.data_ptr<float>(),
+                out.data_ptr<float>());
+  } else {
+    linear::run(reinterpret_cast<const bf16_t*>(xc.data_ptr()), w, bias_ptr, M, K, N,
+                xp.data_ptr<float>(), reinterpret_cast<bf16_t*>(out.data_ptr()));
+  }
+  return out;
+}
+
+}  // namespace pagedserve
