@@ -1,4 +1,4 @@
-"""Kernel micro-benchmark: paged attention and store_kvcache.
+"""Kernel micro-benchmark: paged attention, store_kvcache and the linear layers.
 
     pagedserve bench kernels [--output results.json] [--dtype bfloat16] ...
 
@@ -20,24 +20,29 @@ and a [batch, context, kv_heads, head_dim] tensor::
     tables:   s0 -> [1, 2, ...], s1 -> [1 + n, 2 + n, ...]
     SDPA:     k_cache[1:].view(batch, context, kv_heads, dim).transpose(1, 2)
 
-Without CUDA it runs a small CPU sweep of the compiled CPU op (``--backend
-cpu``, the default there when it builds; ``--backend torch`` for the
+Without CUDA it runs a small CPU sweep of the compiled CPU ops (``--backend
+cpu``, the default there when they build; ``--backend torch`` for the
 reference), against the same SDPA baseline and the machine's copy bandwidth.
+
+``linear`` times one Llama layer's four projections (qkv, o, gate_up, down;
+hidden = heads x head_dim, ``--intermediate-size``) per batch of tokens
+through the backend's ``linear``: with bf16 weights on the CPU that is the
+compiled bf16-weight op, against F.linear over float32 copies of the same
+weights (what the CPU would run otherwise). GB/s counts the weights' bytes,
+each side its own dtype: at small batches the layer is bound by reading them.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from bench.kernel_timing import copy_bandwidth_gbps, make_timer, time_or_none
 from bench.report import print_table, write_json
 from kernels import BACKEND_NAMES, get_backend
 from kernels.cpu import ops as cpu_ops
@@ -47,7 +52,7 @@ GPU_CONTEXTS = (128, 1024, 4096, 16384, 32768)
 CPU_BATCHES = (1, 16, 64)
 CPU_CONTEXTS = (128, 1024)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-KERNELS = ("decode", "prefill", "store")
+KERNELS = ("decode", "prefill", "store", "linear")
 
 
 @dataclass(frozen=True)
@@ -87,37 +92,6 @@ class Row:
 
 
 # ---------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------
-
-def make_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    """Median milliseconds of fn(): do_bench on CUDA, a wall-clock loop on CPU."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn: float(do_bench(fn, return_mode="median"))
-
-    def cpu_timer(fn) -> float:
-        fn()  # warm-up
-        samples = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(samples)
-
-    return cpu_timer
-
-
-def copy_bandwidth_gbps(device: torch.device, timer, nbytes: int) -> float:
-    """Read + write bandwidth of a plain tensor copy on ``device``."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
-    return 2 * nbytes / ms / 1e6
-
-
-# ---------------------------------------------------------------------------
 # Workloads
 # ---------------------------------------------------------------------------
 
@@ -136,14 +110,6 @@ def contiguous_view(cache: torch.Tensor, batch: int, context: int) -> torch.Tens
     return cache[1:].view(batch, context, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
-def sdpa_or_none(timer, fn) -> float | None:
-    """Time a torch baseline; None if it cannot run (e.g. out of memory)."""
-    try:
-        return timer(fn)
-    except (RuntimeError, TypeError):  # OOM is a RuntimeError; TypeError: torch without enable_gqa
-        return None
-
-
 def bench_decode(shape: Shape, backend, timer, batch: int, context: int) -> Row:
     k_cache, v_cache, tables = sequential_cache(shape, batch, context)
     lens = torch.full((batch,), context, dtype=torch.int32, device=shape.device)
@@ -152,7 +118,7 @@ def bench_decode(shape: Shape, backend, timer, batch: int, context: int) -> Row:
     ms = timer(lambda: backend.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale))
     q = query.unsqueeze(2)
     k, v = contiguous_view(k_cache, batch, context), contiguous_view(v_cache, batch, context)
-    base_ms = sdpa_or_none(timer, lambda: _sdpa(q, k, v, scale, causal=False))
+    base_ms = time_or_none(timer, lambda: _sdpa(q, k, v, scale, causal=False))
     nbytes = shape.kv_bytes(batch * context) + 2 * shape.q_bytes(batch)
     extra = _decode_variants(shape, backend, timer, query, k_cache, v_cache, tables, lens, scale)
     return _row("decode", batch, context, ms, base_ms, "torch sdpa", nbytes, None, extra)
@@ -185,7 +151,7 @@ def bench_prefill(shape: Shape, backend, timer, batch: int, context: int) -> Row
     ms = timer(lambda: backend.paged_prefill_attention(query, k_cache, v_cache, tables, cu, lens, scale))
     q = query.view(batch, context, shape.num_heads, shape.head_dim).transpose(1, 2)
     k, v = contiguous_view(k_cache, batch, context), contiguous_view(v_cache, batch, context)
-    base_ms = sdpa_or_none(timer, lambda: _sdpa(q, k, v, scale, causal=True))
+    base_ms = time_or_none(timer, lambda: _sdpa(q, k, v, scale, causal=True))
     nbytes = shape.kv_bytes(tokens) + 2 * shape.q_bytes(tokens)
     return _row("prefill", batch, context, ms, base_ms, "torch sdpa", nbytes,
                 prefill_flops(shape, batch, context), {})
@@ -199,9 +165,33 @@ def bench_store(shape: Shape, backend, timer, batch: int, context: int) -> Row:
     slots = torch.randperm(tokens, device=shape.device) + shape.block_size  # skip the null block
     ms = timer(lambda: backend.store_kvcache(key, value, k_cache, v_cache, slots))
     torch_store = get_backend("torch").store_kvcache
-    base_ms = sdpa_or_none(timer, lambda: torch_store(key, value, k_cache, v_cache, slots))
+    base_ms = time_or_none(timer, lambda: torch_store(key, value, k_cache, v_cache, slots))
     nbytes = 2 * shape.kv_bytes(tokens) + slots.numel() * slots.element_size()  # read + write
     return _row("store", batch, context, ms, base_ms, "torch index_put", nbytes, None, {})
+
+
+def layer_weights(shape: Shape, intermediate: int) -> list[torch.Tensor]:
+    """One Llama layer's projections, [out, in]: qkv, o, gate_up, down."""
+    hidden, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    sizes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * intermediate, hidden),
+             (hidden, intermediate)]
+    return [torch.randn(o, i, device=shape.device).div_(i ** 0.5).to(shape.dtype) for o, i in sizes]
+
+
+def bench_linear(shape: Shape, backend, timer, batch: int, intermediate: int) -> Row:
+    weights = layer_weights(shape, intermediate)
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=shape.device).to(shape.dtype)
+              for w in weights}
+    ms = timer(lambda: [backend.linear(inputs[w.shape[1]], w) for w in weights])
+    weights32 = [w.float() for w in weights]
+    inputs32 = {width: x.float() for width, x in inputs.items()}
+    base_ms = time_or_none(timer, lambda: [F.linear(inputs32[w.shape[1]], w) for w in weights32])
+    params = sum(w.numel() for w in weights)
+    row = _row("linear", batch, 0, ms, base_ms, "F.linear fp32", params * shape.elem,
+               2.0 * batch * params, {"intermediate_size": intermediate})
+    if base_ms is not None:  # the baseline reads float32 weights: its own bytes
+        row.baseline_gbps = params * 4 / base_ms / 1e6
+    return row
 
 
 def _sdpa(q, k, v, scale, causal):
@@ -237,11 +227,15 @@ def needed_bytes(shape: Shape, kernel: str, batch: int, context: int) -> int:
         total += 3 * shape.q_bytes(tokens)  # query, output, SDPA output
     if kernel == "store":
         total *= 2  # the new key/value
+    if kernel == "linear":  # weights, their float32 copies (context is intermediate_size)
+        hidden = shape.num_heads * shape.head_dim
+        params = hidden * (3 * hidden + 2 * shape.num_kv_heads * shape.head_dim) + 3 * hidden * context
+        total = params * (shape.elem + 4)
     return total
 
 
 def skip_reason(shape: Shape, kernel: str, batch: int, context: int, args) -> str | None:
-    if context % shape.block_size:
+    if kernel != "linear" and context % shape.block_size:
         return f"context not a multiple of block_size {shape.block_size}"
     if kernel == "prefill":
         if batch * context > args.max_prefill_tokens:
@@ -260,12 +254,15 @@ def _memory_budget(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(0.8 * free) - 2**30
-    return 2**30  # the CPU sweep is a smoke run
+    return 4 * 2**30  # the CPU sweep is a small one
 
 
 def run_sweep(shape: Shape, backend, timer, kernels, batches, contexts, args):
-    bench = {"decode": bench_decode, "prefill": bench_prefill, "store": bench_store}
-    plan = [(k, b, c) for k in kernels for b in batches for c in contexts]
+    bench = {"decode": bench_decode, "prefill": bench_prefill, "store": bench_store,
+             "linear": bench_linear}
+    # linear has no context: its second number is the layer's intermediate size.
+    plan = [(k, b, c) for k in kernels if k != "linear" for b in batches for c in contexts]
+    plan += [("linear", b, args.intermediate_size) for b in batches if "linear" in kernels]
     rows, skipped = [], []
     for kernel, batch, context in tqdm(plan, desc="kernel sweep", unit="case"):
         reason = skip_reason(shape, kernel, batch, context, args)
@@ -285,7 +282,7 @@ def print_rows(rows: list[Row]) -> None:
     print_table(
         ["kernel", "batch", "context", "ms", "GB/s", "% copy", "TFLOP/s", "baseline", "base ms",
          "base GB/s"],
-        [[r.kernel, r.batch, r.context, f"{r.ms:.4f}", f"{r.gbps:.1f}",
+        [[r.kernel, r.batch, r.context if r.kernel != "linear" else "-", f"{r.ms:.4f}", f"{r.gbps:.1f}",
           _fmt(r.fraction_of_copy, "{:.0%}"), _fmt(r.tflops, "{:.1f}"), r.baseline,
           _fmt(r.baseline_ms, "{:.4f}"), _fmt(r.baseline_gbps, "{:.1f}")] for r in rows])
 
@@ -301,16 +298,19 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
-    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma list of decode,prefill,store")
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help="comma list of decode,prefill,store,linear")
     parser.add_argument("--batches", type=_int_list, help="comma list (default: by device)")
     parser.add_argument("--contexts", type=_int_list, help="comma list (default: by device)")
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--intermediate-size", type=int, default=14336,
+                        help="linear: the MLP width (hidden is heads x head_dim)")
     parser.add_argument("--backend", choices=BACKEND_NAMES,
                         help="default: triton on CUDA; cpu elsewhere (torch if it can't build)")
-    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--max-prefill-tokens", type=int, default=131072)
     parser.add_argument("--max-prefill-tflop", type=float, default=60.0,
                         help="skip prefill cases above this many TFLOP per call")
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(kernels) - set(KERNELS)
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}; choose from {KERNELS}")
-    dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
+    dtype = DTYPES[args.dtype]
     shape = Shape(args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, dtype, device)
     backend_name = args.backend or _default_backend(cuda, shape.head_dim)
     from kernels import check_backend_support
