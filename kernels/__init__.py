@@ -1,15 +1,15 @@
 """Paged KV-cache kernels (store, decode attention, prefill/extend attention)
 and the linear layers' matmul.
 
-Two implementations share one contract (see ``kernels/reference.py``):
+Three implementations share one contract (see ``kernels/reference.py``):
 
-* ``torch``  - pure PyTorch reference (any device; the CPU engine uses it),
+* ``torch``  - pure PyTorch reference (any device),
 * ``triton`` - Triton GPU kernels (``kernels/store_kvcache_triton.py``,
   ``kernels/paged_decode.py``, ``kernels/paged_prefill.py``, sharing
-  ``kernels/paged_attention.py``).
-
-* ``cpu``    - compiled C++ attention for the CPU (``kernels/cpu/csrc/``, built
-  on first use by ``kernels/cpu/ops.py``), reading the paged cache in place.
+  ``kernels/paged_attention.py``),
+* ``cpu``    - compiled C++ ops for the CPU (``kernels/cpu/csrc/``, built on
+  first use by ``kernels/cpu/ops.py``): attention reading the paged cache in
+  place, and the bf16-weight linear.
 
 ``auto`` is Triton on CUDA. On the CPU its attention is the compiled op when
 it builds and takes the head_dim; otherwise ``kernels/cpu_attention.py``
@@ -17,12 +17,14 @@ it builds and takes the head_dim; otherwise ``kernels/cpu_attention.py``
 reference (float32, bit for bit HF's arithmetic), after one logged warning.
 Its ``linear`` multiplies bf16 weights with the compiled op (fp32 FMAs over
 bf16 reads: half of fp32's bytes where torch's bf16 matmul is slow); every
-other case, and every other backend, is ``F.linear``.  The store module is *not* called
-  ``kernels/store_kvcache.py``: importing it would make Python bind the
-  submodule to ``kernels.store_kvcache``, replacing the function below.
+other case, and every other backend, is ``F.linear``.
+
+The store module is *not* called ``kernels/store_kvcache.py``: importing it
+would make Python bind the submodule to ``kernels.store_kvcache``, replacing
+the function below.
 
 The module-level functions are the ``auto`` backend: Triton for CUDA tensors,
-the reference otherwise.  To force one, ask for it explicitly::
+the compiled ops or the torch paths otherwise.  To force one, ask for it explicitly::
 
     backend = get_backend("torch")
     out = backend.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
