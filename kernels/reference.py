@@ -200,3 +200,16 @@ def paged_prefill_attention_reference(
 def _check_heads(num_heads: int, kv_heads: int) -> None:
     if kv_heads == 0 or num_heads % kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv_heads})")
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's LlamaRMSNorm: fp32 statistics, cast back to x's dtype before the
+    weight. A given residual first becomes ``residual + x``, in place (the
+    decoder layer's skip connection, fused in front of the next norm)."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)

@@ -94,16 +94,22 @@ class LlamaArgs:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """HF's LlamaRMSNorm through the kernel backend (kernels.rms_norm): with a
+    residual, it first adds x into it in place, the skip connection fused in.
+
+        out = norm(x)                       (the first layer's input norm)
+        out, residual = norm(x, residual)   (residual <- residual + x; out = norm(residual))
+    """
+
+    def __init__(self, dim: int, eps: float, kernels) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, then cast back before the weight, exactly as HF does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out = self.kernels.rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -221,14 +227,23 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: LlamaArgs, layer_index: int, kernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.self_attn = Attention(args, layer_index, kernels)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.mlp = MLP(args, kernels)
 
-    def forward(self, rope_tables, hidden, kv_cache, meta):
-        hidden = hidden + self.self_attn(rope_tables, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope_tables, hidden, residual, kv_cache, meta):
+        """(the previous layer's MLP output, the residual stream) -> the same for
+        this layer. Each norm adds its input into the residual first, so
+        `hidden + residual` after the last layer is HF's hidden state."""
+        if residual is None:  # the first layer: the embeddings are the residual
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope_tables, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 # Checkpoint tensors that are packed into one of our fused projections:
@@ -248,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         self.args = args = LlamaArgs.from_hf_config(hf_config)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i, kernels) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.rope = RotaryEmbedding(hf_config, max_positions)
         self.kernels = kernels
         self.lm_head = None
@@ -257,11 +272,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every scheduled token: [num_tokens, hidden_size]."""
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         rope_tables = self.rope.tables(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(rope_tables, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(rope_tables, hidden, residual, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -154,6 +154,13 @@ def _reason(exc: Exception) -> str:
     return text[:300]
 
 
+def current_ops():
+    """The compiled ops for this process (PAGEDSERVE_CPU_KERNELS, else this
+    CPU's best build), or None: turned off, or a failed build (logged once)."""
+    isa = requested_isa()
+    return None if isa is None else load(isa)
+
+
 def ops_for(width: int):
     """The compiled ops for this process (PAGEDSERVE_CPU_KERNELS, else this
     CPU's best build) if they take rows of `width` elements (a head_dim, a

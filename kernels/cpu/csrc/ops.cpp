@@ -1,6 +1,6 @@
 // Torch ops: paged decode and prefill attention over the paged KV cache, read
-// in place (same contract as kernels/reference.py), and linear layers over
-// bf16 weights (linear.h).
+// in place (same contract as kernels/reference.py), linear layers over bf16
+// weights (linear.h), and RMSNorm with its residual add (rms_norm.h).
 //
 // Work items are (sequence, kv head) for decode, (sequence, kv head, tile of
 // query tokens) for prefill: the query heads of a kv group share every K/V
@@ -20,6 +20,7 @@
 
 #include "decode.h"
 #include "linear.h"
+#include "rms_norm.h"
 #include "prefill.h"
 
 namespace pagedserve {
@@ -40,5 +41,7 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale) -> Tensor",
         &pagedserve::paged_prefill_attention);
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &pagedserve::linear_bf16);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor",
+        &pagedserve::rms_norm);
   m.def("isa() -> str", &pagedserve::isa_name);
 }
