@@ -32,7 +32,8 @@ Compute floor: the workload's FLOPs (bench/measure.py)
       2 * layer_linear_params * L  +  2 * hidden * vocab * output
       + 4 * layers * heads * head_dim * L (L + 1) / 2      (QK^T and PV, causal)
 
-divided by the best F.linear rate measured at the start of this run on the
+divided by the best matmul rate (F.linear or kernels.linear, whichever is
+faster) measured at the start of this run on the
 model's own linear shapes, same dtype and device.
 
 KV utilisation (pagedserve run, sampled after every step, weighted by the
