@@ -17,7 +17,7 @@ it builds and takes the head_dim; otherwise ``kernels/cpu_attention.py``
 reference (float32, bit for bit HF's arithmetic), after one logged warning.
 Its ``linear`` multiplies bf16 weights with the compiled op (fp32 FMAs over
 bf16 reads: half of fp32's bytes where torch's bf16 matmul is slow); every
-other case, and every other backend, is ``F.linear``.
+other case, and every other backend, is the reference (``F.linear``).
 
 The store module is *not* called ``kernels/store_kvcache.py``: importing it
 would make Python bind the submodule to ``kernels.store_kvcache``, replacing
@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.reference import (
+    linear_reference,
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
     rms_norm_reference,
@@ -79,7 +79,7 @@ class KernelBackend:
     store_kvcache: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
-    linear: Callable[..., torch.Tensor] = F.linear
+    linear: Callable[..., torch.Tensor] = linear_reference
     rms_norm: Callable[..., torch.Tensor] = rms_norm_reference
 
 
@@ -137,7 +137,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, like F.linear.  bf16 weights on the CPU go
     through the compiled op when it is built (output in x's dtype, fp32
-    accumulation); everything else is F.linear."""
+    accumulation); everything else is the reference, F.linear."""
     # Called ~120 times per decode step: every check here is on the hot path
     # (a 2-D x skips the reshape and view, ~6 us a call on this machine).
     if weight.dtype == torch.bfloat16 and x.is_cpu:
@@ -147,7 +147,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 return ops.linear_bf16(x, weight, bias)
             rows = x.reshape(-1, weight.shape[1])
             return ops.linear_bf16(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+    return linear_reference(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

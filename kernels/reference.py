@@ -1,4 +1,6 @@
-"""Pure-PyTorch reference implementations of the paged KV-cache kernels.
+"""Pure-PyTorch reference implementations of the paged KV-cache kernels (and
+of the model ops the compiled CPU ops replace: RMSNorm with its residual
+add, and the linear layers' matmul, at the end of this file).
 
 These are the ground truth for the Triton kernels and the CPU engine's
 attention path, so they favour being obviously right, then fast:
@@ -213,3 +215,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: torch's own matmul, the ground truth of kernels.linear."""
+    return F.linear(x, weight, bias)
