@@ -170,12 +170,16 @@ def bench_store(shape: Shape, backend, timer, batch: int, context: int) -> Row:
     return _row("store", batch, context, ms, base_ms, "torch index_put", nbytes, None, {})
 
 
-def layer_weights(shape: Shape, intermediate: int) -> list[torch.Tensor]:
-    """One Llama layer's projections, [out, in]: qkv, o, gate_up, down."""
+def layer_sizes(shape: Shape, intermediate: int) -> list[tuple[int, int]]:
+    """One Llama layer's projections, (out, in): qkv, o, gate_up, down."""
     hidden, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    sizes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * intermediate, hidden),
-             (hidden, intermediate)]
-    return [torch.randn(o, i, device=shape.device).div_(i ** 0.5).to(shape.dtype) for o, i in sizes]
+    return [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * intermediate, hidden),
+            (hidden, intermediate)]
+
+
+def layer_weights(shape: Shape, intermediate: int) -> list[torch.Tensor]:
+    return [torch.randn(o, i, device=shape.device).div_(i ** 0.5).to(shape.dtype)
+            for o, i in layer_sizes(shape, intermediate)]
 
 
 def bench_linear(shape: Shape, backend, timer, batch: int, intermediate: int) -> Row:
@@ -228,9 +232,7 @@ def needed_bytes(shape: Shape, kernel: str, batch: int, context: int) -> int:
     if kernel == "store":
         total *= 2  # the new key/value
     if kernel == "linear":  # weights, their float32 copies (context is intermediate_size)
-        hidden = shape.num_heads * shape.head_dim
-        params = hidden * (3 * hidden + 2 * shape.num_kv_heads * shape.head_dim) + 3 * hidden * context
-        total = params * (shape.elem + 4)
+        total = sum(o * i for o, i in layer_sizes(shape, context)) * (shape.elem + 4)
     return total
 
 

@@ -57,12 +57,7 @@ constexpr int64_t kChunkRows = 120;         // tokens per pass over the weights 
 // Which element of a 2W-element pair each lane of load_pair(bf16) holds.
 inline std::array<int, kPairLen> pair_order() {
   bf16_t probe[kPairLen];
-  for (int i = 0; i < kPairLen; ++i) {  // small integers are exact in bf16
-    float f = float(i);
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof(u));
-    probe[i].bits = uint16_t(u >> 16);
-  }
+  for (int i = 0; i < kPairLen; ++i) store_scalar(probe + i, float(i));  // exact in bf16
   vec::F a, b;
   vec::load_pair(probe, a, b);
   float lanes[kPairLen];
@@ -71,21 +66,6 @@ inline std::array<int, kPairLen> pair_order() {
   std::array<int, kPairLen> order;
   for (int i = 0; i < kPairLen; ++i) order[i] = int(lanes[i]);
   return order;
-}
-
-inline float to_float(float x) { return x; }
-inline float to_float(bf16_t x) {
-  uint32_t u = uint32_t(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline void store_scalar(float* p, float v) { *p = v; }
-inline void store_scalar(bf16_t* p, float v) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  p->bits = v != v ? uint16_t(0x7fc0) : uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
 // Rows [r0, r1) of x as fp32, each pair in load_pair's order.
@@ -166,7 +146,7 @@ void rows_times_strip(const float* xp, const bf16_t* w, const float* bias, int64
 template <typename TIn, typename TOut>
 void run(const TIn* x, const bf16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
          float* xp, TOut* out) {
-  const auto order = pair_order();
+  static const auto order = pair_order();  // fixed per build: worked out once
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { permute_rows(x, xp, K, r0, r1, order); });
   const int64_t strips = (N + kStripCols - 1) / kStripCols;
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {

@@ -18,13 +18,10 @@
 #include <cmath>
 #include <optional>
 
-#include "linear.h"  // to_float, store_scalar
+#include "types.h"
 
 namespace pagedserve {
 namespace norm {
-
-using linear::store_scalar;
-using linear::to_float;
 
 template <typename T>
 inline float rounded(float v) {  // v as the dtype would hold it

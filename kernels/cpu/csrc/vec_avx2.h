@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "exp2_poly.h"
 #include "reduce8_avx.h"
 #include "types.h"
 
@@ -58,20 +59,15 @@ inline void reduce8(const F* acc, float* out) {
   reduce8_m256(raw, out);
 }
 
-// 2^x for x <= 0 (scores minus their running max).  Degree-6 polynomial on
+// 2^x for x <= 0 (scores minus their running max).  exp2_poly.h on
 // [-0.5, 0.5] after taking out the integer part; relative error ~2e-7.
 // x <= -126.5 (and -inf) gives exactly 0: masked scores weigh nothing.
 inline F exp2(F x) {
   __m256 y = _mm256_max_ps(x.v, _mm256_set1_ps(-127.0f));
   __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.5403530393381608e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return {_mm256_mul_ps(p, _mm256_castsi256_ps(e))};
 }

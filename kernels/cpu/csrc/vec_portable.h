@@ -53,20 +53,6 @@ inline void reduce8(const F* acc, float* out) {
   for (int t = 0; t < 8; ++t) out[t] = reduce_add(acc[t]);
 }
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t u = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  if (std::isnan(f)) return 0x7fc0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
 inline void load_pair(const float* p, F& a, F& b) {
   a = load(p);
   b = load(p + W);
@@ -74,8 +60,8 @@ inline void load_pair(const float* p, F& a, F& b) {
 
 inline void load_pair(const bf16_t* p, F& a, F& b) {
   for (int i = 0; i < W; ++i) {
-    a.v[i] = bf16_to_float(p[i].bits);
-    b.v[i] = bf16_to_float(p[i + W].bits);
+    a.v[i] = to_float(p[i]);
+    b.v[i] = to_float(p[i + W]);
   }
 }
 
@@ -93,8 +79,8 @@ inline void store_pair(float* p, F a, F b) {
 
 inline void store_pair(bf16_t* p, F a, F b) {
   for (int i = 0; i < W; ++i) {
-    p[i].bits = float_to_bf16(a.v[i]);
-    p[i + W].bits = float_to_bf16(b.v[i]);
+    store_scalar(p + i, a.v[i]);
+    store_scalar(p + i + W, b.v[i]);
   }
 }
 
