@@ -15,6 +15,8 @@ Per workload, in this order and in this process, on the same dtype and threads:
   * pagedserve: a fresh engine; the bench drives `engine.step()` itself, so it
     can sample the KV cache between steps (that sampling is not timed).
   * HF `generate` in each configuration of --hf-batch-sizes x --hf-sort
+    (in --hf-dtype: HF's fastest dtype is not always ours; on a CPU without
+    AVX512-BF16 torch's bf16 matmul is several times slower than its float32 one)
     (requests length-sorted by (output, prompt) length or in arrival order),
     a fresh model each, left padding, each batch generating until its longest
     request is done (only the requested tokens count). The fastest is "best HF".
@@ -106,7 +108,7 @@ def run_workload(args, model: ModelUnderTest, workload: Workload, gflops: float)
     floor = flops["total"] / (gflops * 1e9)
     ours = run_pagedserve(model.config, workload, model.device)
     hf_runs = [] if args.skip_hf else [
-        run_hf(model.path, model.dtype, model.device, workload, b, s)
+        run_hf(model.path, hf_dtype(args, model), model.device, workload, b, s)
         for b in args.hf_batch_sizes for s in HF_SORTS[args.hf_sort]]
     for r in [ours, *hf_runs]:
         r.fraction_of_floor = floor / r.seconds
@@ -126,6 +128,10 @@ def run_workload(args, model: ModelUnderTest, workload: Workload, gflops: float)
         "memory_ratio_vs_best_hf": (ours.peak_memory_bytes / max(1, best_hf.peak_memory_bytes)
                                     if best_hf else None),
     }
+
+
+def hf_dtype(args, model: ModelUnderTest) -> torch.dtype:
+    return model.dtype if args.hf_dtype == "same" else getattr(torch, args.hf_dtype)
 
 
 # -- report --------------------------------------------------------------------------------
@@ -182,7 +188,7 @@ def full_report(args, model: ModelUnderTest, rate: dict, reports: dict) -> dict:
         "device": str(model.device),
         "engine_config": {k: v for k, v in vars(model.config).items() if _jsonable(v)},
         "hf": {"batch_sizes": args.hf_batch_sizes, "sorted": HF_SORTS[args.hf_sort],
-               "skipped": args.skip_hf},
+               "dtype": str(hf_dtype(args, model)), "skipped": args.skip_hf},
         "machine": machine_info(model.device),
         "matmul": rate,
         "flop_formula": FLOP_FORMULA,
@@ -216,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated HF batch sizes to try (default 16,64)")
     parser.add_argument("--hf-sort", choices=tuple(HF_SORTS), default="both",
                         help="HF batches length-sorted, in arrival order, or both (default)")
+    parser.add_argument("--hf-dtype", choices=("same", "float32", "bfloat16", "float16"),
+                        default="same", help="HF's dtype (default: pagedserve's)")
     parser.add_argument("--matmul-tokens", type=parse_ints, default=[64, 256, 1024],
                         help="rows of the matmul-rate measurement (best counts)")
     parser.add_argument("--skip-hf", action="store_true", help="pagedserve only")
