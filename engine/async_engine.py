@@ -133,7 +133,7 @@ class AsyncEngine:
 
         Refusals (engine dead, queue full) raise here, before anything is
         streamed, so the caller can still answer with an HTTP status; call
-        check_prompt() first for a prompt the engine cannot run. Closing
+        check_prompt() and check_params() first for what the engine cannot run. Closing
         the stream before its last output (client gone, task cancelled)
         aborts the request, which frees its blocks on the next step.
         """
@@ -158,6 +158,10 @@ class AsyncEngine:
     def check_prompt(self, token_ids: list[int]) -> None:
         """Raise ValueError for a prompt the engine cannot run (safe from the loop)."""
         self.engine.check_prompt(token_ids)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for settings the engine cannot run (safe from the loop)."""
+        self.engine.check_params(params)
 
     def release(self, request_id: str) -> None:
         """The consumer is gone: abort the request unless the engine already finished it."""
@@ -203,9 +207,35 @@ class AsyncEngine:
         return await future
 
     @property
+    def num_open(self) -> int:
+        """Requests with a consumer that the engine has not finished (asyncio side)."""
+        return len(self._streams)
+
+    def fail_open(self, error: BaseException) -> None:
+        """End every open request now: its consumer gets `error`; the engine aborts it.
+
+        For a shutdown whose grace ran out: each client is told why its
+        answer stops instead of seeing its connection cut.
+        """
+        for request_id, queue in list(self._streams.items()):
+            queue.put_nowait(error)
+            self.abort(request_id)
+        self._streams.clear()
+
+    @property
     def num_waiting(self) -> int:
-        """Requests not yet running: queued for the thread, plus the scheduler's queue."""
-        return self._num_queued_adds + self.stats.counters.get("num_requests_waiting", 0)
+        """Requests that truly wait: the scheduler's queue, plus those queued for the
+        thread beyond the seats free now (those will run at the next step).
+
+        Counting every queued request would turn an idle server's third
+        request away with --max-num-seqs 4 --max-waiting-requests 2.
+        """
+        counters = self.stats.counters
+        waiting = counters.get("num_requests_waiting", 0)
+        free_seats = 0
+        if not waiting:  # a queue in the scheduler means no seat is free for newcomers
+            free_seats = max(0, self.config.max_num_seqs - counters.get("num_requests_running", 0))
+        return waiting + max(0, self._num_queued_adds - free_seats)
 
     @property
     def failure(self) -> str | None:

@@ -137,6 +137,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt, add_special_tokens)
         self.check_prompt(token_ids)
+        self.check_params(params)
         salt = hashlib.sha256(cache_salt.encode()).digest() if cache_salt else b""
         seqs, detokenizers, stop_checkers = [], [], []
         for index in range(params.n):
@@ -200,6 +201,13 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuse a logit_bias for a token id outside the vocabulary (thread-safe)."""
+        bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1})")
 
     # -- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

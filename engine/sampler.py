@@ -5,9 +5,11 @@ Processing order follows vLLM, so results can be compared with it:
 1. logprobs are taken from the raw logits (vLLM's default "raw" mode);
 2. banned tokens: each row's banned_token_ids are masked out (engine/stopping.py
    decides them: min_tokens; the sampler only applies the mask);
-3. repetition penalty (HF/vLLM), then frequency/presence penalties (OpenAI);
-4. greedy rows take the argmax;
-5. other rows: temperature, top-k, top-p, min-p, then a random draw.
+3. logit_bias (OpenAI), added to the logits;
+4. repetition penalty (HF/vLLM), then frequency/presence penalties (OpenAI),
+   on the biased logits, as vLLM orders them;
+5. greedy rows take the argmax;
+6. other rows: temperature, top-k, top-p, min-p, then a random draw.
 
 All filtering is vectorised over the batch. The only per-row Python loop is
 the random draw for rows that own a generator: each such row draws exactly
@@ -75,6 +77,7 @@ class Sampler:
         logits = self._prepare_logits(logits, len(requests))
         raw_logprobs = _raw_logprobs(logits, requests)
         logits = apply_banned_tokens(logits, requests)
+        logits = apply_logit_bias(logits, requests)
         logits = _apply_request_penalties(logits, requests)
         token_ids = self._choose_tokens(logits, requests)
         return _build_output(token_ids, raw_logprobs, requests)
@@ -221,6 +224,30 @@ def apply_banned_tokens(
     return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
 
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """Add each row's logit_bias to its logits; a new tensor, or `logits` when none has one.
+
+    Ids outside the vocabulary are ignored here (the engine refuses them at
+    admission).
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    vocab = logits.shape[-1]
+    for row, request in enumerate(requests):
+        for token_id, bias in request.params.logit_bias.items():
+            if token_id < vocab:
+                rows.append(row)
+                cols.append(token_id)
+                values.append(bias)
+    if not rows:
+        return logits
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device),
+                            accumulate=True)
+
+
 def apply_penalties(
     logits: torch.Tensor,
     prompt_token_ids: Sequence[Sequence[int]],
@@ -248,6 +275,10 @@ def apply_penalties(
         seen = (token_counts(prompt_token_ids, vocab, device) > 0) | (output_counts > 0)
         factor = repetition[:, None]
         penalised = torch.where(logits > 0, logits / factor, logits * factor)
+        # A tiny penalty (down to float32's smallest normal) would overflow to
+        # inf and turn the row's softmax into NaN: stay finite.
+        limit = torch.finfo(logits.dtype).max
+        penalised = penalised.clamp(-limit, limit)
         logits = torch.where(seen, penalised, logits)
     return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
 

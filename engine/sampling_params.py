@@ -14,6 +14,11 @@ from typing import Any, Callable
 # would only add noise (and risk overflow when dividing by it): take argmax.
 GREEDY_TEMPERATURE = 1e-5
 
+# The sampler works in float32: a positive setting below its smallest normal
+# number (2**-126, about 1.2e-38) would round to 0 there (top_p = 1e-300 would
+# mask every token), so such values are refused here, once, for every caller.
+FLOAT32_TINY = 2.0**-126
+
 # OpenAI caps top logprobs at 20; allowing more would let one request make the
 # sampler do a large top-k over the vocabulary on every step.
 MAX_LOGPROBS = 20
@@ -42,6 +47,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its
+    # logit before sampling (greedy included); -100 all but bans a token.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # The dataclass is frozen so that a request's settings cannot change
@@ -49,6 +57,7 @@ class SamplingParams:
         # object.__setattr__, once, before anyone can observe the object.
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         if self.top_k == -1:
             # vLLM and HF both use -1 for "disabled"; keep one spelling inside.
             object.__setattr__(self, "top_k", 0)
@@ -61,12 +70,15 @@ class SamplingParams:
     def _validate(self) -> None:
         _check_int("n", self.n, minimum=1, allowed="an integer >= 1")
         _check_float("temperature", self.temperature, lambda v: v >= 0, "a number >= 0")
-        _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        _check_float("top_p", self.top_p, lambda v: FLOAT32_TINY <= v <= 1,
+                     f"a number in [{FLOAT32_TINY:.3g}, 1] (float32's smallest normal number "
+                     f"and up)")
         _check_int("top_k", self.top_k, minimum=0, allowed="an integer >= 0, or -1 to disable")
         _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), lambda v: -2 <= v <= 2, "a number in [-2, 2]")
-        _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "a number > 0")
+        _check_float("repetition_penalty", self.repetition_penalty, lambda v: v >= FLOAT32_TINY,
+                     f"a number >= {FLOAT32_TINY:.3g} (float32's smallest normal number)")
         _check_int("max_tokens", self.max_tokens, minimum=1, allowed="an integer >= 1")
         _check_int(
             "min_tokens",
@@ -128,6 +140,26 @@ def _normalise_stop(stop: Any) -> list[str]:
         if not isinstance(item, str) or not item:
             raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
     return list(strings)
+
+
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def _normalise_logit_bias(bias: Any) -> dict[int, float]:
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} token ids, "
+                         f"got {len(bias)}")
+    for token_id, value in bias.items():
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+        _check_float("logit_bias", value, lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
+                     f"a map of token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    return {int(t): float(v) for t, v in bias.items()}
 
 
 def _normalise_stop_token_ids(ids: Any) -> list[int]:

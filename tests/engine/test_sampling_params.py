@@ -72,8 +72,8 @@ def test_greedy_below_threshold(temperature, greedy):
         ("temperature", math.nan, ">= 0"),
         ("temperature", math.inf, ">= 0"),
         ("temperature", "hot", ">= 0"),
-        ("top_p", 0.0, "(0, 1]"),
-        ("top_p", 1.01, "(0, 1]"),
+        ("top_p", 0.0, "[1.18e-38, 1]"),
+        ("top_p", 1.01, "[1.18e-38, 1]"),
         ("top_k", -2, ">= 0"),
         ("top_k", 2.5, ">= 0"),
         ("min_p", -0.01, "[0, 1]"),
@@ -82,8 +82,8 @@ def test_greedy_below_threshold(temperature, greedy):
         ("presence_penalty", -2.01, "[-2, 2]"),
         ("frequency_penalty", -3.0, "[-2, 2]"),
         ("frequency_penalty", 2.01, "[-2, 2]"),
-        ("repetition_penalty", 0.0, "> 0"),
-        ("repetition_penalty", -1.0, "> 0"),
+        ("repetition_penalty", 0.0, ">= 1.18e-38"),
+        ("repetition_penalty", -1.0, ">= 1.18e-38"),
         ("max_tokens", 0, ">= 1"),
         ("max_tokens", None, ">= 1"),
         ("max_tokens", True, ">= 1"),
@@ -158,3 +158,26 @@ def test_replace_revalidates_and_keeps_normalised_fields():
     assert (filled.max_tokens, filled.stop, filled.top_k) == (100, ["###"], 0)
     with pytest.raises(ValueError, match="^min_tokens"):
         dataclasses.replace(params, max_tokens=3)
+
+
+@pytest.mark.parametrize("field", ["top_p", "repetition_penalty"])
+def test_positive_settings_below_float32s_smallest_normal_are_refused(field):
+    # 1e-300 passes "> 0" but is 0 in the sampler's float32: top_p would mask
+    # every token, a repetition penalty would divide by zero.
+    from engine.sampling_params import FLOAT32_TINY
+
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: 1e-300})
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: FLOAT32_TINY / 2})
+    assert getattr(SamplingParams(**{field: FLOAT32_TINY}), field) == FLOAT32_TINY
+
+
+def test_logit_bias_is_validated_and_normalised():
+    assert SamplingParams().logit_bias == {}
+    assert SamplingParams(logit_bias={5: 1, 7: -100}).logit_bias == {5: 1.0, 7: -100.0}
+    for bad in ({-1: 1.0}, {"5": 1.0}, {True: 1.0}, {5: 100.5}, {5: float("nan")}, [5]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="at most"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(1025)})
