@@ -31,8 +31,3 @@ def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: boo
     except jinja2.TemplateError as exc:  # e.g. a template that insists roles alternate
         raise ChatTemplateError(f"the chat template refused these messages: {exc}") from None
 
-
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """The conversation as the model was trained to see it, as token ids."""
-    text = render_chat_text(tokenizer, messages, add_generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=False)

