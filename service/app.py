@@ -2,6 +2,8 @@
 
     lifespan start:  load the model (off the loop) -> AsyncEngine thread starts -> ready
     requests:        Guard (body limit, API key) -> CORS -> routes -> engine
+    SIGTERM:         drain (service/cli.py): /health 503, open requests run on for the
+                     grace, then end with an in-band 503
     lifespan stop:   stop admitting -> engine thread stops -> open requests get 503
 
 The app holds its state on `app.state.service`; nothing lives at module level,
@@ -23,7 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from engine.models.loader import load_tokenizer
+from engine.models.loader import load_sampling_defaults, load_tokenizer
 from service.auth import Guard
 from service.config import ServiceConfig
 from service.errors import EXCEPTION_HANDLERS
@@ -31,6 +33,7 @@ from service.metrics import Metrics
 from service.openapi import build_openapi
 from service.routes import ROUTES
 from service.serving import ServiceState
+from service.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +41,10 @@ VERSION = "0.1.0"
 
 def create_app(config: ServiceConfig) -> Starlette:
     # sse-starlette cancels every open stream the moment uvicorn sees SIGTERM.
-    # We want the opposite: streams run on for the grace period (uvicorn's
-    # timeout_graceful_shutdown), then uvicorn cancels what is left, which
-    # aborts those requests. The switch is the library's own, process-wide.
+    # We want the opposite: streams run on for the grace period (our own drain,
+    # service/cli.py), then those still open end with an error event; uvicorn's
+    # own shutdown only lets the last bytes out. The switch is the library's
+    # own, process-wide.
     AppStatus.disable_automatic_graceful_drain()
 
     @asynccontextmanager
@@ -52,17 +56,25 @@ def create_app(config: ServiceConfig) -> Starlette:
         metrics.watch(bridge)
         bridge.start()
         tokenizer_source = config.engine.tokenizer or engine.model_path
+        tokenizer = await anyio.to_thread.run_sync(load_tokenizer, tokenizer_source)
         state = ServiceState(
             # From here on the engine's resolved config is the only one.
             config=replace(config, engine=bridge.config),
             engine=bridge,
             # Its own tokenizer: the engine thread detokenizes with the other one.
-            tokenizer=await anyio.to_thread.run_sync(load_tokenizer, tokenizer_source),
+            tokenizer=tokenizer,
+            token_bytes=(None if tokenizer is None
+                         else await anyio.to_thread.run_sync(TokenBytes, tokenizer)),
             metrics=metrics,
             model_name=config.served_model_name or config.engine.model,
+            sampling_defaults=(load_sampling_defaults(engine.model_path)
+                               if config.generation_config == "auto" else {}),
         )
         app.state.service = state
         logger.info("serving %s at http://%s:%d", state.model_name, config.host, config.port)
+        if state.sampling_defaults:
+            logger.info("sampling defaults from the model's generation config: %s",
+                        state.sampling_defaults)
         try:
             yield
         finally:
@@ -77,7 +89,9 @@ def create_app(config: ServiceConfig) -> Starlette:
             CORSMiddleware,
             allow_origins=list(config.allowed_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["authorization", "content-type"],
+            # Any request header: SDKs add their own (the openai SDK's
+            # x-stainless-*), and a page cannot leave them out.
+            allow_headers=["*"],
         ))
     middleware.append(Middleware(Guard, config=config))
     app = Starlette(

@@ -3,6 +3,7 @@
 One pure ASGI middleware does the checks that come before any route runs:
 
     request ──► body limit (Content-Length, then bytes as they arrive) ──► 413
+            ──► body stalls before it is complete                        ──► 408
             ──► API key (Bearer, constant-time)                          ──► 401
             ──► the app
 
@@ -12,6 +13,7 @@ the time taken does not reveal how much of a guess was right.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 
@@ -25,16 +27,18 @@ from service.errors import APIError, error_response
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # The web page and the schema hold no secrets.
 PUBLIC_PATHS = frozenset({"/", "/openapi.json", "/favicon.ico"})
+# Routes that act on every tenant at once: an admin key only (once any key is set).
+ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
 
 
-def find_key(config: ServiceConfig, headers: Headers) -> str | None:
-    """The configured key this request presents, or None."""
+def find_key(keys: tuple[str, ...], headers: Headers) -> str | None:
+    """The key of `keys` this request presents, or None."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
         return None
     token = token.strip()
     found = None
-    for key in config.api_keys:  # no early exit: every key costs the same time
+    for key in keys:  # no early exit: every key costs the same time
         if hmac.compare_digest(token.encode(), key.encode()):
             found = key
     return found
@@ -70,7 +74,7 @@ class Guard:
         if error is not None:
             await error_response(error)(scope, receive, send)
             return
-        await self.app(scope, _limited(receive, limit), send)
+        await self.app(scope, _limited(receive, limit, self.config.body_timeout_seconds), send)
 
     @staticmethod
     def _check_length(headers: Headers, limit: int) -> APIError | None:
@@ -80,16 +84,27 @@ class Guard:
         return None
 
     def _check_key(self, scope: Scope, headers: Headers) -> APIError | None:
-        path = scope["path"]
-        if not self.config.api_keys or path in PUBLIC_PATHS:
+        """401 without a valid key; 403 for an admin route without an admin key.
+
+        With no key configured at all the server is open (a laptop); an admin
+        key is also an API key on the other routes, a tenant of its own.
+        """
+        config, path = self.config, scope["path"]
+        keys = config.api_keys + config.admin_keys
+        if not keys or path in PUBLIC_PATHS:
             return None
-        if path in OPEN_PATHS and not self.config.protect_health_and_metrics:
+        if path in OPEN_PATHS and not config.protect_health_and_metrics:
             return None
-        key = find_key(self.config, headers)
+        key = find_key(keys, headers)
         if key is None:
             return APIError(
                 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
+            )
+        if path in ADMIN_PATHS and key not in config.admin_keys:
+            return APIError(
+                403, f"{path} acts on every tenant: it needs an admin key (--admin-key)",
+                code="admin_key_required",
             )
         scope.setdefault("state", {})["api_key"] = key
         return None
@@ -102,17 +117,34 @@ def too_large(limit: int) -> APIError:
     )
 
 
-def _limited(receive: Receive, limit: int) -> Receive:
-    """`receive` that raises 413 once more than `limit` body bytes arrived (chunked bodies)."""
+def _limited(receive: Receive, limit: int, timeout: float) -> Receive:
+    """`receive` that guards the body while it arrives.
+
+    More than `limit` bytes (a chunked body has no Content-Length to check
+    first): 413. No bytes for `timeout` seconds while the body is incomplete
+    (a Content-Length larger than what is sent, a stalled upload): 408, so
+    such a client cannot hold a connection and a handler forever. Once the
+    body is complete, receive() only waits for the disconnect, untimed.
+    """
     received = 0
+    complete = False
 
     async def wrapped() -> Message:
-        nonlocal received
-        message = await receive()
+        nonlocal received, complete
+        if complete:
+            return await receive()
+        try:
+            message = await asyncio.wait_for(receive(), timeout)
+        except TimeoutError:
+            raise APIError(
+                408, f"the request body stopped arriving: nothing for {timeout:g} s "
+                f"before it was complete", code="request_timeout",
+            ) from None
         if message["type"] == "http.request":
             received += len(message.get("body", b""))
             if received > limit:
                 raise too_large(limit)
+            complete = not message.get("more_body", False)
         return message
 
     return wrapped

@@ -1,14 +1,21 @@
 """`pagedserve serve` / `python -m service`: flags -> ServiceConfig -> uvicorn.
 
-SIGTERM (Kubernetes stopping a pod) is a graceful drain: /health turns 503
-so the load balancer stops sending, open streams run on for
---shutdown-grace-seconds, uvicorn then cancels what is left (aborting those
-requests), the engine thread stops and the process exits 0.
+SIGTERM (Kubernetes stopping a pod) is a graceful drain:
+
+    SIGTERM ─► /health 503 "draining", new requests 503; the listener stays open
+            ─► open requests run on, up to --shutdown-grace-seconds
+            ─► grace over: each still open ends with an error event, then [DONE]
+               (a non-streamed one with a 503), and is aborted in the engine
+            ─► uvicorn closes the listener, lets the last bytes go out
+               (FLUSH_SECONDS), the engine thread stops, the process exits 0
+
+A second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
@@ -16,7 +23,8 @@ import sys
 import uvicorn
 
 from engine.args import add_engine_args, config_from_args
-from service.config import ServiceConfig
+from engine.config import EngineConfig
+from service.config import GENERATION_CONFIGS, ServiceConfig
 
 
 def add_service_args(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +35,9 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
                        help="the model id clients send (default: --model)")
     group.add_argument("--api-key", action="append", default=[], dest="api_keys",
                        help="accept this key (repeat for several); none means no auth")
+    group.add_argument("--admin-key", action="append", default=[], dest="admin_keys",
+                       help="a key for admin routes (/reset_prefix_cache), which act on every "
+                            "tenant; once any key is set, other keys get 403 there")
     group.add_argument("--protect-health-and-metrics", action="store_true",
                        help="require a key for /health and /metrics too")
     group.add_argument("--share-prefix-cache-across-keys", action="store_true",
@@ -34,49 +45,100 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
                        help="CORS: a browser origin allowed to call the API (repeatable)")
     group.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    group.add_argument("--body-timeout-seconds", type=float, default=30.0,
+                       help="408 when a request body stops arriving for this long")
     group.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="past this many queued requests, answer 429")
     group.add_argument("--shutdown-grace-seconds", type=float, default=30.0)
+    group.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
+                       help="defaults for sampling settings a request leaves out; auto: the "
+                            "model's generation_config.json (SmolLM2: temperature 0.2, top_p "
+                            "0.9), vllm: the API's own (temperature 1.0)")
     group.add_argument("--log-prompts", action="store_true",
                        help="log prompt token ids (off by default: prompts are private)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"))
 
 
+# The serving default of --max-num-batched-tokens on a CPU. Every running
+# stream waits for the whole step, and a step with P prompt tokens costs about
+# P times a one-token decode of the batch's weights: on a 2-core CPU 512 tokens
+# of SmolLM2 take about a second, while the engine's offline default (8192)
+# let one 8,000-token prompt stall every stream for ~19 s. Longer prompts are
+# prefilled a chunk per step, interleaved with the running decodes; offline
+# runs keep the larger default, where only throughput counts (vLLM likewise
+# picks smaller budgets for its API server than for its offline LLM class).
+CPU_SERVING_STEP_TOKENS = 512
+
+
+def serving_step_tokens(device: str) -> int:
+    """The serving default of max_num_batched_tokens for the --device flag."""
+    from engine.model_runner import resolve_device  # torch: imported only when serving
+
+    if resolve_device(EngineConfig(device=device)).type == "cpu":
+        return CPU_SERVING_STEP_TOKENS
+    return EngineConfig().max_num_batched_tokens
+
+
 def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    if args.max_num_batched_tokens is None:  # not given: the serving default
+        args.max_num_batched_tokens = serving_step_tokens(args.device)
     return ServiceConfig(
         engine=config_from_args(args),
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
         api_keys=tuple(args.api_keys),
+        admin_keys=tuple(args.admin_keys),
         protect_health_and_metrics=args.protect_health_and_metrics,
         share_prefix_cache_across_keys=args.share_prefix_cache_across_keys,
         allowed_origins=tuple(args.allowed_origins),
         max_request_body_bytes=args.max_request_body_bytes,
+        body_timeout_seconds=args.body_timeout_seconds,
         max_waiting_requests=args.max_waiting_requests,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         log_prompts=args.log_prompts,
+        generation_config=args.generation_config,
     )
 
 
-class Server(uvicorn.Server):
-    """uvicorn's server, with a drain flag set first and a clean exit after."""
+# After the drain, how long uvicorn waits for responses to finish going out.
+FLUSH_SECONDS = 5.0
 
-    def __init__(self, config: uvicorn.Config, app) -> None:
+
+class Server(uvicorn.Server):
+    """uvicorn's server with our drain before its shutdown, and a clean exit after."""
+
+    def __init__(self, config: uvicorn.Config, app, grace_seconds: float) -> None:
         super().__init__(config)
         self.app = app
+        self.grace_seconds = grace_seconds
+        self.drain_requested = False
+        self.drain_task: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
-        state = getattr(self.app.state, "service", None)
-        if state is not None:
-            state.draining = True
+        # A signal handler: only flags here; on_tick starts the drain on the loop.
         # uvicorn's own handler also records the signal and raises it again
         # once it has shut down, which would end the process with 143 rather
-        # than 0 after a clean drain; so only its two flags are kept.
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
+        # than 0 after a clean drain; so that part is left out.
+        state = getattr(self.app.state, "service", None)
+        if self.drain_requested and sig == signal.SIGINT:
+            self.should_exit = self.force_exit = True
+        elif state is None:  # still starting: nothing to drain
+            self.should_exit = True
         else:
+            state.draining = True  # /health says so from this instant
+            self.drain_requested = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_requested and self.drain_task is None:
+            self.drain_task = asyncio.create_task(self._drain())
+        return await super().on_tick(counter)
+
+    async def _drain(self) -> None:
+        try:
+            await self.app.state.service.drain(self.grace_seconds)
+        finally:
             self.should_exit = True
 
 
@@ -90,9 +152,9 @@ def serve(config: ServiceConfig, log_level: str = "info") -> int:
         host=config.host,
         port=config.port,
         log_level=log_level,
-        timeout_graceful_shutdown=config.shutdown_grace_seconds,
+        timeout_graceful_shutdown=FLUSH_SECONDS,  # the grace itself is our drain's
         access_log=False,  # request lines only add noise; /metrics has the numbers
-    ), app)
+    ), app, config.shutdown_grace_seconds)
     server.run()
     return 0
 
@@ -106,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="serve a model over an OpenAI-compatible API")
     add_engine_args(parser)
     add_service_args(parser)
+    parser.set_defaults(max_num_batched_tokens=None)
+    for action in parser._actions:
+        if action.dest == "max_num_batched_tokens":
+            action.help = (f"most tokens in one step; longer prompts are prefilled a chunk per "
+                           f"step (default: {CPU_SERVING_STEP_TOKENS} on a CPU, where a step "
+                           f"stalls every stream, {EngineConfig().max_num_batched_tokens} on a GPU)")
     return parser
 
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 
 
+GENERATION_CONFIGS = ("auto", "vllm")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -19,12 +22,16 @@ class ServiceConfig:
     served_model_name: str | None = None  # defaults to the model's name
     # Authentication: any of these keys is accepted as "Authorization: Bearer <key>".
     api_keys: tuple[str, ...] = ()
+    # Admin routes (/reset_prefix_cache) take only these once any key is set.
+    admin_keys: tuple[str, ...] = ()
     protect_health_and_metrics: bool = False  # by default probes and scrapers need no key
     # Tenants (API keys) get separate prefix caches unless this is set: a shared
     # cache lets one tenant time another's prompts (CVE-2025-46570).
     share_prefix_cache_across_keys: bool = False
     allowed_origins: tuple[str, ...] = ()  # CORS allow-list for browser frontends
     max_request_body_bytes: int = 4 << 20
+    # A body that stops arriving this long before it is complete gets 408.
+    body_timeout_seconds: float = 30.0
     # Back-pressure: past this many waiting requests new ones get 429.
     max_waiting_requests: int = 1024
     retry_after_seconds: int = 1
@@ -32,6 +39,10 @@ class ServiceConfig:
     shutdown_grace_seconds: float = 30.0
     sse_ping_seconds: float = 10.0  # keep-alive comments while a long prefill runs
     log_prompts: bool = False
+    # Sampling defaults for requests that leave a setting out: "auto" takes the
+    # model's generation_config.json (as vLLM does), "vllm" the API's own
+    # (temperature 1.0, top_p 1.0, ...).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
@@ -39,13 +50,20 @@ class ServiceConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} must be in [0, 65535]")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "admin_keys", tuple(self.admin_keys))
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
-        if any(not key for key in self.api_keys):
-            raise ValueError("api_keys must not contain an empty key")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config={self.generation_config!r} must be one of "
+                             f"{', '.join(GENERATION_CONFIGS)}")
+        if any(not key for key in self.api_keys + self.admin_keys):
+            raise ValueError("api_keys and admin_keys must not contain an empty key")
         for name in ("max_request_body_bytes", "max_waiting_requests", "retry_after_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.body_timeout_seconds, (int, float)) or isinstance(
+                self.body_timeout_seconds, bool) or self.body_timeout_seconds <= 0:
+            raise ValueError(f"body_timeout_seconds={self.body_timeout_seconds!r} must be > 0")
         for name in ("shutdown_grace_seconds", "sse_ping_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -25,9 +25,12 @@ logger = logging.getLogger(__name__)
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -56,6 +59,10 @@ class APIError(Exception):
         return ErrorResponse(ErrorInfo(self.message, kind, self.param, self.code))
 
 
+class ClientGone(Exception):
+    """The client hung up before its request was read: nobody to answer, nothing to log."""
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -72,8 +79,15 @@ def from_validation_error(exc: msgspec.ValidationError) -> APIError:
     return bad_request(f"{message} (at {param})" if param else message, param=param)
 
 
-def from_decode_error(exc: msgspec.DecodeError) -> APIError:
-    return bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json")
+def from_decode_error(exc: Exception) -> APIError:
+    """msgspec's DecodeError, or what it lets through: bad UTF-8, too deep a nesting."""
+    if isinstance(exc, RecursionError):
+        reason = "it is nested too deeply"
+    elif isinstance(exc, UnicodeDecodeError):
+        reason = f"it is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+    else:
+        reason = str(exc)
+    return bad_request(f"the request body is not valid JSON: {reason}", code="invalid_json")
 
 
 def error_response(error: APIError) -> Response:
@@ -97,6 +111,12 @@ async def handle_http_exception(request: Request, exc: HTTPException) -> Respons
     return error_response(APIError(exc.status_code, message, code=code, headers=exc.headers))
 
 
+async def handle_client_gone(request: Request, exc: ClientGone) -> Response:
+    # 499 (nginx's "client closed request") is never seen by the client; it
+    # only keeps the access log honest.
+    return Response(status_code=499)
+
+
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
@@ -104,6 +124,7 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
 
 EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
+    ClientGone: handle_client_gone,
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }

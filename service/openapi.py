@@ -10,7 +10,7 @@ import msgspec
 
 from service.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-    CompletionResponse, ErrorResponse, Health, ModelList,
+    CompletionResponse, ErrorResponse, Health, ModelCard, ModelList,
 )
 
 REF = "#/components/schemas/{name}"
@@ -41,7 +41,7 @@ def _generation(request: type, response: type, summary: str) -> dict:
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
-                **_errors(400, 401, 404, 413, 429, 503),
+                **_errors(400, 401, 404, 408, 413, 415, 429, 503),
             },
         }
     }
@@ -50,7 +50,7 @@ def _generation(request: type, response: type, summary: str) -> dict:
 def build_openapi(title: str, version: str) -> dict:
     _, components = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
-         CompletionResponse, ErrorResponse, Health, ModelList],
+         CompletionResponse, ErrorResponse, Health, ModelCard, ModelList],
         ref_template=REF,
     )
     paths = {
@@ -60,6 +60,13 @@ def build_openapi(title: str, version: str) -> dict:
         "/v1/models": {"get": {"summary": "Served models", "responses": {
             "200": {"description": "the model list", "content": _json(ModelList)},
             **_errors(401)}}},
+        "/v1/models/{model_id}": {"get": {
+            "summary": "One served model",
+            "parameters": [{"name": "model_id", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": "the model card", "content": _json(ModelCard)},
+                **_errors(401, 404)}}},
         "/health": {"get": {"summary": "Liveness and readiness", "responses": {
             "200": {"description": "ready", "content": _json(Health)},
             "503": {"description": "not ready", "content": _json(Health)}}}},
@@ -70,7 +77,7 @@ def build_openapi(title: str, version: str) -> dict:
                                          "responses": {
             "200": {"description": "done",
                     "content": {"application/json": {"schema": {"type": "object"}}}},
-            **_errors(401, 503)}}},
+            **_errors(401, 403, 503)}}},
     }
     return {
         "openapi": "3.1.0",

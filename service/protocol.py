@@ -35,6 +35,8 @@ TokenId = Annotated[int, Meta(ge=0)]
 NumChoices = Annotated[int, Meta(ge=1, le=16)]
 StopStrings = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+# OpenAI's logit_bias: token ids as JSON object keys (strings), biases in [-100, 100].
+LogitBias = dict[str, Annotated[float, Meta(ge=-100, le=100)]]
 
 
 # -- requests ------------------------------------------------------------------------
@@ -52,6 +54,9 @@ class ChatMessage(Struct):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Decoded so that a conversation carrying tool calls is refused by name
+    # (tools are not supported yet), not silently stripped of them.
+    tool_calls: list[Any] | None = None
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -77,6 +82,7 @@ class SamplingFields(Struct, kw_only=True):
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: LogitBias | None = None
     # Mixed into the server's per-tenant salt, never used alone (see service/auth.py).
     cache_salt: str | None = None
 
@@ -87,6 +93,15 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
+    # Accepted by OpenAI but not served here yet: decoded only so that a
+    # request using them gets a 400 naming the field instead of free text
+    # (service/routes/chat.py, unsupported()).
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any | None = None
+    response_format: dict[str, Any] | None = None
 
 
 # A text prompt, a list of token ids, or a batch of either (checked in
@@ -99,6 +114,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: Annotated[int, Meta(ge=1)] | None = None
 
 
 # -- responses -----------------------------------------------------------------------

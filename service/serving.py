@@ -4,26 +4,39 @@ A route handler reads: parse -> render the prompt -> admit -> respond. admit()
 does every check, builds the SamplingParams, picks the tenant's cache salt and
 submits to the engine; what it returns (service/admission.py) is read as a
 stream of changed choices or collected whole.
+
+Rendering and tokenizing run in a worker thread (`off_loop`), never on the
+event loop: a 100,000-message chat or a megabyte prompt would otherwise stall
+every stream and /health while it is worked through. A text that cannot fit
+the context is refused by its size before any of that work
+(`check_text_size`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import anyio
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
 from service.admission import Admission, TimedStream
 from service.auth import cache_salt
 from service.config import ServiceConfig
-from service.errors import APIError, bad_request, from_decode_error, from_validation_error
+from service.errors import (
+    APIError, ClientGone, bad_request, from_decode_error, from_validation_error,
+)
 from service.metrics import Metrics
 from service.protocol import SamplingFields
+from service.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +52,38 @@ class ServiceState:
     config: ServiceConfig
     engine: AsyncEngine
     tokenizer: object  # the service's own instance: the engine thread uses another
+    token_bytes: TokenBytes | None  # None when the model has no tokenizer
     metrics: Metrics
     model_name: str
+    # Sampling settings a request leaves out (--generation-config).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # One worker thread for rendering and tokenizing: a fast tokenizer must not
+    # be entered from two threads at once, and one is plenty once oversized
+    # texts are refused before they get there.
+    prep_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM received: finish what runs, take nothing new
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) in the worker thread (rendering, tokenizing); its errors re-raise here."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.prep_limiter)
+
+    def check_text_size(self, size: int, param: str) -> None:
+        """Refuse a text of `size` characters that cannot fit the context, untokenized.
+
+        No token covers more than `token_bytes.longest` bytes, hence characters,
+        so such a text is at least size / longest tokens (safe from any thread).
+        """
+        if self.token_bytes is None:
+            return
+        limit = self.engine.config.max_model_len
+        fewest = self.token_bytes.min_tokens(size)
+        if fewest >= limit:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens; the {param} has "
+                f"{size} characters, which is at least {fewest} tokens. Reduce the length "
+                f"of the {param}.", param=param,
+            )
 
     def admit(
         self,
@@ -80,6 +121,23 @@ class ServiceState:
             raise
         return Admission(request_id, streams)
 
+    async def drain(self, grace_seconds: float) -> None:
+        """SIGTERM: admit nothing new, let open requests run up to `grace_seconds`,
+        then end those still open with a 503 error (in-band for a stream, then
+        [DONE]). /health answers 503 "draining" meanwhile, as the listener
+        stays open until this returns."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_seconds
+        while self.engine.num_open and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine.num_open:
+            logger.warning("shutdown grace of %gs is over: ending %d open request(s)",
+                           grace_seconds, self.engine.num_open)
+            self.engine.fail_open(APIError(
+                503, f"the server is shutting down and its grace period "
+                f"({grace_seconds:g} s) is over", code="shutting_down"))
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
@@ -98,10 +156,16 @@ class ServiceState:
             self.engine.check_prompt(token_ids)
         except ValueError as exc:
             raise bad_request(f"{exc}", param=prompt_param) from None
-        return sampling_params(
+        params = sampling_params(
             body, prompt_len=len(token_ids), max_model_len=self.engine.config.max_model_len,
             max_tokens=max_tokens, logprobs=logprobs, prompt_param=prompt_param,
+            defaults=self.sampling_defaults,
         )
+        try:
+            self.engine.check_params(params)
+        except ValueError as exc:
+            raise bad_request(f"{exc}", param="logit_bias") from None
+        return params
 
     def _submit(
         self, request_id: str, token_ids: list[int], params: SamplingParams, salt: str | None
@@ -125,14 +189,49 @@ def new_id(prefix: str) -> str:
 
 
 async def parse(request: Request, kind: type):
-    """Decode and validate a JSON body into `kind` (a msgspec Struct) or raise 400."""
-    body = await request.body()
+    """Decode and validate a JSON body into `kind` (a msgspec Struct) or raise 400.
+
+    Whatever a client sends ends here as a 4xx, never as a 500 with a
+    traceback: a declared non-JSON body (415), invalid UTF-8 or nesting
+    deeper than the decoder's recursion limit (400 invalid_json), a client
+    that hangs up mid-upload (ClientGone, answered quietly).
+    """
+    check_content_type(request)
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        raise ClientGone() from None
+    if len(body) <= DECODE_ON_LOOP_BYTES:
+        return decode(body, kind)
+    # Megabytes of JSON take tens of ms to decode, all holding the interpreter.
+    return await anyio.to_thread.run_sync(decode, body, kind)
+
+
+# Bodies up to this size decode on the event loop: a thread hop costs more.
+DECODE_ON_LOOP_BYTES = 64 << 10
+
+
+def decode(body: bytes, kind: type):
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         raise from_validation_error(exc) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise from_decode_error(exc) from None
+
+
+def check_content_type(request: Request) -> None:
+    """Refuse a body declared as something other than JSON (no header: read as JSON)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media_type = declared.split(";", 1)[0].strip().lower()
+    if media_type == "application/json" or media_type.endswith("+json"):
+        return
+    raise APIError(
+        415, f"the request body must be JSON, sent as 'Content-Type: application/json' "
+        f"(got {media_type or 'an empty Content-Type'!r})", code="unsupported_media_type",
+    )
 
 
 def sampling_params(
@@ -143,8 +242,13 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_param: str,
+    defaults: dict[str, float] | None = None,
 ) -> SamplingParams:
-    """SamplingParams for a request, refusing a length that cannot fit (vLLM's wording)."""
+    """SamplingParams for a request, refusing a length that cannot fit (vLLM's wording).
+
+    A sampling setting the request leaves out takes `defaults` (the model's
+    generation config), else SamplingParams' own.
+    """
     room = max_model_len - prompt_len
     if max_tokens is None:
         max_tokens = room
@@ -169,13 +273,27 @@ def sampling_params(
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        logit_bias=_logit_bias(body.logit_bias),
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(body, name)
-        if value is not None:  # None means "the default", as in OpenAI's API
+        if value is None:  # None means "the default", as in OpenAI's API
+            value = (defaults or {}).get(name)
+        if value is not None:
             options[name] = value
     try:
         return SamplingParams(**options)
     except ValueError as exc:
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, so as strings: back to ints."""
+    if bias is None:
+        return None
+    try:
+        return {int(token_id): value for token_id, value in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings)",
+                          param="logit_bias") from None

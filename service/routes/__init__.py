@@ -8,6 +8,8 @@ ROUTES = [
     Route("/v1/chat/completions", chat.create, methods=["POST"]),
     Route("/v1/completions", completions.create, methods=["POST"]),
     Route("/v1/models", models.list_models, methods=["GET"]),
+    # Model ids may hold slashes ("org/name"), hence the path converter.
+    Route("/v1/models/{model_id:path}", models.retrieve_model, methods=["GET"]),
     Route("/health", health.health, methods=["GET"]),
     Route("/metrics", health.metrics, methods=["GET"]),
     Route("/reset_prefix_cache", admin.reset_prefix_cache, methods=["POST"]),

@@ -7,7 +7,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.chat_template import ChatTemplateError, render_chat
+from engine.chat_template import ChatTemplateError, render_chat_text
 from service.admission import Admission
 from service.errors import bad_request
 from service.protocol import (
@@ -25,12 +25,15 @@ async def create(request: Request) -> Response:
     body = await parse(request, ChatCompletionRequest)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    token_ids = render(state.tokenizer, body)
+    refuse_unsupported(body)
+    token_ids = await render(state, body)
     admission = state.admit(
         request, body, [token_ids],
         id_prefix="chatcmpl",
         prompt_param="messages",
-        max_tokens=body.max_completion_tokens or body.max_tokens,
+        # `is None`, not `or`: a max_completion_tokens of 0 must never mean "no limit".
+        max_tokens=(body.max_tokens if body.max_completion_tokens is None
+                    else body.max_completion_tokens),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     if body.stream:
@@ -43,13 +46,57 @@ async def create(request: Request) -> Response:
                     media_type="application/json")
 
 
-def render(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The conversation through the model's chat template, as token ids."""
+def refuse_unsupported(body: ChatCompletionRequest) -> None:
+    """400 for an OpenAI option this server does not serve yet, naming it.
+
+    Answering such a request with free text would look like success to a
+    client that relies on the option (a JSON schema, a tool call), so each is
+    refused unless it asks for what plain generation does anyway.
+    """
+    if body.tools:
+        raise _unsupported("tools", "tool calling")
+    if body.tool_choice not in (None, "none"):
+        raise _unsupported("tool_choice", "tool calling")
+    if body.functions:
+        raise _unsupported("functions", "function calling")
+    if body.function_call not in (None, "none"):
+        raise _unsupported("function_call", "function calling")
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise _unsupported("response_format", "structured outputs (json_object, json_schema)")
+    for i, message in enumerate(body.messages):
+        if message.tool_calls:
+            raise _unsupported(f"messages[{i}].tool_calls", "tool calling")
+
+
+def _unsupported(param: str, feature: str):
+    return bad_request(f"{param}: {feature} is not supported by this server yet",
+                       param=param, code="unsupported_parameter")
+
+
+async def render(state: ServiceState, body: ChatCompletionRequest) -> list[int]:
+    """The conversation through the model's chat template, as token ids (off the loop).
+
+    Every message costs at least one token (its role marker), so a conversation
+    with max_model_len messages cannot fit: refused before rendering, which
+    for 100,000 messages would hold the interpreter for seconds.
+    """
+    limit = state.engine.config.max_model_len
+    if len(body.messages) >= limit:
+        raise bad_request(
+            f"this model's maximum context length is {limit} tokens; the conversation has "
+            f"{len(body.messages)} messages, at least one token each", param="messages")
+    return await state.off_loop(_render, state, body)
+
+
+def _render(state: ServiceState, body: ChatCompletionRequest) -> list[int]:
     messages = [_message(m) for m in body.messages]
+    state.check_text_size(sum(len(m["content"]) for m in messages), "messages")
     try:
-        return render_chat(tokenizer, messages, body.add_generation_prompt)
+        text = render_chat_text(state.tokenizer, messages, body.add_generation_prompt)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
+    state.check_text_size(len(text), "messages")  # many short messages add up
+    return state.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _message(message: ChatMessage) -> dict:
@@ -67,7 +114,7 @@ def _response(state, request_id, output, body) -> ChatCompletionResponse:
         ChatChoice(
             index=c.index,
             message=AssistantMessage("assistant", c.text),
-            logprobs=(chat_logprobs(state.tokenizer, c, 0, len(c.token_ids))
+            logprobs=(chat_logprobs(state.tokenizer, state.token_bytes, c, 0, len(c.token_ids))
                       if body.logprobs else None),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
@@ -94,7 +141,8 @@ async def _events(state: ServiceState, admission: Admission, body):
             logprobs = None
             if body.logprobs:
                 end = len(c.token_ids)
-                logprobs = chat_logprobs(state.tokenizer, c, end - len(c.delta_token_ids), end)
+                logprobs = chat_logprobs(state.tokenizer, state.token_bytes, c,
+                                         end - len(c.delta_token_ids), end)
             choices.append(ChatChunkChoice(
                 c.index, Delta(content=c.delta_text or None), logprobs, c.finish_reason
             ))

@@ -20,6 +20,7 @@ from service.routes.logprobs import completion_logprobs
 from service.routes.usage import usage
 from service.serving import ServiceState, parse
 from service.streaming import event, sse_response
+from service.token_bytes import TextOffsets
 
 # OpenAI's default for /v1/completions (chat defaults to "whatever fits").
 DEFAULT_MAX_TOKENS = 16
@@ -33,8 +34,13 @@ async def create(request: Request) -> Response:
         raise bad_request("echo is not supported", param="echo")
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of not in (1, body.n):
+        # best_of > n would sample extra candidates and return the likeliest:
+        # not served (vLLM's current engine dropped it too).
+        raise bad_request(f"best_of={body.best_of} is not supported: only best_of=n "
+                          f"(n={body.n})", param="best_of", code="unsupported_parameter")
     admission = state.admit(
-        request, body, _prompts(state.tokenizer, body.prompt),
+        request, body, await state.off_loop(_prompts, state, body.prompt),
         id_prefix="cmpl",
         prompt_param="prompt",
         max_tokens=DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
@@ -50,8 +56,11 @@ async def create(request: Request) -> Response:
                     media_type="application/json")
 
 
-def _prompts(tokenizer, prompt) -> list[list[int]]:
-    """Normalise the four prompt forms OpenAI accepts to a list of token-id lists."""
+def _prompts(state: ServiceState, prompt) -> list[list[int]]:
+    """Normalise the four prompt forms OpenAI accepts to a list of token-id lists.
+
+    Runs off the loop; a text that cannot fit is refused before it is tokenized.
+    """
     if isinstance(prompt, str):
         items = [prompt]
     elif all(_is_token(t) for t in prompt):
@@ -68,9 +77,12 @@ def _prompts(tokenizer, prompt) -> list[list[int]]:
     if len(items) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}",
                           param="prompt")
-    if any(isinstance(p, str) for p in items) and tokenizer is None:
+    if any(isinstance(p, str) for p in items) and state.tokenizer is None:
         raise bad_request("this model has no tokenizer: send token ids", param="prompt")
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+    for p in items:
+        if isinstance(p, str):
+            state.check_text_size(len(p), "prompt")
+    return [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
 
 
 def _is_token(value) -> bool:
@@ -78,18 +90,25 @@ def _is_token(value) -> bool:
 
 
 def _choice(state, c, prompt_index: int, body, text: str, start: int,
-            text_offset: int) -> CompletionChoice:
+            offsets: TextOffsets | None) -> CompletionChoice:
     """Choice j of prompt i is choice i*n + j; logprobs cover tokens [start, end)."""
     logprobs = None
     if body.logprobs is not None:
-        logprobs = completion_logprobs(state.tokenizer, c, start, len(c.token_ids), text_offset)
+        logprobs = completion_logprobs(state.tokenizer, c, start, len(c.token_ids), offsets)
     return CompletionChoice(prompt_index * body.n + c.index, text, logprobs, c.finish_reason,
                             c.stop_reason)
 
 
+def _offsets(state, body) -> TextOffsets | None:
+    """A fresh text-offset counter for one choice, when logprobs were asked for."""
+    if body.logprobs is None:
+        return None
+    return TextOffsets(state.token_bytes, body.skip_special_tokens)
+
+
 def _response(state, request_id, outputs, body) -> CompletionResponse:
     choices = [
-        _choice(state, c, i, body, c.text, 0, 0)
+        _choice(state, c, i, body, c.text, 0, _offsets(state, body))
         for i, output in enumerate(outputs)
         for c in output.outputs
     ]
@@ -101,17 +120,16 @@ async def _events(state, admission: Admission, body):
     created, model = int(time.time()), state.model_name
     # Legacy logprobs number each token by its text offset in the choice; the
     # offsets run on across chunks, so they match a non-streamed answer.
-    offsets: dict[tuple[int, int], int] = {}
+    offsets: dict[tuple[int, int], TextOffsets | None] = {}
     async for update in admission.updates():
         choices = []
         for c in update.choices:
             key = (update.prompt_index, c.index)
+            if key not in offsets:
+                offsets[key] = _offsets(state, body)
             start = len(c.token_ids) - len(c.delta_token_ids)
-            choice = _choice(state, c, update.prompt_index, body, c.delta_text, start,
-                             offsets.get(key, 0))
-            if choice.logprobs is not None:
-                offsets[key] = offsets.get(key, 0) + sum(map(len, choice.logprobs.tokens))
-            choices.append(choice)
+            choices.append(_choice(state, c, update.prompt_index, body, c.delta_text, start,
+                                   offsets[key]))
         yield event(CompletionResponse(admission.request_id, created, model, choices))
     if body.stream_options is not None and body.stream_options.include_usage:
         yield event(CompletionResponse(admission.request_id, created, model, [],
