@@ -11,6 +11,7 @@ from engine.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    filtered_probs,
     make_generator,
     token_counts,
 )
@@ -159,6 +160,71 @@ def test_min_p_zeroes_relative_to_best():
     filtered = apply_min_p(probs, torch.tensor([0.5, 0.25]))
     expected = torch.tensor([[0.5, 0.3, 0.0, 0.0], [0.5, 0.3, 0.15, 0.0]])
     assert torch.equal(filtered, expected)
+
+
+def reference_probs(logits_row, params):
+    """The documented order, one row, written out: temperature, top-k, top-p, min-p.
+
+    float64, one token at a time: nothing shared with filtered_probs but the order.
+    """
+    probs = (logits_row.double() / params.temperature).softmax(dim=-1)
+    order = probs.argsort(descending=True).tolist()
+    if params.top_k > 0:
+        order = order[: params.top_k]
+    mass = probs[order].sum().item()
+    kept, above = [], 0.0
+    for token in order:
+        # Renormalised over the top-k survivors, as top-p sees them.
+        if params.top_p < 1 and above >= params.top_p:
+            break
+        kept.append(token)
+        above += probs[token].item() / mass
+    best = probs[kept].max().item()
+    kept = [token for token in kept if probs[token].item() >= params.min_p * best]
+    expected = torch.zeros_like(probs)
+    expected[kept] = probs[kept] / probs[kept].sum()
+    return expected
+
+
+def random_params(generator, vocab):
+    """Filter settings for one row; each filter is off in some rows."""
+
+    def draw() -> float:
+        return torch.rand(1, generator=generator).item()
+
+    return SamplingParams(
+        # Not colder than 0.25: with these logits no kept token underflows
+        # float32, so "kept" means the same in both pipelines.
+        temperature=0.25 + 1.75 * draw(),
+        top_k=0 if draw() < 0.3 else 1 + int(draw() * vocab),
+        top_p=1.0 if draw() < 0.3 else 0.05 + 0.95 * draw(),
+        min_p=0.0 if draw() < 0.3 else 0.3 * draw(),
+    )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_filtered_probs_follow_the_documented_order(seed):
+    rows, vocab = 32, 300
+    generator = make_generator(seed)
+    logits = torch.randn(rows, vocab, generator=generator) * 2
+    params = [random_params(generator, vocab) for _ in range(rows)]
+    probs = filtered_probs(logits, params)
+    for row, row_params in enumerate(params):
+        expected = reference_probs(logits[row], row_params)
+        got = probs[row].double()
+        where = (seed, row, row_params)
+        assert torch.equal(got > 0, expected > 0), where
+        assert torch.allclose(got / got.sum(), expected, rtol=1e-4, atol=1e-7), where
+
+
+def test_temperature_comes_before_top_p():
+    # At T=1 the probabilities are 0.7, 0.25, 0.05: top_p=0.9 needs two tokens.
+    # At T=0.3 they become ~0.969, 0.031, 0.000: the first alone reaches 0.9.
+    logits = torch.tensor([[0.7, 0.25, 0.05]]).log()
+    at_one = filtered_probs(logits, [SamplingParams(temperature=1.0, top_p=0.9)])
+    assert (at_one > 0).tolist() == [[True, True, False]]
+    cold = filtered_probs(logits, [SamplingParams(temperature=0.3, top_p=0.9)])
+    assert (cold > 0).tolist() == [[True, False, False]]
 
 
 def sample_counts(logits_row, params, draws, seed=0):

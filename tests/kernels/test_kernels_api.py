@@ -18,9 +18,19 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16, 32, 64, 128, 256])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_triton_accepts_supported_configs(block_size, head_dim, dtype, monkeypatch):
+def test_triton_accepts_supported_configs(block_size, head_dim, dtype, monkeypatch,
+                                         triton_available):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets a CPU device pass
-    check_backend_support("triton", block_size, head_dim, dtype, "cpu")
+    assert check_backend_support("triton", block_size, head_dim, dtype, "cpu") is None
+    # auto on CUDA selects the triton rules, and needs no interpreter there.
+    assert check_backend_support("auto", block_size, head_dim, dtype, "cuda") is None
+    # The config was accepted by going through every rule, down to the last one:
+    # without triton the same config is refused, so the engine fails at start-up
+    # rather than at its first CUDA call.
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail
+    for backend, device in (("triton", "cpu"), ("auto", "cuda")):
+        with pytest.raises(ValueError, match="needs the 'triton' package"):
+            check_backend_support(backend, block_size, head_dim, dtype, device)
 
 
 @pytest.mark.parametrize("block_size", [0, 3, 24, 512])
@@ -48,10 +58,45 @@ def test_triton_refuses_cpu_without_interpreter(monkeypatch, triton_available):
         check_backend_support("triton", 16, 64, torch.float32, "cpu")
 
 
+def store_and_attend(backend, block_size, head_dim, dtype):
+    """Two sequences through `backend`: the caches after the store, then decode and
+    prefill attention over them. The first sequence spans two blocks, so block
+    boundaries are crossed; head_dim and block_size are whatever the test picks."""
+    generator = torch.Generator().manual_seed(0)
+    lens = [block_size + 2, 3]
+    tables = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    slots = torch.tensor([tables[s, p // block_size].item() * block_size + p % block_size
+                          for s, length in enumerate(lens) for p in range(length)])
+    k_cache, v_cache = torch.zeros(2, 4, block_size, 2, head_dim, dtype=dtype).unbind(0)
+    key, value, query = (torch.randn(sum(lens), heads, head_dim, generator=generator).to(dtype)
+                         for heads in (2, 2, 4))
+    backend.store_kvcache(key, value, k_cache, v_cache, slots)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    cu_seqlens = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    prefill = backend.paged_prefill_attention(query, k_cache, v_cache, tables, cu_seqlens,
+                                              context_lens, scale)
+    last = cu_seqlens[1:] - 1  # each sequence's last token, as a decode query
+    decode = backend.paged_decode_attention(query[last].contiguous(), k_cache, v_cache, tables,
+                                            context_lens, scale)
+    return k_cache, v_cache, prefill, decode
+
+
+@pytest.mark.parametrize("block_size, head_dim, dtype, device", [
+    (3, 72, torch.float32, "cpu"),
+    (1000, 8, torch.bfloat16, torch.device("cpu")),
+], ids=["odd-shape", "huge-block"])
 @pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_torch_rules_on_cpu_take_any_shape(backend):
-    check_backend_support(backend, 3, 72, torch.float32, "cpu")
-    check_backend_support(backend, 1000, 8, torch.bfloat16, torch.device("cpu"))
+def test_torch_rules_on_cpu_take_any_shape(backend, block_size, head_dim, dtype, device):
+    assert check_backend_support(backend, block_size, head_dim, dtype, device) is None
+    # Accepted means the backend the engine then builds runs this shape, and
+    # agrees with the reference on it.
+    got = store_and_attend(get_backend(backend), block_size, head_dim, dtype)
+    expected = store_and_attend(get_backend("torch"), block_size, head_dim, dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, a, b in zip(("k_cache", "v_cache", "prefill", "decode"), got, expected):
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance,
+                                   msg=lambda message, name=name: f"{name}: {message}")
     with pytest.raises(ValueError, match="block_size must be a positive integer"):
         check_backend_support(backend, 0, 64, torch.float32, "cpu")
 

@@ -22,6 +22,7 @@ is free again (cached blocks count as free: they are evictable).
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -29,6 +30,7 @@ import openai
 import pytest
 
 from live_server import LiveServer, wait_until
+from service.admission import merge
 
 SUBJECTS = [
     "the sea", "a mountain", "an old library", "the moon", "a train station", "bread",
@@ -209,3 +211,87 @@ def test_16_concurrent_streams_on_smollm2(smollm2_server):
         run_all(smollm2_server, "smollm2-135m-instruct", jobs, max_tokens)
     )
     check(smollm2_server, together, alone, max_running, jobs, max_tokens)
+
+
+# -- a batched stream the client drops ------------------------------------------------
+def server_tasks(live: LiveServer) -> int:
+    """How many asyncio tasks the server's event loop holds (this count included)."""
+    async def count() -> int:
+        return len(asyncio.all_tasks())
+
+    return asyncio.run_coroutine_threadsafe(count(), live.state.engine._loop).result(timeout=10)
+
+
+def settled_tasks(live: LiveServer, quiet: float = 0.3, timeout: float = 10) -> int:
+    """server_tasks() once it has held still for `quiet` seconds: uvicorn ends a
+    connection's task a moment after the response, not with it."""
+    deadline = time.monotonic() + timeout
+    count, since = server_tasks(live), time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, "the server's tasks never settled"
+        time.sleep(0.02)
+        now = server_tasks(live)
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
+def test_a_dropped_batched_stream_leaves_no_task_behind(tiny_server):
+    # A batch of prompts streams through merge(), one reader task per prompt.
+    # The reader of a dropped stream would wait forever on a request that was
+    # aborted, so merge() must end them: count the loop's tasks to see it.
+    live = tiny_server
+    prompts = [[5, 6, i] for i in range(4)]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 240, "ignore_eos": True,
+            "stream": True}
+    with live.client() as client:
+        # sse-starlette starts one shutdown watcher task on the loop's first
+        # stream, for good: have it running before counting.
+        warm_up = client.post("/v1/completions", json={**body, "prompt": "hi", "max_tokens": 1})
+        assert warm_up.status_code == 200, warm_up.text
+    before = settled_tasks(live)
+    with live.client() as client, client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        lines = response.iter_lines()
+        events = 0
+        while events < 8:  # a few chunks, then walk away
+            line = next(lines)
+            events += line.startswith("data: ")
+            assert "[DONE]" not in line and '"error"' not in line, line
+        running = live.state.engine.stats.counters["num_requests_running"]
+        during = server_tasks(live)
+    assert running == len(prompts), running  # dropped mid-generation, not after the end
+    assert during >= before + len(prompts), (before, during)  # the readers are counted
+
+    def idle() -> bool:
+        counters = live.state.engine.stats.counters
+        return counters["num_requests_running"] == 0 and counters["num_requests_waiting"] == 0
+
+    assert wait_until(idle, timeout=10), live.state.engine.stats.counters
+    assert wait_until(lambda: server_tasks(live) == before, timeout=5), (before, server_tasks(live))
+
+
+async def endless(item):
+    """One item, then nothing ever again: a released request's stream."""
+    yield item
+    await asyncio.Event().wait()
+
+
+def test_closing_a_merge_cancels_its_readers():
+    # A dropped client usually cancels the response's task, and a cancelled
+    # gather() takes the readers with it. A merge can also be closed without
+    # any cancellation: sse-starlette aclose()s a body whose send failed, and
+    # Python aclose()s an abandoned async generator. Then only merge() itself
+    # can end readers that would otherwise wait forever.
+    async def scenario() -> None:
+        merged = merge([endless(i) for i in range(3)])
+        assert (await anext(merged))[1] in range(3)
+        readers = asyncio.all_tasks() - {asyncio.current_task()}
+        assert len(readers) == 3
+        try:
+            await asyncio.wait_for(merged.aclose(), timeout=5)
+        except TimeoutError:
+            pytest.fail("closing the merge waits on readers that nothing cancelled")
+        assert all(task.done() for task in readers)
+
+    asyncio.run(scenario())

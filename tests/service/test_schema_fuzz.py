@@ -40,9 +40,12 @@ from service.app import VERSION
 from service.config import ServiceConfig
 from service.openapi import build_openapi
 from service.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
+from tests.conftest import need
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+MODEL = "/v1/models/{model_id}"
+SERVED = "tiny"  # the fuzz server's model name
 # What /openapi.json serves (checked below), built here so that schemathesis can
 # parametrize the tests at collection time, before any server runs.
 SPEC = build_openapi("pagedserve", VERSION)
@@ -51,17 +54,21 @@ OPERATIONS = sorted((method.upper(), path) for path, item in SPEC["paths"].items
 
 
 def _fuzz_spec() -> dict:
-    """SPEC, plus one bound the server enforces but the schema does not state.
+    """SPEC, plus what the server enforces or knows but the schema does not state.
 
     The server refuses an empty prompt string ("the prompt is empty", 400)
     while the schema allows "". Schemathesis' coverage phase holds the prompt
     at its minimal value "" while it varies every other field, so without this
     no coverage case of /v1/completions would ever get past the prompt check.
+    Likewise the model route knows one id, which no generated string would hit:
+    it is given as an example, so its 200 is fuzzed too and not only its 404.
     """
     spec = copy.deepcopy(SPEC)
     prompt = spec["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
     (text,) = [option for option in prompt["anyOf"] if option.get("type") == "string"]
     text["minLength"] = 1
+    (model_id,) = spec["paths"][MODEL]["get"]["parameters"]
+    model_id["example"] = SERVED
     return spec
 
 
@@ -83,7 +90,7 @@ def fuzz_server(tiny_llama_path):
     # tokens after the chat template), which keeps the hundreds of cases quick.
     engine = EngineConfig(model=str(tiny_llama_path), max_model_len=96, max_num_seqs=64,
                           kv_cache_memory_bytes=64 << 20, seed=0)
-    with run_server(ServiceConfig(engine=engine, served_model_name="tiny")) as live:
+    with run_server(ServiceConfig(engine=engine, served_model_name=SERVED)) as live:
         yield live
 
 
@@ -189,9 +196,12 @@ def test_fuzz(case, fuzz_server):
 
 
 def test_fuzzing_reached_the_engine_and_found_no_server_error(fuzz_server):
-    if not SEEN:
-        pytest.skip("the fuzzing tests did not run")
+    need(bool(SEEN), "the fuzzing tests did not run")
     assert not [key for key in SEEN if key[2] >= 500], SEEN
+    # Every operation of the schema was fuzzed, the ones added since included.
+    assert {path for path, _, _ in SEEN} == {path for _, path in OPERATIONS}, SEEN
+    # The model route answered both ways: the card for the served id, 404 for others.
+    assert {200, 404} <= {status for path, _, status in SEEN if path == MODEL}, SEEN
     for path in (CHAT, COMPLETIONS):
         for mode in ("positive", "negative"):
             assert sum(n for (p, m, _), n in SEEN.items() if (p, m) == (path, mode)) >= 20, (
