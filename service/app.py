@@ -39,6 +39,37 @@ logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 
+
+async def start_service(config: ServiceConfig) -> ServiceState:
+    """Load the model, start the engine thread, and build the server's state."""
+    # Loading takes seconds; a worker thread keeps the loop responsive meanwhile.
+    engine = await anyio.to_thread.run_sync(LLMEngine, config.engine)
+    metrics = Metrics()
+    bridge = AsyncEngine(engine, config.max_waiting_requests, metrics.engine_step.observe)
+    metrics.watch(bridge)
+    bridge.start()
+    tokenizer_source = config.engine.tokenizer or engine.model_path
+    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, tokenizer_source)
+    state = ServiceState(
+        # From here on the engine's resolved config is the only one.
+        config=replace(config, engine=bridge.config),
+        engine=bridge,
+        # Its own tokenizer: the engine thread detokenizes with the other one.
+        tokenizer=tokenizer,
+        token_bytes=(None if tokenizer is None
+                     else await anyio.to_thread.run_sync(TokenBytes, tokenizer)),
+        metrics=metrics,
+        model_name=config.served_model_name or config.engine.model,
+        sampling_defaults=(load_sampling_defaults(engine.model_path)
+                           if config.generation_config == "auto" else {}),
+    )
+    logger.info("serving %s at http://%s:%d", state.model_name, config.host, config.port)
+    if state.sampling_defaults:
+        logger.info("sampling defaults from the model's generation config: %s",
+                    state.sampling_defaults)
+    return state
+
+
 def create_app(config: ServiceConfig) -> Starlette:
     # sse-starlette cancels every open stream the moment uvicorn sees SIGTERM.
     # We want the opposite: streams run on for the grace period (our own drain,
@@ -49,37 +80,13 @@ def create_app(config: ServiceConfig) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        # Loading takes seconds; a worker thread keeps the loop responsive meanwhile.
-        engine = await anyio.to_thread.run_sync(LLMEngine, config.engine)
-        metrics = Metrics()
-        bridge = AsyncEngine(engine, config.max_waiting_requests, metrics.engine_step.observe)
-        metrics.watch(bridge)
-        bridge.start()
-        tokenizer_source = config.engine.tokenizer or engine.model_path
-        tokenizer = await anyio.to_thread.run_sync(load_tokenizer, tokenizer_source)
-        state = ServiceState(
-            # From here on the engine's resolved config is the only one.
-            config=replace(config, engine=bridge.config),
-            engine=bridge,
-            # Its own tokenizer: the engine thread detokenizes with the other one.
-            tokenizer=tokenizer,
-            token_bytes=(None if tokenizer is None
-                         else await anyio.to_thread.run_sync(TokenBytes, tokenizer)),
-            metrics=metrics,
-            model_name=config.served_model_name or config.engine.model,
-            sampling_defaults=(load_sampling_defaults(engine.model_path)
-                               if config.generation_config == "auto" else {}),
-        )
+        state = await start_service(config)
         app.state.service = state
-        logger.info("serving %s at http://%s:%d", state.model_name, config.host, config.port)
-        if state.sampling_defaults:
-            logger.info("sampling defaults from the model's generation config: %s",
-                        state.sampling_defaults)
         try:
             yield
         finally:
             state.draining = True
-            bridge.shutdown()
+            state.engine.shutdown()
 
     # CORS sits outside the guard: browsers send preflights without a key, and
     # the guard's 401/413 answers need CORS headers for a page to read them.
