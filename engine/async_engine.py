@@ -217,10 +217,9 @@ class AsyncEngine:
         For a shutdown whose grace ran out: each client is told why its
         answer stops instead of seeing its connection cut.
         """
-        for request_id, queue in list(self._streams.items()):
-            queue.put_nowait(error)
+        for request_id in self._streams:
             self.abort(request_id)
-        self._streams.clear()
+        self._end_streams(error)
 
     @property
     def num_waiting(self) -> int:
@@ -281,10 +280,14 @@ class AsyncEngine:
                 # The engine is done with it; the queue still holds what is unread.
                 del self._streams[request_id]
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _end_streams(self, error: BaseException) -> None:
+        """Hand every open request's consumer `error` and forget the request."""
         for queue in self._streams.values():
             queue.put_nowait(error)
         self._streams.clear()
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._end_streams(error)
         # A call still queued when the thread stopped will never run: answer it now.
         for future in list(self._calls):
             if not future.done():

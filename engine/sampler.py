@@ -210,18 +210,8 @@ def apply_banned_tokens(
     new tensor, or `logits` itself when nothing is banned; ids outside the
     vocabulary are ignored.
     """
-    rows: list[int] = []
-    cols: list[int] = []
-    vocab = logits.shape[-1]
-    for row, request in enumerate(requests):
-        for token_id in request.banned_token_ids:
-            if 0 <= token_id < vocab:
-                rows.append(row)
-                cols.append(token_id)
-    if not rows:
-        return logits
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+    banned = [dict.fromkeys(r.banned_token_ids, float("-inf")) for r in requests]
+    return _update_tokens(logits, banned, accumulate=False)
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
@@ -230,22 +220,23 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[SamplingRequest]) 
     Ids outside the vocabulary are ignored here (the engine refuses them at
     admission).
     """
-    rows: list[int] = []
-    cols: list[int] = []
-    values: list[float] = []
+    return _update_tokens(logits, [r.params.logit_bias for r in requests], accumulate=True)
+
+
+def _update_tokens(logits: torch.Tensor, per_row: Sequence[dict[int, float]],
+                   accumulate: bool) -> torch.Tensor:
+    """Write (or add) per_row[r][token] into row r with one index_put; `logits`
+    itself when there is nothing to do; ids outside the vocabulary skipped."""
     vocab = logits.shape[-1]
-    for row, request in enumerate(requests):
-        for token_id, bias in request.params.logit_bias.items():
-            if token_id < vocab:
-                rows.append(row)
-                cols.append(token_id)
-                values.append(bias)
-    if not rows:
+    entries = [(row, token_id, value) for row, values in enumerate(per_row)
+               for token_id, value in values.items() if 0 <= token_id < vocab]
+    if not entries:
         return logits
+    rows, cols, values = zip(*entries)
     device = logits.device
     index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
     return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device),
-                            accumulate=True)
+                            accumulate=accumulate)
 
 
 def apply_penalties(

@@ -83,13 +83,15 @@ def run_server(config: ServiceConfig, startup_timeout: float = 120) -> Iterator[
         thread.join(60)
 
 
-def tiny_config(model_path, **service) -> ServiceConfig:
-    """A server on the tiny random Llama: fast, small context, deterministic greedy."""
-    engine = EngineConfig(
-        model=str(model_path), max_model_len=256, max_num_seqs=64,
-        kv_cache_memory_bytes=64 << 20, seed=0, dtype="float32",
-    )
-    return ServiceConfig(engine=engine, served_model_name="tiny", **service)
+def tiny_config(model_path, engine: dict | None = None, **service) -> ServiceConfig:
+    """A server on the tiny random Llama: fast, small context, deterministic greedy.
+
+    `engine` changes EngineConfig fields, the keywords ServiceConfig fields.
+    """
+    settings = dict(model=str(model_path), max_model_len=256, max_num_seqs=64,
+                    kv_cache_memory_bytes=64 << 20, seed=0, dtype="float32")
+    return ServiceConfig(engine=EngineConfig(**{**settings, **(engine or {})}),
+                         served_model_name="tiny", **service)
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

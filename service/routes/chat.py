@@ -90,12 +90,11 @@ async def render(state: ServiceState, body: ChatCompletionRequest) -> list[int]:
 
 def _render(state: ServiceState, body: ChatCompletionRequest) -> list[int]:
     messages = [_message(m) for m in body.messages]
-    state.check_text_size(sum(len(m["content"]) for m in messages), "messages")
     try:
         text = render_chat_text(state.tokenizer, messages, body.add_generation_prompt)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
-    state.check_text_size(len(text), "messages")  # many short messages add up
+    state.check_text_size(len(text), "messages")  # before the costly part: tokenizing
     return state.tokenizer.encode(text, add_special_tokens=False)
 
 

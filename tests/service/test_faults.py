@@ -15,7 +15,6 @@ server of its own (a dead engine or a tiny queue would spoil a shared one):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 
@@ -27,14 +26,6 @@ from live_server import LiveServer, run_server, tiny_config, wait_until
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 LONG_MODEL_LEN = 1024  # the tiny model's max_position_embeddings: long generations
-
-
-def config_with(tiny_llama_path, *, engine: dict | None = None, **service):
-    """tiny_config with some engine and service settings changed."""
-    base = tiny_config(tiny_llama_path)
-    fields = {**base.__dict__, **service}
-    fields["engine"] = dataclasses.replace(base.engine, **(engine or {}))
-    return type(base)(**fields)
 
 
 def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
@@ -103,7 +94,7 @@ def data_lines(lines: list[str]) -> list[str]:
 
 # -- 429 when the queue is full ----------------------------------------------------------
 def test_queue_full_gets_429_with_retry_after(tiny_llama_path):
-    config = config_with(tiny_llama_path, engine={"max_num_seqs": 1},
+    config = tiny_config(tiny_llama_path, engine={"max_num_seqs": 1},
                          max_waiting_requests=2, retry_after_seconds=7)
     max_tokens = 40
 
@@ -168,7 +159,7 @@ def test_queue_full_gets_429_with_retry_after(tiny_llama_path):
 
 # -- a fault kills the engine thread -------------------------------------------------------
 def test_engine_fault_fails_requests_and_keeps_the_server_up(tiny_llama_path, monkeypatch):
-    config = config_with(tiny_llama_path, engine={"max_model_len": LONG_MODEL_LEN})
+    config = tiny_config(tiny_llama_path, engine={"max_model_len": LONG_MODEL_LEN})
     long_run = {"max_tokens": 900, "ignore_eos": True}
 
     async def scenario(live: LiveServer):
@@ -259,7 +250,7 @@ def test_engine_fault_fails_requests_and_keeps_the_server_up(tiny_llama_path, mo
 @pytest.fixture(scope="module")
 def long_server(tiny_llama_path):
     """Room for 1000-token generations, so requests are still running when clients leave."""
-    with run_server(config_with(tiny_llama_path, engine={"max_model_len": LONG_MODEL_LEN})) as live:
+    with run_server(tiny_config(tiny_llama_path, engine={"max_model_len": LONG_MODEL_LEN})) as live:
         yield live
 
 
@@ -355,7 +346,7 @@ def test_abandoned_non_streaming_request_is_aborted(long_server, how):
 
 def test_requests_dropped_while_queued_are_aborted(tiny_llama_path):
     """Clients that leave before their request ever ran take it out of the queue."""
-    config = config_with(tiny_llama_path, engine={"max_model_len": LONG_MODEL_LEN,
+    config = tiny_config(tiny_llama_path, engine={"max_model_len": LONG_MODEL_LEN,
                                                   "max_num_seqs": 1})
 
     async def scenario(live: LiveServer) -> float:
@@ -414,7 +405,7 @@ def test_refused_batch_does_not_hold_queue_slots(tiny_llama_path, monkeypatch):
     go on counting as waiting until the engine thread gets round to them, or
     one refused batch turns every request of the next step away.
     """
-    config = config_with(tiny_llama_path, engine={"max_model_len": LONG_MODEL_LEN,
+    config = tiny_config(tiny_llama_path, engine={"max_model_len": LONG_MODEL_LEN,
                                                   "max_num_seqs": 2},
                          max_waiting_requests=2)
     with run_server(config) as live:

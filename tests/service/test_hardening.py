@@ -37,10 +37,9 @@ GRIN = "\N{GRINNING FACE}"
 GRIN_IDS = (10813, 242, 218)
 
 
-def tiny(tiny_llama_path, **service):
-    config = tiny_config(tiny_llama_path, **service)
-    engine = type(config.engine)(**{**config.engine.__dict__, "max_model_len": MAX_MODEL_LEN})
-    return type(config)(**{**config.__dict__, "engine": engine})
+def tiny(tiny_llama_path, engine: dict | None = None, **service):
+    return tiny_config(tiny_llama_path, {"max_model_len": MAX_MODEL_LEN, **(engine or {})},
+                       **service)
 
 
 @pytest.fixture(scope="module")
@@ -414,9 +413,7 @@ def test_reset_prefix_cache_needs_an_admin_key(server):
 
 # -- 9. only requests that truly wait count against --max-waiting-requests -------------------
 def test_requests_that_can_run_now_are_not_counted_as_waiting(tiny_llama_path):
-    config = tiny(tiny_llama_path, max_waiting_requests=2)
-    config = type(config)(**{**config.__dict__, "engine": type(config.engine)(
-        **{**config.engine.__dict__, "max_num_seqs": 4})})
+    config = tiny(tiny_llama_path, {"max_num_seqs": 4}, max_waiting_requests=2)
 
     async def burst(url: str, count: int) -> list[int]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
