@@ -67,6 +67,7 @@ class BlockManager:
         self.cached_free: OrderedDict[int, None] = OrderedDict()
         self.popular_free: OrderedDict[int, None] = OrderedDict()
         self.popular_hashes: set[bytes] = set()
+        self.num_popular_cached = 0  # of popular_hashes, how many a block holds now
         self.max_popular_blocks = int(max_popular_share * (num_blocks - 1))
         self.block_tables: dict[Hashable, list[int]] = {}
         # Per sequence, how far cache_full_blocks has looked: [number of table
@@ -112,8 +113,12 @@ class BlockManager:
         if not self.enable_caching:
             return []
         limit = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        return self.cached_run(block_hashes[:limit])
+
+    def cached_run(self, block_hashes: Iterable[bytes]) -> list[int]:
+        """Block ids holding the leading run of `block_hashes` that is cached now."""
         hits = []
-        for block_hash in block_hashes[:limit]:
+        for block_hash in block_hashes:
             block_id = self.cached.get(block_hash)
             if block_id is None:
                 break
@@ -164,15 +169,21 @@ class BlockManager:
             return False  # the same content was computed elsewhere first; keep that copy
         self.block_hashes[block_id] = block_hash
         self.cached[block_hash] = block_id
+        self.num_popular_cached += block_hash in self.popular_hashes
         return True
 
     def set_popular(self, block_hashes: Iterable[bytes]) -> int:
-        """Mark prefixes popular (evicted last), up to the bounded share. Returns how many."""
+        """Mark prefixes popular (evicted last), up to the bounded share. Returns how many.
+
+        Replaces the previous set. Hashes not cached yet count from the moment
+        a block computes them (the fleet's warm-up prefills them next).
+        """
         self.popular_hashes = set()
         for block_hash in block_hashes:
             if len(self.popular_hashes) >= self.max_popular_blocks:
                 break
             self.popular_hashes.add(block_hash)
+        self.num_popular_cached = sum(h in self.cached for h in self.popular_hashes)
         for queue, popular in ((self.cached_free, True), (self.popular_free, False)):
             for block_id in list(queue):  # re-file free blocks whose status changed
                 if (self.block_hashes[block_id] in self.popular_hashes) == popular:
@@ -312,6 +323,7 @@ class BlockManager:
         block_hash = self.block_hashes[block_id]
         if block_hash is not None and self.cached.get(block_hash) == block_id:
             del self.cached[block_hash]
+            self.num_popular_cached -= block_hash in self.popular_hashes
         self.block_hashes[block_id] = None
 
     # -- checking ----------------------------------------------------------------
@@ -342,3 +354,5 @@ class BlockManager:
             assert self.block_hashes[block_id] is not None, f"cached block {block_id} lost its hash"
         for block_hash, block_id in self.cached.items():
             assert self.block_hashes[block_id] == block_hash, f"hash table wrong for {block_id}"
+        popular_cached = sum(h in self.cached for h in self.popular_hashes)
+        assert self.num_popular_cached == popular_cached, "popular count out of step"

@@ -299,6 +299,7 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_blocks_total": self.block_manager.num_usable_blocks,
             "kv_blocks_cached": self.block_manager.num_cached_blocks,
+            "prefix_warm_blocks": self.block_manager.num_popular_cached,
         }
 
 

@@ -356,6 +356,24 @@ def test_set_popular_is_bounded_by_max_popular_share():
     assert bm.set_popular(all_hashes[:1] * 5) == 1  # duplicates count once
 
 
+def test_popular_cached_count_follows_registration_and_eviction():
+    """num_popular_cached (the warm-blocks gauge) counts marked hashes a block holds."""
+    bm = new_bm(num_blocks=5, block_size=4)  # popular share 0.5: up to 2 blocks
+    hashes = chain(shared(8, 100), 4)
+    assert bm.set_popular(hashes) == 2
+    assert bm.num_popular_cached == 0  # marked before any block computes them
+    compute(bm, "A", shared(8, 100))
+    assert bm.num_popular_cached == 2
+    bm.free("A")
+    assert bm.num_popular_cached == 2  # free but still cached
+    assert bm.cached_run(hashes) == [1, 2]
+    assert take_fillers(bm, 3) == [3, 4, 2]  # empty blocks, then popular ones, tail first
+    assert bm.num_popular_cached == 1 and bm.cached_run(hashes) == [1]
+    bm.check_invariants()
+    assert bm.reset_prefix_cache() == 1
+    assert bm.num_popular_cached == 0 and bm.cached_run(hashes) == []
+
+
 def test_allocate_holds_hits_before_taking_fresh_blocks():
     """The fresh blocks of a hit allocation may evict cached blocks, but never
     the hits, even when a hit is the least recently used cached block."""
