@@ -54,7 +54,7 @@ def _add_field(group, field: dataclasses.Field, hint) -> None:
             options["choices"] = [c for c in field.metadata["choices"] if c is not None]
     action = group.add_argument(_flag_name(field.name), dest=field.name, **options)
     # Some Pythons' BooleanOptionalAction append the default themselves.
-    shown = options["default"] not in (None, argparse.SUPPRESS)
+    shown = options["default"] not in (None, "", argparse.SUPPRESS)  # "": nothing to show
     if action.help and shown and "%(default)" not in action.help:
         action.help += " (default: %(default)s)"
 

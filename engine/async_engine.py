@@ -107,6 +107,16 @@ class AsyncEngine:
         return self.engine.config
 
     @property
+    def fingerprint(self) -> bytes:
+        """The model fingerprint in every block hash (fixed at load: safe from the loop)."""
+        return self.engine.fingerprint
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the model runs in, as a name ("bfloat16")."""
+        return str(getattr(self.engine.runner, "dtype", "unknown")).removeprefix("torch.")
+
+    @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
@@ -117,6 +127,7 @@ class AsyncEngine:
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.close()  # after the join: no step publishes into a closed publisher
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     # -- the asyncio side --------------------------------------------------------------

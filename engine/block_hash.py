@@ -22,6 +22,10 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+# Bump both together whenever the byte layout below changes: the fleet keys
+# its shared registry by this version, so replicas of different versions
+# never exchange hashes they would compute differently.
+HASH_SCHEME_VERSION = 1
 ROOT_HASH = hashlib.sha256(b"pagedserve prefix cache v1").digest()
 
 
@@ -32,3 +36,26 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> b
     digest.update(extra)
     return digest.digest()
 
+
+
+def salt_digest(cache_salt: str | None) -> bytes:
+    """The bytes a tenant's cache salt adds to its first block (none: no salt)."""
+    return hashlib.sha256(cache_salt.encode()).digest() if cache_salt else b""
+
+
+def block_extra(index: int, extra: bytes, salt: bytes) -> bytes:
+    """The extra keys of block `index`: the salt goes into the first block only."""
+    return extra + salt if index == 0 else extra
+
+
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, extra: bytes = b"", salt: bytes = b""
+) -> list[bytes]:
+    """The chained hashes of the full blocks of `token_ids`, as a sequence computes them."""
+    hashes: list[bytes] = []
+    parent = ROOT_HASH
+    for i in range(len(token_ids) // block_size):
+        tokens = token_ids[i * block_size:(i + 1) * block_size]
+        parent = hash_block(parent, tokens, block_extra(i, extra, salt))
+        hashes.append(parent)
+    return hashes

@@ -28,14 +28,20 @@ from its head, so heads are worth more than tails.
 
 Every block is in exactly one state: held (ref_count > 0, in >= 1 block table)
 or free (ref_count == 0, in exactly one of the three queues).
+
+With `record_events`, every change to the set of cached hashes is logged as
+a KV event (engine/kv_events.py) for the engine to publish; off, the log is
+None and costs one check per registering call and per eviction.
 """
 
 from __future__ import annotations
 
 from bisect import insort
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+
+from engine.kv_events import AllBlocksCleared, add_removed, stored_events
 
 NULL_BLOCK = 0
 
@@ -54,6 +60,7 @@ class BlockManager:
         block_size: int,
         enable_caching: bool = False,
         max_popular_share: float = 0.5,
+        record_events: bool = False,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need the null block and at least one more")
@@ -74,6 +81,8 @@ class BlockManager:
         # entries scanned, ascending indices among them left unregistered].
         self._registration: dict[Hashable, list] = {}
         self.stats = CacheStats()
+        # KV events not yet taken by the engine (take_events); None when off.
+        self.events: list | None = [] if record_events else None
 
     # -- queries ---------------------------------------------------------------
     @property
@@ -126,7 +135,12 @@ class BlockManager:
         return hits
 
     def cache_full_blocks(
-        self, seq_id: Hashable, block_hashes: list[bytes], num_computed_tokens: int
+        self,
+        seq_id: Hashable,
+        block_hashes: list[bytes],
+        num_computed_tokens: int,
+        *,
+        token_slice: Callable[[int, int], list[int]] | None = None,
     ) -> None:
         """Register the sequence's full, computed blocks under their hashes.
 
@@ -139,6 +153,9 @@ class BlockManager:
         before are skipped, except those left unregistered and those replaced
         since by copy on write. A decode step thus looks at no block, or at
         the one it just filled, instead of the whole table.
+
+        `token_slice(start, end)` gives the sequence's tokens, which the
+        BlockStored events carry; only read when events are recorded.
         """
         if not self.enable_caching:
             return
@@ -151,6 +168,10 @@ class BlockManager:
                             or len(block_hashes) <= scanned):
             return  # nothing new is full and computed (the usual decode step)
         count = min(len(block_hashes), num_computed_tokens // self.block_size, len(table))
+        fresh = None
+        if self.events is not None:  # the entries to try that no hash holds yet
+            fresh = [i for i in (*pending, *range(scanned, count))
+                     if i < count and self.block_hashes[table[i]] is None]
         unregistered = []
         for i in pending:  # ascending and below `scanned`: the same order as one full pass
             if i >= count or not self._register(table[i], block_hashes[i]):
@@ -160,6 +181,9 @@ class BlockManager:
                 unregistered.append(i)
         progress[0] = max(scanned, count)
         progress[1] = unregistered
+        if fresh:  # those hashed now were put in the cache by this call
+            new = [i for i in fresh if self.block_hashes[table[i]] is not None]
+            self.events += stored_events(new, block_hashes, self.block_size, token_slice)
 
     def _register(self, block_id: int, block_hash: bytes) -> bool:
         """Put a held block in the cache under its hash; False if another block has it."""
@@ -192,7 +216,10 @@ class BlockManager:
         return len(self.popular_hashes)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block that no sequence holds. Returns how many."""
+        """Forget every cached block that no sequence holds. Returns how many.
+
+        Logs AllBlocksCleared even when nothing was cached, as vLLM does.
+        """
         dropped = 0
         for queue in (self.cached_free, self.popular_free):
             while queue:
@@ -200,7 +227,17 @@ class BlockManager:
                 self._drop_hash(block_id)
                 self.free_queue.append(block_id)
                 dropped += 1
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return dropped
+
+    # -- events ------------------------------------------------------------------
+    def take_events(self) -> list:
+        """The events logged since the last call, oldest first (none when off)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     # -- allocation --------------------------------------------------------------
     def allocate(
@@ -308,6 +345,8 @@ class BlockManager:
         else:
             queue = self.cached_free or self.popular_free
             block_id, _ = queue.popitem(last=False)
+            if self.events is not None:
+                add_removed(self.events, self.block_hashes[block_id])
             self._drop_hash(block_id)
             self.stats.evictions += 1
         self.ref_counts[block_id] = 1

@@ -21,6 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # no torch; tests/kernels/test_kernels_api.py holds the two equal.
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
 QUANTIZATIONS = (None, "int4")
+KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")  # ZMQ transports a publisher can use
 MAX_BLOCK_SIZE = 128
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -85,12 +86,21 @@ class EngineConfig:
         "help": "auto, cpu or cuda[:N]; auto: cuda when available, else cpu"})
     num_threads: int = field(default=0, metadata={
         "help": "CPU: torch threads for the model; 0: torch's default, one per core"})
+    # KV cache events for a KV-cache-aware router (engine/kv_events.py).
+    kv_events_endpoint: str | None = field(default=None, metadata={
+        "help": "publish KV cache events (vLLM's schema, for llm-d's KV-cache-aware "
+                "router) on this ZMQ endpoint: tcp://*:5557 or ipc:// binds it, "
+                "tcp://host:port connects to a subscriber that bound it; unset: no events"})
+    kv_events_topic: str = field(default="", metadata={
+        "help": "the topic frame of every KV event message (llm-d reads the pod and "
+                "model names from it)"})
     # Converted models live here; $XDG_CACHE_HOME already moves it, so no flag.
     cache_dir: Path = field(default_factory=default_cache_dir, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         self._check_ints()
         self._check_choices()
+        self._check_kv_events()
         if not _is_power_of_two(self.block_size) or self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(
                 f"block_size={self.block_size} is not supported: use a power of two "
@@ -157,6 +167,16 @@ class EngineConfig:
             device in ("auto", "cpu") or device.startswith("cuda")
         ):
             raise ValueError(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
+
+    def _check_kv_events(self) -> None:
+        endpoint = self.kv_events_endpoint
+        if endpoint is not None and not (
+            isinstance(endpoint, str) and endpoint.startswith(KV_EVENTS_SCHEMES)
+        ):
+            raise ValueError(f"kv_events_endpoint={endpoint!r} must start with "
+                             f"{', '.join(KV_EVENTS_SCHEMES)}")
+        if not isinstance(self.kv_events_topic, str):
+            raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
 
     def replace(self, **changes) -> "EngineConfig":
         """A new validated config with some fields changed (the original stays as it was)."""

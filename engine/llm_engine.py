@@ -20,9 +20,11 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.block_hash import salt_digest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_events import KVEventPublisher
 from engine.model_runner import ModelRunner, Runner
 from engine.models.loader import load_hf_config, load_tokenizer, resolve_model_path
 from engine.outputs import CompletionOutput, RequestOutput
@@ -105,6 +107,7 @@ class LLMEngine:
                 f"the scheduler's {self.block_manager.num_blocks} KV blocks exceed the "
                 f"runner's {runner.num_blocks}"
             )
+        self.kv_events = self._kv_event_publisher()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = 0  # prompt tokens of every request added
@@ -115,7 +118,27 @@ class LLMEngine:
             self.runner.num_blocks,
             self.config.block_size,
             enable_caching=self.config.enable_prefix_caching,
+            record_events=self.config.kv_events_endpoint is not None,
         )
+
+    def _kv_event_publisher(self) -> KVEventPublisher | None:
+        """The publisher of the block manager's events, when an endpoint is set."""
+        endpoint = self.config.kv_events_endpoint
+        if endpoint is None:
+            return None
+        if self.block_manager.events is None:
+            raise ValueError("kv_events_endpoint is set but the given scheduler's block "
+                             "manager records no events (record_events=True)")
+        return KVEventPublisher(endpoint, self.config.kv_events_topic)
+
+    def close(self) -> None:
+        """Stop the KV event publisher, if any (safe to repeat; the rest needs no closing)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def _publish_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_manager.take_events())
 
     # -- requests ------------------------------------------------------------------
     def add_request(
@@ -138,7 +161,7 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt, add_special_tokens)
         self.check_prompt(token_ids)
         self.check_params(params)
-        salt = hashlib.sha256(cache_salt.encode()).digest() if cache_salt else b""
+        salt = salt_digest(cache_salt)
         seqs, detokenizers, stop_checkers = [], [], []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
@@ -214,6 +237,7 @@ class LLMEngine:
         """Run one scheduler step and the model; report every request that moved."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            self._publish_events()
             return []
         result = self.runner.execute(scheduled)
         sampled = result.sampled
@@ -238,6 +262,7 @@ class LLMEngine:
         for request in moved.values():
             if request.finished:
                 del self.requests[request.request_id]
+        self._publish_events()  # the blocks this step cached, now computed
         return outputs
 
     def _output(self, request: Request) -> RequestOutput:
@@ -281,6 +306,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no running sequence holds."""
         self.block_manager.reset_prefix_cache()
+        self._publish_events()
         return True
 
     def stats(self) -> dict[str, int]:

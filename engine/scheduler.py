@@ -223,7 +223,8 @@ class Scheduler:
         # Register the blocks this step fills *now*, not after the step: a request
         # admitted later in this same step can then hit them. That is safe because
         # every layer writes the K/V of the whole batch before any attention reads.
-        self.block_manager.cache_full_blocks(seq.seq_id, seq.block_hashes, start + num_new)
+        self.block_manager.cache_full_blocks(seq.seq_id, seq.block_hashes, start + num_new,
+                                             token_slice=seq.token_slice)
         self.num_prompt_tokens_computed += num_new - (1 if decodes else 0)
         return ScheduledSequence(
             seq_id=seq.seq_id,

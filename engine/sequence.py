@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_hash import ROOT_HASH, hash_block
+from engine.block_hash import ROOT_HASH, block_extra, hash_block
 from engine.sampling_params import SamplingParams
 
 
@@ -93,8 +93,8 @@ class Sequence:
         while (len(hashes) + 1) * block_size <= self.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else ROOT_HASH
-            extra = self.hash_extra + self.cache_salt if i == 0 else self.hash_extra
             tokens = self.token_slice(i * block_size, (i + 1) * block_size)
+            extra = block_extra(i, self.hash_extra, self.cache_salt)
             hashes.append(hash_block(parent, tokens, extra))
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:

@@ -2,6 +2,7 @@
 
     pagedserve serve [engine flags] [service flags]
     pagedserve generate --prompt "Hello" [--chat] [engine flags]
+    pagedserve fleet --redis-url redis://host:6379
     pagedserve bench throughput|prefix|serve|scheduler|kernels [...]
 
 Each command is a module with `main(argv) -> int | None` that parses its own
@@ -21,6 +22,7 @@ from types import MappingProxyType
 COMMANDS = MappingProxyType({
     "serve": ("service.cli", "the OpenAI-compatible HTTP server"),
     "generate": ("pagedserve.generate", "complete or chat from the shell"),
+    "fleet": ("service.presence", "the replicas and popular prefixes in the fleet's Redis"),
 })
 BENCHMARKS = MappingProxyType({
     "throughput": ("bench.throughput", "offline throughput: this engine vs HF generate"),
@@ -28,6 +30,7 @@ BENCHMARKS = MappingProxyType({
     "serve": ("bench.serve", "load generator for any OpenAI-compatible server"),
     "scheduler": ("bench.scheduler", "scheduler overhead, with a null model"),
     "kernels": ("bench.kernels", "paged attention and store_kvcache"),
+    "fleet": ("bench.fleet", "a new replica with the fleet's warm-up vs a cold one (Redis)"),
 })
 
 

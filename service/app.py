@@ -1,6 +1,7 @@
 """create_app(config): the starlette application around one engine.
 
-    lifespan start:  load the model (off the loop) -> AsyncEngine thread starts -> ready
+    lifespan start:  load the model (off the loop) -> AsyncEngine thread starts -> live;
+                     with --redis-url, ready once the fleet's warm-up is done (service/fleet.py)
     requests:        Guard (body limit, API key) -> CORS -> routes -> engine
     SIGTERM:         drain (service/cli.py): /health 503, open requests run on for the
                      grace, then end with an in-band 503
@@ -29,6 +30,7 @@ from engine.models.loader import load_sampling_defaults, load_tokenizer
 from service.auth import Guard
 from service.config import ServiceConfig
 from service.errors import EXCEPTION_HANDLERS
+from service.fleet import Fleet
 from service.metrics import Metrics
 from service.openapi import build_openapi
 from service.routes import ROUTES
@@ -82,10 +84,17 @@ def create_app(config: ServiceConfig) -> Starlette:
     async def lifespan(app: Starlette):
         state = await start_service(config)
         app.state.service = state
+        if config.fleet.redis_url:
+            # Readiness waits for its warm-up; serving does not wait for Redis.
+            state.fleet = Fleet(state, config.fleet)
+            state.metrics.watch_fleet(state.fleet)
+            state.fleet.start()
         try:
             yield
         finally:
             state.draining = True
+            if state.fleet is not None:
+                await state.fleet.stop()
             state.engine.shutdown()
 
     # CORS sits outside the guard: browsers send preflights without a key, and

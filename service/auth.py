@@ -24,7 +24,7 @@ from service.config import ServiceConfig
 from service.errors import APIError, error_response
 
 # Probes and scrapers reach these without a key unless the config says otherwise.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
 # The web page and the schema hold no secrets.
 PUBLIC_PATHS = frozenset({"/", "/openapi.json", "/favicon.ico"})
 # Routes that act on every tenant at once: an admin key only (once any key is set).

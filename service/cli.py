@@ -24,7 +24,7 @@ import uvicorn
 
 from engine.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
-from service.config import GENERATION_CONFIGS, ServiceConfig
+from service.config import GENERATION_CONFIGS, FleetConfig, ServiceConfig
 
 
 def add_service_args(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +60,46 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
                        choices=("critical", "error", "warning", "info", "debug"))
 
 
+def add_fleet_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("fleet (all need --redis-url)")
+    group.add_argument("--redis-url", default=None,
+                       help="the fleet's Redis (redis://[:password@]host:port/db, rediss:// for "
+                            "TLS): record system prompts, warm the popular ones before /health "
+                            "turns 200, publish presence. None: a lone server")
+    group.add_argument("--replica-id", default=None, help="default: host name and process id")
+    group.add_argument("--advertise-url", default=None,
+                       help="how peers and `pagedserve fleet` reach this replica "
+                            "(default: http://HOST:PORT)")
+    group.add_argument("--registry-min-seen", type=int, default=2,
+                       help="keep a system prompt once it was seen this often")
+    group.add_argument("--registry-half-life-seconds", type=float, default=3600.0,
+                       help="a prompt's popularity halves with this much disuse")
+    group.add_argument("--registry-max-prefixes", type=int, default=1000,
+                       help="prefixes kept per namespace in Redis, least popular dropped")
+    group.add_argument("--registry-buffer-size", type=int, default=1024,
+                       help="sightings held while Redis is slow or down, then dropped")
+    group.add_argument("--warm-max-prefixes", type=int, default=32)
+    group.add_argument("--warm-max-blocks", type=int, default=None,
+                       help="KV blocks warm-up may fill (default: a fifth of the pool)")
+    group.add_argument("--warm-timeout-seconds", type=float, default=60.0,
+                       help="readiness waits at most this long for the warm-up")
+    group.add_argument("--warm-refresh-seconds", type=float, default=30.0,
+                       help="while idle, warm newly popular prefixes this often")
+    group.add_argument("--heartbeat-seconds", type=float, default=5.0,
+                       help="presence refresh; the key lapses after three missed beats")
+
+
+def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
+    return FleetConfig(
+        redis_url=args.redis_url, replica_id=args.replica_id, advertise_url=args.advertise_url,
+        min_seen=args.registry_min_seen, half_life_seconds=args.registry_half_life_seconds,
+        max_prefixes=args.registry_max_prefixes, buffer_size=args.registry_buffer_size,
+        warm_max_prefixes=args.warm_max_prefixes, warm_max_blocks=args.warm_max_blocks,
+        warm_timeout_seconds=args.warm_timeout_seconds,
+        refresh_seconds=args.warm_refresh_seconds, heartbeat_seconds=args.heartbeat_seconds,
+    )
+
+
 # The serving default of --max-num-batched-tokens on a CPU. Every running
 # stream waits for the whole step, and a step with P prompt tokens costs about
 # P times a one-token decode of the batch's weights: on a 2-core CPU 512 tokens
@@ -85,6 +125,7 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         args.max_num_batched_tokens = serving_step_tokens(args.device)
     return ServiceConfig(
         engine=config_from_args(args),
+        fleet=fleet_config_from_args(args),
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
@@ -168,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="serve a model over an OpenAI-compatible API")
     add_engine_args(parser)
     add_service_args(parser)
+    add_fleet_args(parser)
     parser.set_defaults(max_num_batched_tokens=None)
     for action in parser._actions:
         if action.dest == "max_num_batched_tokens":

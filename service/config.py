@@ -15,8 +15,52 @@ GENERATION_CONFIGS = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
+class FleetConfig:
+    """The replica's part in the fleet: the Redis registry, warm-up, presence.
+
+    No redis_url: no registry, no warm-up, no presence (a single server).
+    """
+
+    redis_url: str | None = None  # redis://[:password@]host:port/db or rediss:// (TLS)
+    replica_id: str | None = None  # default: host name and process id
+    advertise_url: str | None = None  # how peers reach this replica (default: host:port)
+    # The registry keeps a system prompt only once it was seen this often.
+    min_seen: int = 2
+    half_life_seconds: float = 3600.0  # popularity halves with this much disuse
+    max_prefixes: int = 1000  # per namespace in Redis; the least popular go first
+    buffer_size: int = 1024  # sightings held while Redis is slow or down; then dropped
+    # Warm-up before /health turns 200, and while idle afterwards.
+    warm_max_prefixes: int = 32
+    warm_max_blocks: int | None = None  # default: a fifth of the KV pool
+    warm_timeout_seconds: float = 60.0
+    refresh_seconds: float = 30.0  # idle re-warming of newly popular prefixes
+    heartbeat_seconds: float = 5.0  # presence; the key expires after three missed beats
+
+    def __post_init__(self) -> None:
+        if self.redis_url is not None and not self.redis_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url={self.redis_url!r} must start with redis://, "
+                             "rediss:// or unix://")
+        for name in ("min_seen", "max_prefixes", "buffer_size", "warm_max_prefixes"):
+            _check_int(name, getattr(self, name), minimum=1)
+        if self.warm_max_blocks is not None:
+            _check_int("warm_max_blocks", self.warm_max_blocks, minimum=0)
+        for name in ("half_life_seconds", "warm_timeout_seconds", "refresh_seconds",
+                     "heartbeat_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a number > 0")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None  # defaults to the model's name
@@ -47,6 +91,8 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
             raise ValueError("engine must be an EngineConfig")
+        if not isinstance(self.fleet, FleetConfig):
+            raise ValueError("fleet must be a FleetConfig")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} must be in [0, 65535]")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
@@ -58,9 +104,7 @@ class ServiceConfig:
         if any(not key for key in self.api_keys + self.admin_keys):
             raise ValueError("api_keys and admin_keys must not contain an empty key")
         for name in ("max_request_body_bytes", "max_waiting_requests", "retry_after_seconds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+            _check_int(name, getattr(self, name), minimum=1)
         if not isinstance(self.body_timeout_seconds, (int, float)) or isinstance(
                 self.body_timeout_seconds, bool) or self.body_timeout_seconds <= 0:
             raise ValueError(f"body_timeout_seconds={self.body_timeout_seconds!r} must be > 0")

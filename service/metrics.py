@@ -35,6 +35,8 @@ GAUGES = (
     ("num_requests_waiting", "Requests waiting to be scheduled.", "num_requests_waiting"),
     ("kv_blocks_free", "KV blocks no request holds (cached ones included).", "kv_blocks_free"),
     ("kv_blocks_total", "KV blocks usable for sequences.", "kv_blocks_total"),
+    ("prefix_warm_blocks", "Cached KV blocks of the fleet's popular prefixes (warmed or "
+     "marked popular).", "prefix_warm_blocks"),
 )
 COUNTERS = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -65,6 +67,25 @@ class EngineCollector:
             yield CounterMetricFamily(PREFIX + name, help_text, value=stats[key])
 
 
+class FleetCollector:
+    """The replica's link to the fleet's Redis (only with --redis-url)."""
+
+    def __init__(self, fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self):
+        registry = self.fleet.registry
+        yield GaugeMetricFamily(PREFIX + "redis_up", "1 while the fleet's Redis answers, "
+                                "else 0.", value=int(registry.redis_up))
+        yield GaugeMetricFamily(PREFIX + "prefix_warming", "1 until the start-up warm-up "
+                                "is done.", value=int(self.fleet.warming))
+        yield CounterMetricFamily(PREFIX + "registry_sightings_recorded", "System-prompt "
+                                  "sightings written to the registry.", value=registry.recorded)
+        yield CounterMetricFamily(PREFIX + "registry_sightings_dropped", "Sightings lost to a "
+                                  "full buffer while Redis was slow or down.",
+                                  value=registry.dropped)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -91,6 +112,10 @@ class Metrics:
     def watch(self, engine: AsyncEngine) -> None:
         """Report this engine's state at every scrape."""
         self.registry.register(EngineCollector(engine))
+
+    def watch_fleet(self, fleet) -> None:
+        """Report the fleet link's state at every scrape."""
+        self.registry.register(FleetCollector(fleet))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -67,9 +67,13 @@ def build_openapi(title: str, version: str) -> dict:
             "responses": {
                 "200": {"description": "the model card", "content": _json(ModelCard)},
                 **_errors(401, 404)}}},
-        "/health": {"get": {"summary": "Liveness and readiness", "responses": {
+        "/health": {"get": {"summary": "Readiness: 503 while warming, draining or dead",
+                            "responses": {
             "200": {"description": "ready", "content": _json(Health)},
             "503": {"description": "not ready", "content": _json(Health)}}}},
+        "/live": {"get": {"summary": "Liveness: 503 only once the engine is dead", "responses": {
+            "200": {"description": "alive", "content": _json(Health)},
+            "503": {"description": "dead", "content": _json(Health)}}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
             "200": {"description": "text exposition format",
                     "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

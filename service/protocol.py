@@ -242,7 +242,7 @@ class ErrorResponse(Struct):
 
 
 class Health(Struct):
-    status: Literal["ok", "starting", "draining", "dead"]
+    status: Literal["ok", "starting", "warming", "draining", "dead"]
     detail: str | None = None
 
 

@@ -63,6 +63,7 @@ class ServiceState:
     prep_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM received: finish what runs, take nothing new
+    fleet: Any = None  # service.fleet.Fleet with --redis-url, else None
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) in the worker thread (rendering, tokenizing); its errors re-raise here."""

@@ -7,7 +7,6 @@ prompts work on it too.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,17 +14,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL, default_cache_dir
 from engine.models.loader import resolve_model_path
-
-IN_CI = os.environ.get("CI") == "true"
-
-
-def need(condition: bool, reason: str) -> None:
-    """Skip on a user's machine when a tool is missing; fail under CI=true."""
-    if condition:
-        return
-    if IN_CI:
-        pytest.fail(f"required in CI: {reason}")
-    pytest.skip(reason)
+from need import need
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ ROUTES = [
     # Model ids may hold slashes ("org/name"), hence the path converter.
     Route("/v1/models/{model_id:path}", models.retrieve_model, methods=["GET"]),
     Route("/health", health.health, methods=["GET"]),
+    Route("/live", health.live, methods=["GET"]),
     Route("/metrics", health.metrics, methods=["GET"]),
     Route("/reset_prefix_cache", admin.reset_prefix_cache, methods=["POST"]),
     Route("/openapi.json", admin.openapi, methods=["GET"]),

@@ -36,6 +36,10 @@ async def create(request: Request) -> Response:
                     else body.max_completion_tokens),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
+    if state.fleet is not None and body.cache_salt is None:
+        # A client's own salt is not recorded: no other replica could warm it.
+        state.fleet.observe_chat(_system_turn(body), token_ids,
+                                 getattr(request.state, "api_key", None))
     if body.stream:
         return sse_response(_events(state, admission, body), admission,
                             state.config.sse_ping_seconds)
@@ -96,6 +100,16 @@ def _render(state: ServiceState, body: ChatCompletionRequest) -> list[int]:
         raise bad_request(str(exc), "messages") from None
     state.check_text_size(len(text), "messages")  # before the costly part: tokenizing
     return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _system_turn(body: ChatCompletionRequest) -> list[dict]:
+    """The system (or developer) messages the conversation opens with."""
+    system = []
+    for message in body.messages:
+        if message.role not in ("system", "developer"):
+            break
+        system.append(_message(message))
+    return system
 
 
 def _message(message: ChatMessage) -> dict:

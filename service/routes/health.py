@@ -1,4 +1,10 @@
-"""GET /health (for load balancers and Kubernetes probes) and GET /metrics (Prometheus)."""
+"""Probes and Prometheus: GET /health (readiness), GET /live (liveness), GET /metrics.
+
+    /health   200 when this replica should get traffic; 503 while it warms the
+              fleet's prefixes, drains after SIGTERM, or after an engine fault
+    /live     200 while the process can serve at all (warming and draining
+              included); 503 only once the engine is dead: restarting helps then
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,19 @@ async def health(request: Request) -> Response:
         status = Health("draining", "the server is shutting down")
     elif failure is not None:
         status = Health("dead", failure)
+    elif state.fleet is not None and state.fleet.warming:
+        status = Health("warming", "prefilling the fleet's popular system prompts")
+    else:
+        status = Health("ok")
+    code = 200 if status.status == "ok" else 503
+    return Response(encoder.encode(status), status_code=code, media_type="application/json")
+
+
+async def live(request: Request) -> Response:
+    """Liveness: a dead engine needs a restart; a warming or draining one does not."""
+    state = request.app.state.service
+    if state.engine.error is not None:
+        status = Health("dead", state.engine.failure)
     else:
         status = Health("ok")
     code = 200 if status.status == "ok" else 503

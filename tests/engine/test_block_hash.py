@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_hash import ROOT_HASH, hash_block
+from engine.block_hash import ROOT_HASH, hash_block, prefix_hashes, salt_digest
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -81,7 +81,7 @@ def test_hash_block_byte_layout():
 # -- determinism across processes ----------------------------------------------------------------
 _CHILD = r"""
 import json, sys
-from engine.block_hash import ROOT_HASH, hash_block
+from engine.block_hash import ROOT_HASH, hash_block, prefix_hashes, salt_digest
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 spec = json.loads(sys.argv[1])
@@ -243,3 +243,16 @@ def test_chain_of_a_prefix_is_a_prefix_of_the_chain(tokens, block_size, cut, sal
     part = seq_hashes(tokens[:cut], block_size, salt=salt)
     assert part == full[: len(part)]
     assert len(set(full)) == len(full)  # a chain never repeats a hash
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 5, 16])
+def test_prefix_hashes_equal_the_sequence_chain(block_size):
+    """The fleet registry hashes a prefix without a Sequence: the same chain."""
+    for salt in (b"", SALT):
+        assert prefix_hashes(TOKENS, block_size, FINGERPRINT, salt) == seq_hashes(
+            TOKENS, block_size, salt=salt)
+
+
+def test_salt_digest():
+    assert salt_digest(None) == salt_digest("") == b""
+    assert salt_digest("tenant") == hashlib.sha256(b"tenant").digest()

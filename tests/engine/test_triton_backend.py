@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import need
+from need import need
 from engine import LLM
 
 REPO = Path(__file__).resolve().parents[2]

@@ -40,7 +40,7 @@ from service.app import VERSION
 from service.config import ServiceConfig
 from service.openapi import build_openapi
 from service.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
-from tests.conftest import need
+from need import need
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

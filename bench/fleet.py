@@ -1,0 +1,289 @@
+"""`pagedserve bench fleet`: what warm-up buys a new replica, with real processes.
+
+    redis-server ──── replica A (pagedserve serve --redis-url)
+         │              serves k system prompts, each 3 times: the registry keeps them
+         │
+         ├─ replica B, cold (no --redis-url)   ┐ each: start → /health 200 (statuses
+         └─ replica B, warm (--redis-url)       ┘ seen on the way), warm blocks at
+                                                  ready, first request's TTFT, prefix
+                                                  hit rate of the first 10 requests
+                                                  and of the next 20 (steady state),
+                                                  then 32 streams' ITL (Redis off/on)
+
+The hit rate is cached prompt tokens over prompt tokens (from each answer's
+usage). Every replica runs the same flags but --redis-url, one after the
+other, so the ratios compare like with like; A stays idle meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from httpx_sse import aconnect_sse
+
+from bench.report import print_table, write_json
+
+WORDS = ("bicycle chain brake gear saddle pedal wheel spoke tyre valve frame fork lever cable "
+         "bearing hub rim sprocket derailleur crank helmet light bell lock pump basket rack "
+         "mudguard stand bottle cage grip bar stem seatpost clamp tube patch").split()
+
+
+@dataclass
+class Replica:
+    """One `pagedserve serve` process on a free loopback port."""
+
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    @classmethod
+    def start(cls, flags: list[str], log_dir: Path, name: str) -> "Replica":
+        port = _free_port()
+        log = log_dir / f"{name}.log"
+        command = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *flags]
+        process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        return cls(process, f"http://127.0.0.1:{port}", log)
+
+    def wait_ready(self, timeout: float = 600) -> list[tuple[float, str]]:
+        """Poll /health every 20 ms until 200; the (seconds, status) changes seen."""
+        started, seen = time.monotonic(), []
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the replica exited; see {self.log}")
+            try:
+                response = httpx.get(f"{self.url}/health", timeout=5)
+                status = response.json().get("status", str(response.status_code))
+            except httpx.HTTPError:
+                status = "not listening"
+            if not seen or seen[-1][1] != status:
+                seen.append((round(time.monotonic() - started, 3), status))
+            if status == "ok":
+                return seen
+            time.sleep(0.02)
+        raise TimeoutError(f"not ready after {timeout} s; see {self.log}")
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
+            if line.startswith(f"pagedserve:{name} "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+@dataclass
+class Answer:
+    ttft: float
+    itl: list[float]
+    prompt_tokens: int
+    cached_tokens: int
+
+
+async def chat(client: httpx.AsyncClient, system: str, user: str, max_tokens: int) -> Answer:
+    """One streamed chat; TTFT and gaps measured at the client, usage from the server."""
+    body = {"messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": user}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    ttft, gaps, usage = 0.0, [], None
+    async with aconnect_sse(client, "POST", "/v1/chat/completions", json=body) as source:
+        source.response.raise_for_status()
+        async for event in source.aiter_sse():
+            if event.data == "[DONE]":
+                break
+            payload = json.loads(event.data)
+            if "error" in payload:
+                raise RuntimeError(payload["error"])
+            usage = payload.get("usage") or usage
+            if any(c["delta"].get("content") for c in payload.get("choices", [])):
+                now = time.perf_counter()
+                if ttft == 0.0:
+                    ttft = now - start
+                else:
+                    gaps.append(now - last)
+                last = now
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Answer(ttft, gaps, usage["prompt_tokens"], cached)
+
+
+def system_prompts(count: int, words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"You are assistant number {i} of a bicycle shop. Rules: "
+            + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(count)]
+
+
+def questions(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Question {i}: how much is a {rng.choice(WORDS)} and a {rng.choice(WORDS)}?"
+            for i in range(count)]
+
+
+@dataclass
+class ReplicaRun:
+    mode: str  # "cold" or "warm"
+    ready_seconds: float
+    statuses: list[tuple[float, str]]
+    warm_blocks_at_ready: float
+    first_ttft: float
+    first_cached: int
+    first10_hit_rate: float
+    steady_hit_rate: float
+    itl_median_ms: float = 0.0
+    stream_failures: int = 0
+    answers: list[dict] = field(default_factory=list)
+
+
+async def sequential(url: str, prompts: list[tuple[str, str]]) -> list[Answer]:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        return [await chat(client, system, user, 4) for system, user in prompts]
+
+
+async def streams(url: str, prompts: list[tuple[str, str]], max_tokens: int) -> list:
+    """All prompts at once, streamed: answers, or the exception a stream ended with."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=1200, limits=limits) as client:
+        return await asyncio.gather(*(chat(client, s, u, max_tokens) for s, u in prompts),
+                                    return_exceptions=True)
+
+
+def hit_rate(answers: list[Answer]) -> float:
+    return sum(a.cached_tokens for a in answers) / max(1, sum(a.prompt_tokens for a in answers))
+
+
+def measure_replica(replica: Replica, mode: str, systems: list[str], args) -> ReplicaRun:
+    """Ready, then the first 10 requests and the steady state, one at a time."""
+    statuses = replica.wait_ready()
+    warm_blocks = replica.metric("prefix_warm_blocks")
+    asked = questions(args.first + args.steady, seed=args.seed + 1)
+    prompts = [(systems[i % len(systems)], q) for i, q in enumerate(asked)]
+    answers = asyncio.run(sequential(replica.url, prompts))
+    first, steady = answers[:args.first], answers[args.first:]
+    return ReplicaRun(mode, statuses[-1][0], statuses, warm_blocks, answers[0].ttft,
+                      answers[0].cached_tokens, hit_rate(first), hit_rate(steady),
+                      answers=[asdict(a) for a in answers])
+
+
+def measure_streams(replica: Replica, run: ReplicaRun, systems: list[str], args) -> None:
+    """`args.streams` concurrent chats: median ITL, and how many failed."""
+    asked = questions(args.streams, seed=args.seed + 2)
+    prompts = [(systems[i % len(systems)], q) for i, q in enumerate(asked)]
+    results = asyncio.run(streams(replica.url, prompts, args.stream_tokens))
+    gaps = [g for r in results if isinstance(r, Answer) for g in r.itl]
+    run.itl_median_ms = 1000 * statistics.median(gaps) if gaps else 0.0
+    run.stream_failures = sum(not isinstance(r, Answer) for r in results)
+
+
+def seed_fleet(replica: Replica, systems: list[str], args) -> None:
+    """Replica A serves every system prompt three times; wait until Redis has them."""
+    asked = questions(3 * len(systems), seed=args.seed)
+    asyncio.run(sequential(replica.url, [(systems[i % len(systems)], q)
+                                         for i, q in enumerate(asked)]))
+    deadline = time.monotonic() + 60
+    while replica.metric("registry_sightings_recorded_total") < len(asked):
+        if time.monotonic() > deadline:
+            raise TimeoutError("replica A did not record its system prompts in Redis")
+        time.sleep(0.1)
+
+
+def start_redis(folder: Path) -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+    port = _free_port()
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save",
+                                "", "--dir", str(folder)], stdout=subprocess.DEVNULL)
+    return process, f"redis://127.0.0.1:{port}/0"
+
+
+def run_benchmark(args, log_dir: Path) -> dict:
+    redis, redis_url = start_redis(log_dir)
+    base = ["--model", args.model, *args.server_args]
+    systems = system_prompts(args.system_prompts, args.system_words, args.seed)
+    replicas: list[Replica] = []
+    try:
+        a = Replica.start(base + ["--redis-url", redis_url, "--replica-id", "A"], log_dir, "A")
+        replicas.append(a)
+        a.wait_ready()
+        seed_fleet(a, systems, args)
+        runs = []
+        for mode in ("cold", "warm"):
+            flags = base + (["--redis-url", redis_url, "--replica-id", "B"]
+                            if mode == "warm" else [])
+            b = Replica.start(flags, log_dir, f"B-{mode}")
+            replicas.append(b)
+            run = measure_replica(b, mode, systems, args)
+            measure_streams(b, run, systems, args)
+            runs.append(run)
+            b.stop()
+        return {"system_prompts": len(systems), "runs": [asdict(r) for r in runs]}
+    finally:
+        for replica in replicas:
+            replica.stop()
+        redis.kill()
+
+
+def print_report(report: dict) -> None:
+    runs = {r["mode"]: r for r in report["runs"]}
+    rows = [[mode, f"{r['ready_seconds']:.1f}", f"{r['warm_blocks_at_ready']:.0f}",
+             f"{1000 * r['first_ttft']:.0f}", str(r["first_cached"]),
+             f"{r['first10_hit_rate']:.1%}", f"{r['steady_hit_rate']:.1%}",
+             f"{r['itl_median_ms']:.1f}", str(r["stream_failures"])]
+            for mode, r in runs.items()]
+    print_table(["replica B", "ready s", "warm blocks", "first TTFT ms", "first cached",
+                 "hit rate, first 10", "hit rate, steady", "ITL median ms", "failed"], rows,
+                title=f"{report['system_prompts']} popular system prompts")
+    cold, warm = runs["cold"], runs["warm"]
+    print(f"first-request TTFT warm / cold: {warm['first_ttft'] / cold['first_ttft']:.3f}; "
+          f"first-10 hit rate / steady state (warm): "
+          f"{warm['first10_hit_rate'] / warm['steady_hit_rate']:.1%}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedserve bench fleet", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--system-prompts", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=300, help="words per system prompt")
+    p.add_argument("--first", type=int, default=10)
+    p.add_argument("--steady", type=int, default=20)
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--stream-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="write the report as JSON")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                   help="flags for every replica (last on the line)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-fleet-") as folder:
+        report = run_benchmark(args, Path(folder))
+    print_report(report)
+    if args.output:
+        write_json(Path(args.output), report)
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

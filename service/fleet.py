@@ -1,0 +1,218 @@
+"""This replica's part in the fleet; only with --redis-url.
+
+    start:    warm-up task ─ registry.top() → prefill → warming = False (/health 200)
+                           └ then, every refresh period while idle: warm again
+              flush task   ─ buffered sightings → Redis, backing off while it is down
+              beat task    ─ presence key every heartbeat period; redis_up follows
+    request:  a chat with a system prompt → observe_chat() → a background task finds
+              the system turn's full blocks and buffers a sighting (never awaited
+              by the request)
+    stop:     tasks cancelled, presence key removed
+
+Redis is never fatal: down at start, the warm-up finds nothing and the replica
+is ready at once; lost later, requests are served as before, sightings wait
+in a bounded buffer, and every loop retries until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from engine.async_engine import EngineDeadError
+from engine.block_hash import prefix_hashes, salt_digest
+from engine.chat_template import ChatTemplateError, render_chat_text
+from service.auth import cache_salt
+from service.config import FleetConfig
+from service.prefix_registry import REDIS_ERRORS, Namespace, PrefixRegistry, connect, salt_id
+from service.presence import ReplicaInfo, beat, leave
+from service.warmup import Budget, Tenant, WarmResult, warm
+
+if TYPE_CHECKING:
+    from service.serving import ServiceState
+
+logger = logging.getLogger(__name__)
+
+WARM_BLOCKS_SHARE = 0.2  # default warm-up budget: a fifth of the KV pool
+
+
+class Fleet:
+    def __init__(self, state: ServiceState, config: FleetConfig) -> None:
+        self.state = state
+        self.config = config
+        self.client = connect(config.redis_url)
+        self.registry = PrefixRegistry(
+            self.client, min_seen=config.min_seen, half_life_seconds=config.half_life_seconds,
+            max_prefixes=config.max_prefixes, buffer_size=config.buffer_size,
+        )
+        self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.url = config.advertise_url or _default_url(state.config.host, state.config.port)
+        self.tenants = tenants(state)
+        self.warming = True  # /health answers 503 "warming" until the first warm-up ends
+        self.warm = WarmResult()  # the latest warm-up's outcome
+        self.started = time.time()
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- life cycle ----------------------------------------------------------------
+    def start(self) -> None:
+        for work in (self._warm_then_refresh(), self.registry.run(), self._heartbeat()):
+            self._spawn(work)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await asyncio.wait_for(leave(self.client, self.replica_id), 1.0)
+        except REDIS_ERRORS:
+            pass  # the key expires on its own
+        await self.client.aclose()
+
+    def _spawn(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- recording -----------------------------------------------------------------
+    def observe_chat(self, system: list[dict], token_ids: list[int], api_key: str | None) -> None:
+        """A chat request began with these system messages: record its system prefix."""
+        if system and len(self._tasks) < 3 + self.config.buffer_size:
+            self._spawn(self._observe(system, token_ids, api_key))
+
+    async def _observe(self, system: list[dict], token_ids: list[int],
+                       api_key: str | None) -> None:
+        state = self.state
+        block_size = state.engine.config.block_size
+        try:
+            length = await state.off_loop(system_prefix_length, state.tokenizer, system,
+                                          token_ids, block_size)
+        except ChatTemplateError:
+            return
+        if length == 0:
+            return
+        salt = cache_salt(state.config, api_key, None)
+        tokens = token_ids[:length]
+        hashes = prefix_hashes(tokens, block_size, state.engine.fingerprint, salt_digest(salt))
+        self.registry.record(namespace(state, salt), tokens, hashes)
+
+    # -- warming -------------------------------------------------------------------
+    def budget(self) -> Budget:
+        blocks = self.config.warm_max_blocks
+        if blocks is None:
+            total = self.state.engine.stats.counters.get("kv_blocks_total", 0)
+            blocks = int(WARM_BLOCKS_SHARE * total)
+        return Budget(self.config.warm_max_prefixes, blocks, self.config.warm_timeout_seconds)
+
+    async def _warm_then_refresh(self) -> None:
+        try:
+            await self._warm(idle=None)
+        finally:
+            self.warming = False
+        while True:
+            await asyncio.sleep(self.config.refresh_seconds)
+            if self.idle():
+                await self._warm(idle=self.idle)
+
+    async def _warm(self, idle) -> None:
+        try:
+            result = await warm(self.state.engine, self.registry, self.tenants, self.budget(),
+                                idle=idle)
+        except REDIS_ERRORS as exc:
+            logger.warning("warm-up skipped: Redis is unreachable (%r)", exc)
+            return
+        except EngineDeadError:
+            return
+        self.warm = result
+        if idle is None or result.prefilled:
+            logger.info("warm-up: %d prefixes (%d blocks) cached in %.1f s, %d skipped",
+                        len(result.prefixes), result.blocks, result.seconds, result.skipped)
+
+    def idle(self) -> bool:
+        """Nothing to serve: no request open, none running or waiting in the engine."""
+        engine = self.state.engine
+        counters = engine.stats.counters
+        return (not engine.num_open and not counters.get("num_requests_running")
+                and not counters.get("num_requests_waiting"))
+
+    # -- presence ------------------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        period = self.config.heartbeat_seconds
+        while True:
+            try:
+                await beat(self.client, await self.info(), period)
+                self.registry.mark_up()
+            except REDIS_ERRORS as exc:
+                self.registry.mark_down(exc)
+            await asyncio.sleep(period)
+
+    async def info(self) -> ReplicaInfo:
+        state = self.state
+        counters = state.engine.stats.counters
+        total = counters.get("kv_blocks_total", 0)
+        prefixes = self.warm.prefixes
+        try:
+            held = await state.engine.call(lambda e: [
+                len(e.block_manager.cached_run(p.block_hashes)) == len(p.block_hashes)
+                for p in prefixes])
+        except EngineDeadError:
+            held = [False] * len(prefixes)
+        return ReplicaInfo(
+            id=self.replica_id, url=self.url, model=state.model_name,
+            namespace=namespace(state, None).key, status=self.status(),
+            running=counters.get("num_requests_running", 0),
+            waiting=counters.get("num_requests_waiting", 0),
+            kv_usage=1.0 - counters.get("kv_blocks_free", 0) / total if total else 0.0,
+            warm_prefixes=[p.id for p, ok in zip(prefixes, held) if ok],
+            started=self.started, updated=time.time(),
+        )
+
+    def status(self) -> str:
+        if self.state.engine.failure is not None:
+            return "dead"
+        if self.state.draining:
+            return "draining"
+        return "warming" if self.warming else "ok"
+
+
+def namespace(state: ServiceState, salt: str | None) -> Namespace:
+    """The registry namespace of requests with this cache salt on this replica."""
+    engine = state.engine
+    return Namespace(engine.fingerprint, engine.config.block_size, engine.dtype,
+                     salt_id(salt_digest(salt)))
+
+
+def tenants(state: ServiceState) -> list[Tenant]:
+    """The namespaces this replica warms: untenanted requests, then each API key's."""
+    salts = [None]
+    if not state.config.share_prefix_cache_across_keys:
+        salts += [cache_salt(state.config, key, None) for key in state.config.api_keys]
+    return [Tenant(namespace(state, salt), salt) for salt in salts]
+
+
+def system_prefix_length(tokenizer, system: list[dict], token_ids: list[int],
+                         block_size: int) -> int:
+    """How many leading tokens of the prompt are the system turn, cut to full blocks.
+
+    The system messages are rendered alone; the tokens they share with the
+    whole prompt are the prefix (a template may render them differently once
+    more messages follow, or a merge may cross the boundary: the common part
+    is what every request with this system prompt really shares).
+    """
+    text = render_chat_text(tokenizer, system, add_generation_prompt=False)
+    alone = tokenizer.encode(text, add_special_tokens=False)
+    common = 0
+    for a, b in zip(alone, token_ids):
+        if a != b:
+            break
+        common += 1
+    return common // block_size * block_size
+
+
+def _default_url(host: str, port: int) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://{host}:{port}"

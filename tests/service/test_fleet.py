@@ -1,0 +1,135 @@
+"""The fleet on real servers (tiny model) and a real Redis: recording, warm-up
+before ready, tenants, presence, and Redis failing at start and mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from live_server import LiveServer, run_server, tiny_config, wait_until
+from redis_server import start_redis
+from service.config import FleetConfig
+from service.presence import fleet_report, replicas
+from service.prefix_registry import connect
+
+ONE_OFF = "A one-off system prompt that nobody repeats, about the weather in Lisbon. " * 3
+SYSTEM = ("You are the help desk of a bicycle shop. Answer in two sentences, name the part, "
+          "give its price in euros, and never recommend another shop. " * 3)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = start_redis(tmp_path)
+    yield server
+    server.kill()
+
+
+def fleet_config(model_path, redis_url: str, replica: str, **engine_and_service):
+    fleet = FleetConfig(redis_url=redis_url, replica_id=replica, heartbeat_seconds=0.2,
+                        refresh_seconds=0.5, warm_timeout_seconds=30)
+    return tiny_config(model_path, fleet=fleet, **engine_and_service)
+
+
+def chat(live: LiveServer, system: str | None, user: str, key: str | None = None) -> dict:
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": user}]
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.post(f"{live.url}/v1/chat/completions", headers=headers, timeout=60, json={
+        "model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def system_blocks(live: LiveServer, system: str = SYSTEM) -> int:
+    """Full blocks of the system turn, as the replica's own template renders it."""
+    tokenizer = live.state.tokenizer
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system}],
+                                         tokenize=False)
+    return len(tokenizer.encode(text, add_special_tokens=False)) // 16
+
+
+def test_a_second_replica_warms_the_popular_system_prompt(tiny_llama_path, redis_server):
+    with run_server(fleet_config(tiny_llama_path, redis_server.url, "A")) as a:
+        assert wait_until(lambda: a.metrics()["pagedserve:redis_up"] == 1)
+        chat(a, SYSTEM, "How much is a chain?")
+        chat(a, SYSTEM, "Do you sell bells?")
+        chat(a, ONE_OFF, "Hello")
+        assert wait_until(lambda: a.metrics()[
+            "pagedserve:registry_sightings_recorded_total"] == 3)
+        with run_server(fleet_config(tiny_llama_path, redis_server.url, "B")) as b:
+            assert wait_until(lambda: httpx.get(f"{b.url}/health").status_code == 200, 30)
+            blocks = system_blocks(b)
+            assert blocks >= 3
+            # Only the prompt seen twice was warmed, all of its full blocks.
+            assert b.metrics()["pagedserve:prefix_warm_blocks"] == blocks
+            assert b.metrics()["pagedserve:prefix_warming"] == 0
+            assert b.state.fleet.warm.blocks == blocks and len(b.state.fleet.warm.prefixes) == 1
+            answer = chat(b, SYSTEM, "Is the shop open on Sunday?")
+            assert cached(answer) >= blocks * 16
+            assert cached(chat(b, ONE_OFF, "Hi")) == 0
+            fleet = asyncio.run(_replicas(redis_server.url))
+            assert sorted(r.id for r in fleet) == ["A", "B"]
+            (info,) = [r for r in fleet if r.id == "B"]
+            assert info.status == "ok" and info.model == "tiny" and info.url == b.url
+            assert info.warm_prefixes == [p.id for p in b.state.fleet.warm.prefixes]
+            report = asyncio.run(fleet_report(redis_server.url, 10, 3600.0))
+            assert "replicas (2)" in report and b.url in report
+        assert wait_until(lambda: [r.id for r in asyncio.run(_replicas(redis_server.url))]
+                          == ["A"])  # B left on shutdown
+
+
+async def _replicas(url: str):
+    client = connect(url)
+    try:
+        return await replicas(client)
+    finally:
+        await client.aclose()
+
+
+def test_unreachable_redis_at_start_serves_at_once(tiny_llama_path, tmp_path):
+    dead = start_redis(tmp_path)
+    dead.kill()  # a port where nothing listens
+    with run_server(fleet_config(tiny_llama_path, dead.url, "A")) as a:
+        assert wait_until(lambda: httpx.get(f"{a.url}/health").status_code == 200, 5)
+        assert a.metrics()["pagedserve:redis_up"] == 0
+        assert cached(chat(a, SYSTEM, "hello")) == 0
+        assert httpx.get(f"{a.url}/live").status_code == 200
+
+
+def test_redis_lost_mid_run_then_back(tiny_llama_path, redis_server):
+    with run_server(fleet_config(tiny_llama_path, redis_server.url, "A")) as a:
+        assert wait_until(lambda: a.metrics()["pagedserve:redis_up"] == 1)
+        chat(a, SYSTEM, "before")
+        assert wait_until(lambda: a.metrics()[
+            "pagedserve:registry_sightings_recorded_total"] == 1)
+        redis_server.kill()
+        for i in range(3):  # served as before, sightings buffered
+            chat(a, SYSTEM, f"while down {i}")
+        assert wait_until(lambda: a.metrics()["pagedserve:redis_up"] == 0, 10)
+        redis_server.start()
+        assert wait_until(lambda: a.metrics()["pagedserve:redis_up"] == 1, 15)
+        chat(a, SYSTEM, "after")
+        assert wait_until(lambda: a.metrics()[
+            "pagedserve:registry_sightings_recorded_total"] >= 2, 15)
+        assert a.metrics()["pagedserve:registry_sightings_dropped_total"] == 0
+
+
+def test_tenants_warm_in_their_own_namespace(tiny_llama_path, redis_server):
+    keys = {"api_keys": ("key-1", "key-2")}
+    with run_server(fleet_config(tiny_llama_path, redis_server.url, "A", **keys)) as a:
+        for user in ("one", "two"):
+            chat(a, SYSTEM, user, key="key-1")
+        assert wait_until(lambda: a.metrics()[
+            "pagedserve:registry_sightings_recorded_total"] == 2)
+        with run_server(fleet_config(tiny_llama_path, redis_server.url, "B", **keys)) as b:
+            assert wait_until(lambda: httpx.get(f"{b.url}/health").status_code == 200, 30)
+            blocks = system_blocks(b)
+            assert b.metrics()["pagedserve:prefix_warm_blocks"] == blocks
+            assert cached(chat(b, SYSTEM, "three", key="key-1")) >= blocks * 16
+            assert cached(chat(b, SYSTEM, "three", key="key-2")) == 0  # another tenant
