@@ -28,11 +28,14 @@ class RedisServer:
     folder: Path
     port: int = field(default_factory=free_port)
     password: str | None = None
+    tls: bool = False  # serve TLS only, with a self-signed certificate made here
     process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.folder}/cert.pem"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
@@ -41,6 +44,11 @@ class RedisServer:
                 "--protected-mode", "no"]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port),
+                         "--tls-cert-file", str(self.folder / "cert.pem"),
+                         "--tls-key-file", str(self.folder / "key.pem"),
+                         "--tls-auth-clients", "no"]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -63,6 +71,17 @@ def _accepts(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def start_redis(folder: Path, password: str | None = None) -> RedisServer:
+def start_redis(folder: Path, password: str | None = None, tls: bool = False) -> RedisServer:
     need(redis_binary() is not None, "redis-server is not installed (apt-get install redis-server)")
-    return RedisServer(folder, password=password).start()
+    if tls:
+        _self_signed(folder)
+    return RedisServer(folder, password=password, tls=tls).start()
+
+
+def _self_signed(folder: Path) -> None:
+    """cert.pem and key.pem for 127.0.0.1, valid for a day (openssl's command line)."""
+    need(shutil.which("openssl") is not None, "openssl is not installed")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem"),
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)

@@ -4,6 +4,8 @@ before ready, tenants, presence, and Redis failing at start and mid-run."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
@@ -93,31 +95,95 @@ async def _replicas(url: str):
 
 
 def test_unreachable_redis_at_start_serves_at_once(tiny_llama_path, tmp_path):
+    """Ready in the time a server without Redis takes (plus at most the connect timeout)."""
     dead = start_redis(tmp_path)
     dead.kill()  # a port where nothing listens
+    plain = time_to_ready(tiny_config(tiny_llama_path))
     with run_server(fleet_config(tiny_llama_path, dead.url, "A")) as a:
-        assert wait_until(lambda: httpx.get(f"{a.url}/health").status_code == 200, 5)
+        assert wait_until(lambda: httpx.get(f"{a.url}/health").status_code == 200, 10)
         assert a.metrics()["pagedserve:redis_up"] == 0
         assert cached(chat(a, SYSTEM, "hello")) == 0
         assert httpx.get(f"{a.url}/live").status_code == 200
+    assert time_to_ready(fleet_config(tiny_llama_path, dead.url, "A")) < plain + 2.0
+
+
+def time_to_ready(config) -> float:
+    began = time.monotonic()
+    with run_server(config) as live:
+        assert wait_until(lambda: httpx.get(f"{live.url}/health").status_code == 200, 30)
+        return time.monotonic() - began
+
+
+def test_idle_replica_warms_newly_popular_prompts(tiny_llama_path, redis_server):
+    later = "You are the workshop's scheduler. Book repairs in slots of half an hour. " * 3
+    with run_server(fleet_config(tiny_llama_path, redis_server.url, "A")) as a, \
+            run_server(fleet_config(tiny_llama_path, redis_server.url, "B")) as b:
+        assert wait_until(lambda: httpx.get(f"{b.url}/health").status_code == 200, 30)
+        assert b.metrics()["pagedserve:prefix_warm_blocks"] == 0  # nothing popular yet
+        for user in ("one", "two"):
+            chat(a, later, user)
+        # B is idle: its refresh (every 0.5 s here) picks the prompt up.
+        assert wait_until(lambda: b.metrics()["pagedserve:prefix_warm_blocks"]
+                          == system_blocks(b, later), 15)
+        assert cached(chat(b, later, "three")) >= system_blocks(b, later) * 16
+        # An open request means not idle: the refresh waits for it.
+        with httpx.stream("POST", f"{b.url}/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "count"}],
+                "max_tokens": 200, "ignore_eos": True, "stream": True}) as response:
+            next(response.iter_lines())
+            assert not b.state.fleet.idle()
+        assert wait_until(b.state.fleet.idle, 10)
 
 
 def test_redis_lost_mid_run_then_back(tiny_llama_path, redis_server):
+    """Requests flow without a pause while Redis dies and returns; nothing fails."""
     with run_server(fleet_config(tiny_llama_path, redis_server.url, "A")) as a:
         assert wait_until(lambda: a.metrics()["pagedserve:redis_up"] == 1)
         chat(a, SYSTEM, "before")
         assert wait_until(lambda: a.metrics()[
             "pagedserve:registry_sightings_recorded_total"] == 1)
-        redis_server.kill()
-        for i in range(3):  # served as before, sightings buffered
-            chat(a, SYSTEM, f"while down {i}")
-        assert wait_until(lambda: a.metrics()["pagedserve:redis_up"] == 0, 10)
-        redis_server.start()
-        assert wait_until(lambda: a.metrics()["pagedserve:redis_up"] == 1, 15)
-        chat(a, SYSTEM, "after")
-        assert wait_until(lambda: a.metrics()[
-            "pagedserve:registry_sightings_recorded_total"] >= 2, 15)
+        load = Load(a)
+        load.start()
+        try:
+            redis_server.kill()
+            killed = time.monotonic()
+            assert wait_until(lambda: a.metrics()["pagedserve:redis_up"] == 0, 10)
+            down_after = time.monotonic() - killed
+            served_while_down = load.served
+            assert wait_until(lambda: load.served > served_while_down + 3, 30)
+            redis_server.start()
+            assert wait_until(lambda: a.metrics()["pagedserve:redis_up"] == 1, 15)
+            recorded = a.metrics()["pagedserve:registry_sightings_recorded_total"]
+            assert wait_until(lambda: a.metrics()[
+                "pagedserve:registry_sightings_recorded_total"] > recorded, 15)
+        finally:
+            load.stop()
+        assert load.failures == [] and load.served > 5
+        assert down_after < 10
         assert a.metrics()["pagedserve:registry_sightings_dropped_total"] == 0
+
+
+class Load(threading.Thread):
+    """Chats with the system prompt, one after another, until stopped."""
+
+    def __init__(self, live: LiveServer) -> None:
+        super().__init__(daemon=True)
+        self.live = live
+        self.served = 0
+        self.failures: list[str] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                chat(self.live, SYSTEM, f"question {self.served}")
+                self.served += 1
+            except (AssertionError, httpx.HTTPError) as exc:
+                self.failures.append(repr(exc))
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(60)
 
 
 def test_tenants_warm_in_their_own_namespace(tiny_llama_path, redis_server):

@@ -153,8 +153,10 @@ async def test_redis_down_buffers_within_the_bound_then_catches_up(redis_server)
 
 
 @pytest.mark.asyncio
-async def test_password_protected_redis(tmp_path):
-    server = start_redis(tmp_path, password="s3cret")
+@pytest.mark.parametrize("tls", [False, True], ids=["redis", "rediss"])
+async def test_password_protected_redis(tmp_path, tls):
+    server = start_redis(tmp_path, password="s3cret", tls=tls)
+    assert server.url.startswith("rediss://" if tls else "redis://")
     try:
         reg = registry(server)
         await record(reg, NS, 16, [1.0, 2.0])
