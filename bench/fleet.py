@@ -7,12 +7,13 @@
          └─ replica B, warm (--redis-url)       ┘ seen on the way), warm blocks at
                                                   ready, first request's TTFT, prefix
                                                   hit rate of the first 10 requests
-                                                  and of the next 20 (steady state),
-                                                  then 32 streams' ITL (Redis off/on)
+                                                  and of the next 20 (steady state)
+    then rounds of 32 streams, on each B in turn: median ITL with Redis off / on
 
 The hit rate is cached prompt tokens over prompt tokens (from each answer's
-usage). Every replica runs the same flags but --redis-url, one after the
-other, so the ratios compare like with like; A stays idle meanwhile.
+usage). Every replica runs the same flags but --redis-url, and only one is
+measured at a time while the others stay idle, so the ratios compare like
+with like.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ class ReplicaRun:
     first_cached: int
     first10_hit_rate: float
     steady_hit_rate: float
-    itl_median_ms: float = 0.0
+    itl_median_ms: float = 0.0  # the median of the rounds' medians
+    itl_rounds_ms: list[float] = field(default_factory=list)
     stream_failures: int = 0
     answers: list[dict] = field(default_factory=list)
 
@@ -183,13 +185,14 @@ def measure_replica(replica: Replica, mode: str, systems: list[str], args) -> Re
 
 
 def measure_streams(replica: Replica, run: ReplicaRun, systems: list[str], args) -> None:
-    """`args.streams` concurrent chats: median ITL, and how many failed."""
-    asked = questions(args.streams, seed=args.seed + 2)
+    """One round of `args.streams` concurrent chats: median ITL, and how many failed."""
+    asked = questions(args.streams, seed=args.seed + 2 + len(run.itl_rounds_ms))
     prompts = [(systems[i % len(systems)], q) for i, q in enumerate(asked)]
     results = asyncio.run(streams(replica.url, prompts, args.stream_tokens))
     gaps = [g for r in results if isinstance(r, Answer) for g in r.itl]
-    run.itl_median_ms = 1000 * statistics.median(gaps) if gaps else 0.0
-    run.stream_failures = sum(not isinstance(r, Answer) for r in results)
+    run.itl_rounds_ms.append(1000 * statistics.median(gaps) if gaps else 0.0)
+    run.itl_median_ms = statistics.median(run.itl_rounds_ms)
+    run.stream_failures += sum(not isinstance(r, Answer) for r in results)
 
 
 def seed_fleet(replica: Replica, systems: list[str], args) -> None:
@@ -224,17 +227,18 @@ def run_benchmark(args, log_dir: Path) -> dict:
         replicas.append(a)
         a.wait_ready()
         seed_fleet(a, systems, args)
-        runs = []
-        for mode in ("cold", "warm"):
+        runs = {}
+        for mode in ("cold", "warm"):  # B-cold stays up, idle, while B-warm is measured
             flags = base + (["--redis-url", redis_url, "--replica-id", "B"]
                             if mode == "warm" else [])
-            b = Replica.start(flags, log_dir, f"B-{mode}")
-            replicas.append(b)
-            run = measure_replica(b, mode, systems, args)
-            measure_streams(b, run, systems, args)
-            runs.append(run)
-            b.stop()
-        return {"system_prompts": len(systems), "runs": [asdict(r) for r in runs]}
+            replicas.append(Replica.start(flags, log_dir, f"B-{mode}"))
+            runs[mode] = measure_replica(replicas[-1], mode, systems, args)
+        # Streams: Redis off and on in turn, so a drift of the machine's speed
+        # falls on both alike.
+        for i in range(args.rounds):
+            for mode in (("cold", "warm") if i % 2 == 0 else ("warm", "cold")):
+                measure_streams(replicas[1 if mode == "cold" else 2], runs[mode], systems, args)
+        return {"system_prompts": len(systems), "runs": [asdict(r) for r in runs.values()]}
     finally:
         for replica in replicas:
             replica.stop()
@@ -255,6 +259,9 @@ def print_report(report: dict) -> None:
     print(f"first-request TTFT warm / cold: {warm['first_ttft'] / cold['first_ttft']:.3f}; "
           f"first-10 hit rate / steady state (warm): "
           f"{warm['first10_hit_rate'] / warm['steady_hit_rate']:.1%}")
+    print("ITL median per round, ms: Redis off " + ", ".join(
+        f"{v:.1f}" for v in cold["itl_rounds_ms"]) + "; Redis on " + ", ".join(
+        f"{v:.1f}" for v in warm["itl_rounds_ms"]))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steady", type=int, default=20)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--stream-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds of --streams streams per replica, alternating Redis off/on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the report as JSON")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],

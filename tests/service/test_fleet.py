@@ -199,3 +199,20 @@ def test_tenants_warm_in_their_own_namespace(tiny_llama_path, redis_server):
             assert b.metrics()["pagedserve:prefix_warm_blocks"] == blocks
             assert cached(chat(b, SYSTEM, "three", key="key-1")) >= blocks * 16
             assert cached(chat(b, SYSTEM, "three", key="key-2")) == 0  # another tenant
+
+
+def test_fleet_command_prints_the_fleet(tiny_llama_path, redis_server, capsys):
+    from pagedserve.cli import main
+
+    with run_server(fleet_config(tiny_llama_path, redis_server.url, "A")) as a:
+        for user in ("one", "two"):
+            chat(a, SYSTEM, user)
+        assert wait_until(lambda: a.metrics()[
+            "pagedserve:registry_sightings_recorded_total"] == 2)
+        assert main(["fleet", "--redis-url", redis_server.url]) == 0
+    out = capsys.readouterr().out
+    assert "replicas (1)" in out and a.url in out
+    assert "prefixes in pagedserve:prefixes:" in out
+    redis_server.kill()
+    assert main(["fleet", "--redis-url", redis_server.url]) == 1
+    assert "cannot read" in capsys.readouterr().out
