@@ -92,6 +92,9 @@ class Fleet:
                                           token_ids, block_size)
         except ChatTemplateError:
             return
+        except Exception:  # noqa: BLE001 - a background task: log, never end the request
+            logger.exception("fleet: could not find the system prefix of a request")
+            return
         if length == 0:
             return
         salt = cache_salt(state.config, api_key, None)
@@ -125,6 +128,9 @@ class Fleet:
             logger.warning("warm-up skipped: Redis is unreachable (%r)", exc)
             return
         except EngineDeadError:
+            return
+        except Exception:  # noqa: BLE001 - the refresh loop must outlive one bad warm-up
+            logger.exception("warm-up failed; serving goes on")
             return
         self.warm = result
         if idle is None or result.prefilled:
