@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
 import uvicorn
+import yaml
 
 from engine.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
@@ -34,10 +36,12 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None,
                        help="the model id clients send (default: --model)")
     group.add_argument("--api-key", action="append", default=[], dest="api_keys",
-                       help="accept this key (repeat for several); none means no auth")
+                       help="accept this key (repeat for several; also PAGEDSERVE_API_KEYS, "
+                            "comma-separated); none means no auth")
     group.add_argument("--admin-key", action="append", default=[], dest="admin_keys",
                        help="a key for admin routes (/reset_prefix_cache), which act on every "
-                            "tenant; once any key is set, other keys get 403 there")
+                            "tenant; once any key is set, other keys get 403 there (also "
+                            "PAGEDSERVE_ADMIN_KEYS)")
     group.add_argument("--protect-health-and-metrics", action="store_true",
                        help="require a key for /health and /metrics too")
     group.add_argument("--share-prefix-cache-across-keys", action="store_true",
@@ -64,8 +68,9 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("fleet (all need --redis-url)")
     group.add_argument("--redis-url", default=None,
                        help="the fleet's Redis (redis://[:password@]host:port/db, rediss:// for "
-                            "TLS): record system prompts, warm the popular ones before /health "
-                            "turns 200, publish presence. None: a lone server")
+                            "TLS; also PAGEDSERVE_REDIS_URL): record system prompts, warm the "
+                            "popular ones before /health turns 200, publish presence. None: a "
+                            "lone server")
     group.add_argument("--replica-id", default=None, help="default: host name and process id")
     group.add_argument("--advertise-url", default=None,
                        help="how peers and `pagedserve fleet` reach this replica "
@@ -120,17 +125,30 @@ def serving_step_tokens(device: str) -> int:
     return EngineConfig().max_num_batched_tokens
 
 
+# Secrets come from the environment too (a Kubernetes Secret), so that they
+# never show in the process list as flags would.
+SECRET_ENV = {"api_keys": "PAGEDSERVE_API_KEYS", "admin_keys": "PAGEDSERVE_ADMIN_KEYS"}
+REDIS_URL_ENV = "PAGEDSERVE_REDIS_URL"
+
+
+def env_keys(name: str) -> list[str]:
+    """Comma-separated keys from the environment variable `name` (blanks dropped)."""
+    return [key.strip() for key in os.environ.get(name, "").split(",") if key.strip()]
+
+
 def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
     if args.max_num_batched_tokens is None:  # not given: the serving default
         args.max_num_batched_tokens = serving_step_tokens(args.device)
+    if args.redis_url is None:
+        args.redis_url = os.environ.get(REDIS_URL_ENV) or None
     return ServiceConfig(
         engine=config_from_args(args),
         fleet=fleet_config_from_args(args),
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        api_keys=tuple(args.api_keys),
-        admin_keys=tuple(args.admin_keys),
+        api_keys=tuple(args.api_keys + env_keys(SECRET_ENV["api_keys"])),
+        admin_keys=tuple(args.admin_keys + env_keys(SECRET_ENV["admin_keys"])),
         protect_health_and_metrics=args.protect_health_and_metrics,
         share_prefix_cache_across_keys=args.share_prefix_cache_across_keys,
         allowed_origins=tuple(args.allowed_origins),
@@ -204,9 +222,48 @@ def serve_command(args: argparse.Namespace) -> int:
     return serve(service_config_from_args(args), args.log_level)
 
 
+def expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """--config FILE: its flags first, so that those on the command line win.
+
+    The file is a YAML mapping of flag names to values (a ConfigMap in
+    Kubernetes), as vLLM's `--config`: `max-model-len: 2048` or
+    `max_model_len: 2048`; a list repeats the flag; true sets a switch, false
+    clears it (its --no- form) or leaves it off.
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, rest = pre.parse_known_args(argv)
+    if known.config is None:
+        return argv
+    with open(known.config, encoding="utf-8") as file:
+        settings = yaml.safe_load(file) or {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"{known.config} must hold a mapping of flag names to values")
+    options = parser._option_string_actions
+    flags: list[str] = []
+    for name, value in settings.items():
+        flag = "--" + str(name).replace("_", "-")
+        if flag not in options:
+            raise ValueError(f"{known.config}: {name!r} is not a flag of pagedserve serve")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            negative = "--no-" + flag[2:]
+            flags += [negative] if negative in options else []
+        elif isinstance(value, list):
+            for item in value:
+                flags += [flag, str(item)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags + rest
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve serve",
                                      description="serve a model over an OpenAI-compatible API")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="a YAML file of flags (max-model-len: 2048, ...); flags given on "
+                             "the command line win")
     add_engine_args(parser)
     add_service_args(parser)
     add_fleet_args(parser)
@@ -220,7 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv = expand_config(parser, argv)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        print(f"pagedserve serve: error: --config: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return serve_command(args)
     except ValueError as exc:
