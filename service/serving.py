@@ -151,6 +151,12 @@ class ServiceState:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if self.engine.failure is not None:
             raise APIError(503, self.engine.failure, code="engine_dead")
+        if self.fleet is not None and self.fleet.warming:
+            # Not ready, as /health says: a load balancer that sent this anyway
+            # (nginx learns only from answers) retries it on another replica.
+            raise APIError(503, "this replica is warming its prefix cache; retry shortly",
+                           code="warming",
+                           headers={"Retry-After": str(self.config.retry_after_seconds)})
 
     def _sampling_params(self, body, token_ids, prompt_param, max_tokens, logprobs):
         try:

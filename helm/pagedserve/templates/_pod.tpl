@@ -1,0 +1,98 @@
+{{/*
+Pieces of the server's pod spec, kept here so that deployment.yaml reads as
+the pod it describes.
+*/}}
+
+{{/*
+Secrets reach the server as environment variables, never as flags (a flag
+shows in the process list). Every reference is optional: a key left out of
+an existingSecret means "not set", not a pod stuck in CreateContainerConfigError.
+*/}}
+{{- define "pagedserve.secretEnv" -}}
+{{- $root := .root }}
+{{- with .keysSecret }}
+- name: PAGEDSERVE_API_KEYS
+  valueFrom:
+    secretKeyRef: {name: {{ . }}, key: apiKeys, optional: true}
+- name: PAGEDSERVE_ADMIN_KEYS
+  valueFrom:
+    secretKeyRef: {name: {{ . }}, key: adminKeys, optional: true}
+{{- end }}
+{{- if and $root.Values.redis.enabled $root.Values.redis.auth.existingSecret }}
+{{- /* The chart never sees this password: Kubernetes splices it into the URL. */}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $root.Values.redis.auth.existingSecret }}
+      key: {{ $root.Values.redis.auth.existingSecretPasswordKey }}
+- name: PAGEDSERVE_REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s/0" (include "pagedserve.redis.host" $root) | quote }}
+{{- else if include "pagedserve.redisUrl" $root }}
+- name: PAGEDSERVE_REDIS_URL
+  valueFrom:
+    secretKeyRef: {name: {{ include "pagedserve.fullname" $root }}, key: redisUrl}
+{{- else if $root.Values.existingSecret }}
+- name: PAGEDSERVE_REDIS_URL
+  valueFrom:
+    secretKeyRef: {name: {{ $root.Values.existingSecret }}, key: redisUrl, optional: true}
+{{- end }}
+{{- end }}
+
+{{/*
+resources, plus the GPU limit with gpu.enabled (extended resources are
+requested through limits alone).
+*/}}
+{{- define "pagedserve.resources" -}}
+{{- $resources := deepCopy (default dict .Values.resources) }}
+{{- if .Values.gpu.enabled }}
+{{- $limits := default dict $resources.limits }}
+{{- $_ := set $limits .Values.gpu.resourceName .Values.gpu.count }}
+{{- $_ := set $resources "limits" $limits }}
+{{- end }}
+{{- toYaml $resources }}
+{{- end }}
+
+{{/*
+The model cache at /cache ($XDG_CACHE_HOME of the image).
+*/}}
+{{- define "pagedserve.cacheVolume" -}}
+{{- $persistence := .Values.modelCache.persistence }}
+{{- if $persistence.enabled }}
+persistentVolumeClaim:
+  claimName: {{ default (printf "%s-cache" (include "pagedserve.fullname" .)) $persistence.existingClaim }}
+{{- else if .Values.modelCache.emptyDir.sizeLimit }}
+emptyDir:
+  sizeLimit: {{ .Values.modelCache.emptyDir.sizeLimit }}
+{{- else }}
+emptyDir: {}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the pods may run: the values' constraints, plus the GPU node selector
+and tolerations with gpu.enabled.
+*/}}
+{{- define "pagedserve.scheduling" -}}
+{{- $nodeSelector := deepCopy (default dict .Values.nodeSelector) }}
+{{- $tolerations := default list .Values.tolerations }}
+{{- if .Values.gpu.enabled }}
+{{- $nodeSelector = merge $nodeSelector .Values.gpu.nodeSelector }}
+{{- $tolerations = concat $tolerations .Values.gpu.tolerations }}
+{{- end }}
+{{- with $nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
