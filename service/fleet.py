@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from engine.async_engine import EngineDeadError
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WARM_BLOCKS_SHARE = 0.2  # default warm-up budget: a fifth of the KV pool
+SYSTEM_TOKENS_CACHED = 256  # distinct system turns whose tokens are kept
 
 
 class Fleet:
@@ -56,6 +58,9 @@ class Fleet:
         self.warm = WarmResult()  # the latest warm-up's outcome
         self.started = time.time()
         self._tasks: set[asyncio.Task] = set()
+        # System messages -> their rendered tokens: popular prompts repeat, and
+        # rendering and tokenizing is the costly part of recording one.
+        self._system_tokens: OrderedDict[tuple, list[int]] = OrderedDict()
 
     # -- life cycle ----------------------------------------------------------------
     def start(self) -> None:
@@ -87,14 +92,22 @@ class Fleet:
                        api_key: str | None) -> None:
         state = self.state
         block_size = state.engine.config.block_size
-        try:
-            length = await state.off_loop(system_prefix_length, state.tokenizer, system,
-                                          token_ids, block_size)
-        except ChatTemplateError:
-            return
-        except Exception:  # noqa: BLE001 - a background task: log, never end the request
-            logger.exception("fleet: could not find the system prefix of a request")
-            return
+        key = tuple((m["role"], m["content"]) for m in system)
+        alone = self._system_tokens.get(key)
+        if alone is None:
+            try:
+                alone = await state.off_loop(system_tokens, state.tokenizer, system)
+            except ChatTemplateError:
+                return
+            except Exception:  # noqa: BLE001 - a background task: log, never end the request
+                logger.exception("fleet: could not render the system turn of a request")
+                return
+            self._system_tokens[key] = alone
+            if len(self._system_tokens) > SYSTEM_TOKENS_CACHED:
+                self._system_tokens.popitem(last=False)
+        else:
+            self._system_tokens.move_to_end(key)
+        length = common_blocks(alone, token_ids, block_size)
         if length == 0:
             return
         salt = cache_salt(state.config, api_key, None)
@@ -199,17 +212,20 @@ def tenants(state: ServiceState) -> list[Tenant]:
     return [Tenant(namespace(state, salt), salt) for salt in salts]
 
 
-def system_prefix_length(tokenizer, system: list[dict], token_ids: list[int],
-                         block_size: int) -> int:
+def system_tokens(tokenizer, system: list[dict]) -> list[int]:
+    """The system messages alone, rendered by the chat template and tokenized."""
+    text = render_chat_text(tokenizer, system, add_generation_prompt=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def common_blocks(alone: list[int], token_ids: list[int], block_size: int) -> int:
     """How many leading tokens of the prompt are the system turn, cut to full blocks.
 
-    The system messages are rendered alone; the tokens they share with the
-    whole prompt are the prefix (a template may render them differently once
-    more messages follow, or a merge may cross the boundary: the common part
-    is what every request with this system prompt really shares).
+    The tokens the system turn rendered alone shares with the whole prompt are
+    the prefix: a template may render it differently once more messages follow,
+    or a merge may cross the boundary, and the common part is what every
+    request with this system prompt really shares.
     """
-    text = render_chat_text(tokenizer, system, add_generation_prompt=False)
-    alone = tokenizer.encode(text, add_special_tokens=False)
     common = 0
     for a, b in zip(alone, token_ids):
         if a != b:

@@ -4,12 +4,14 @@ before ready, tenants, presence, and Redis failing at start and mid-run."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
 import httpx
 import pytest
 
+from engine.async_engine import Command
 from live_server import LiveServer, run_server, tiny_config, wait_until
 from redis_server import start_redis
 from service.config import FleetConfig
@@ -126,12 +128,23 @@ def test_idle_replica_warms_newly_popular_prompts(tiny_llama_path, redis_server)
         assert wait_until(lambda: b.metrics()["pagedserve:prefix_warm_blocks"]
                           == system_blocks(b, later), 15)
         assert cached(chat(b, later, "three")) >= system_blocks(b, later) * 16
-        # An open request means not idle: the refresh waits for it.
-        with httpx.stream("POST", f"{b.url}/v1/chat/completions", timeout=60, json={
-                "model": "tiny", "messages": [{"role": "user", "content": "count"}],
-                "max_tokens": 200, "ignore_eos": True, "stream": True}) as response:
-            next(response.iter_lines())
-            assert not b.state.fleet.idle()
+        # An open request means not idle: the refresh waits for it. The engine
+        # thread is held in a command meanwhile, so the request cannot finish
+        # before the check (the tiny model would otherwise beat it).
+        gate = threading.Event()
+        b.state.engine._submit(Command(lambda: gate.wait(30)))
+        try:
+            with httpx.stream("POST", f"{b.url}/v1/chat/completions", timeout=60, json={
+                    "model": "tiny", "messages": [{"role": "user", "content": "count"}],
+                    "max_tokens": 20, "stream": True}) as response:
+                lines = response.iter_lines()  # one iterator: dropping it closes the stream
+                next(lines)  # the role chunk: the request is open
+                assert not b.state.fleet.idle()
+                gate.set()
+                chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+                assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        finally:
+            gate.set()
         assert wait_until(b.state.fleet.idle, 10)
 
 
@@ -216,3 +229,16 @@ def test_fleet_command_prints_the_fleet(tiny_llama_path, redis_server, capsys):
     redis_server.kill()
     assert main(["fleet", "--redis-url", redis_server.url]) == 1
     assert "cannot read" in capsys.readouterr().out
+
+
+def test_common_blocks_is_the_shared_head_cut_to_full_blocks():
+    from service.fleet import common_blocks
+
+    prompt = list(range(100))
+    assert common_blocks(list(range(40)), prompt, 16) == 32
+    assert common_blocks(list(range(32)), prompt, 16) == 32
+    assert common_blocks(list(range(15)), prompt, 16) == 0
+    # a template that renders the system turn differently once more messages follow
+    assert common_blocks(list(range(20)) + [-1] * 20, prompt, 4) == 20
+    assert common_blocks([7] + list(range(1, 40)), prompt, 16) == 0
+    assert common_blocks(list(range(200)), prompt, 16) == 96  # a prompt that is all system
