@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import shutil
 import socket
@@ -33,9 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from httpx_sse import aconnect_sse
 
 from bench.report import print_table, write_json
+from clients.python import AsyncClient
 
 WORDS = ("bicycle chain brake gear saddle pedal wheel spoke tyre valve frame fork lever cable "
          "bearing hub rim sprocket derailleur crank helmet light bell lock pump basket rack "
@@ -99,32 +98,21 @@ class Answer:
     cached_tokens: int
 
 
-async def chat(client: httpx.AsyncClient, system: str, user: str, max_tokens: int) -> Answer:
+async def chat(client: AsyncClient, system: str, user: str, max_tokens: int) -> Answer:
     """One streamed chat; TTFT and gaps measured at the client, usage from the server."""
-    body = {"messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": user}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     start = last = time.perf_counter()
-    ttft, gaps, usage = 0.0, [], None
-    async with aconnect_sse(client, "POST", "/v1/chat/completions", json=body) as source:
-        source.response.raise_for_status()
-        async for event in source.aiter_sse():
-            if event.data == "[DONE]":
-                break
-            payload = json.loads(event.data)
-            if "error" in payload:
-                raise RuntimeError(payload["error"])
-            usage = payload.get("usage") or usage
-            if any(c["delta"].get("content") for c in payload.get("choices", [])):
-                now = time.perf_counter()
-                if ttft == 0.0:
-                    ttft = now - start
-                else:
-                    gaps.append(now - last)
-                last = now
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return Answer(ttft, gaps, usage["prompt_tokens"], cached)
+    ttft, gaps = 0.0, []
+    stream = await client.chat_stream(messages, max_tokens=max_tokens, temperature=0,
+                                      ignore_eos=True)
+    async for _ in stream:
+        now = time.perf_counter()
+        if ttft == 0.0:
+            ttft = now - start
+        else:
+            gaps.append(now - last)
+        last = now
+    return Answer(ttft, gaps, stream.usage.prompt_tokens, stream.usage.cached_tokens)
 
 
 def system_prompts(count: int, words: int, seed: int) -> list[str]:
@@ -156,14 +144,13 @@ class ReplicaRun:
 
 
 async def sequential(url: str, prompts: list[tuple[str, str]]) -> list[Answer]:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    async with AsyncClient(url, timeout=600, max_retries=0) as client:
         return [await chat(client, system, user, 4) for system, user in prompts]
 
 
 async def streams(url: str, prompts: list[tuple[str, str]], max_tokens: int) -> list:
     """All prompts at once, streamed: answers, or the exception a stream ended with."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=1200, limits=limits) as client:
+    async with AsyncClient(url, timeout=1200, max_retries=0) as client:
         return await asyncio.gather(*(chat(client, s, u, max_tokens) for s, u in prompts),
                                     return_exceptions=True)
 

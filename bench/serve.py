@@ -36,6 +36,7 @@ import httpx
 from tqdm.auto import tqdm
 
 from bench.report import percentile, print_table
+from clients.python import APIError, AsyncClient
 
 
 @dataclass
@@ -109,52 +110,32 @@ DATASETS = {
 
 
 # -- one request ---------------------------------------------------------------------------
-async def send(client: httpx.AsyncClient, model: str, request: Request) -> Result:
-    body = {
-        "model": model,
-        "prompt": request.prompt,
-        "max_tokens": request.output_len,
-        "temperature": 0.0,
-        "ignore_eos": True,  # exact output lengths (vLLM and llama.cpp both honour it)
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+async def send(client: AsyncClient, model: str, request: Request) -> Result:
+    """One streamed completion, timed at the client as each piece of text arrives."""
     result = Result(input_len=request.input_len)
     chunks = 0
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                payload = json.loads(data)
-                if "error" in payload:
-                    result.error = payload["error"].get("message", "error")
-                    return result
-                usage = payload.get("usage")
-                if usage:
-                    result.output_tokens = usage.get("completion_tokens", 0)
-                if not any(c.get("text") for c in payload.get("choices", [])):
-                    continue
-                now = time.perf_counter()
-                if chunks == 0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                chunks += 1
+        stream = await client.complete_stream(
+            request.prompt, model=model, max_tokens=request.output_len, temperature=0.0,
+            ignore_eos=True)  # exact output lengths (vLLM and llama.cpp both honour it)
+        async for _ in stream:
+            now = time.perf_counter()
+            if chunks == 0:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+            chunks += 1
+    except APIError as exc:
+        result.error = f"HTTP {exc.status}: {exc.message[:200]}"
+        return result
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.e2e = last - start
-    result.output_tokens = result.output_tokens or chunks
+    result.output_tokens = (stream.usage.completion_tokens if stream.usage else 0) or chunks
     result.ok = chunks > 0
     if not result.ok:
         result.error = "no tokens received"
@@ -162,8 +143,6 @@ async def send(client: httpx.AsyncClient, model: str, request: Request) -> Resul
 
 
 async def run(args, requests: list[Request], model: str) -> tuple[list[Result], float]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     semaphore = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
     rng = random.Random(args.seed + 1)
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=args.quiet)
@@ -174,8 +153,9 @@ async def run(args, requests: list[Request], model: str) -> tuple[list[Result], 
         bar.update(1)
         return result
 
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits,
-                                 headers=headers) as client:
+    # No retries: a refused request is a result to report, not to hide.
+    async with AsyncClient(args.base_url, args.api_key, timeout=args.timeout,
+                           max_retries=0) as client:
         tasks = []
         start = time.perf_counter()
         for request in requests:

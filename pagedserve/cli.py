@@ -3,6 +3,7 @@
     pagedserve serve [engine flags] [service flags]
     pagedserve generate --prompt "Hello" [--chat] [engine flags]
     pagedserve fleet --redis-url redis://host:6379
+    pagedserve chat [--base-url URL] [--system "..."]
     pagedserve bench throughput|prefix|serve|scheduler|kernels [...]
 
 Each command is a module with `main(argv) -> int | None` that parses its own
@@ -23,6 +24,7 @@ COMMANDS = MappingProxyType({
     "serve": ("service.cli", "the OpenAI-compatible HTTP server"),
     "generate": ("pagedserve.generate", "complete or chat from the shell"),
     "fleet": ("service.presence", "the replicas and popular prefixes in the fleet's Redis"),
+    "chat": ("clients.python.repl", "a terminal chat with a running server"),
 })
 BENCHMARKS = MappingProxyType({
     "throughput": ("bench.throughput", "offline throughput: this engine vs HF generate"),

@@ -31,7 +31,7 @@ MAY_IMPORT = MappingProxyType({
     "kernels": frozenset(),
     "engine": frozenset({"kernels"}),
     "service": frozenset({"engine", "kernels"}),
-    "bench": frozenset({"engine", "kernels", "service"}),
+    "bench": frozenset({"engine", "kernels", "service", "clients"}),  # streams through the client
     "clients": frozenset(),  # the client speaks HTTP; it installs without the server
     "pagedserve": frozenset({"engine", "kernels", "service", "bench", "clients"}),
 })

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from bench.fleet import Replica, seed_fleet, system_prompts
+from clients.python import Client
 from nginx_server import start_nginx
 from redis_server import start_redis
 
@@ -102,17 +103,14 @@ def test_b_a_conversation_stays_on_its_replica_and_hits_the_cache(fleet):
 
 def test_c_events_stream_through_unbuffered(fleet):
     arrivals = []
-    body = {"messages": [{"role": "user", "content": "Count from one to fifty."}],
-            "max_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True}
-    start = time.perf_counter()
-    with httpx.stream("POST", f"{fleet.nginx.url}/v1/chat/completions", json=body,
-                      timeout=120) as response:
-        assert response.status_code == 200
-        assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                arrivals.append(time.perf_counter() - start)
-    assert len(arrivals) >= 60
+    with Client(fleet.nginx.url) as client:
+        start = time.perf_counter()
+        stream = client.chat_stream([{"role": "user", "content": "Count from one to fifty."}],
+                                    max_tokens=64, ignore_eos=True, temperature=0)
+        assert stream.response.headers["content-type"].startswith("text/event-stream")
+        for _ in stream:
+            arrivals.append(time.perf_counter() - start)
+    assert len(arrivals) >= 50 and stream.done
     # Buffered, every event would land at the end at once; streamed, they spread
     # over the generation (64 decode steps of a 2-core CPU: seconds).
     assert arrivals[0] < 0.5 * arrivals[-1], (arrivals[0], arrivals[-1])

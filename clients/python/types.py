@@ -1,0 +1,106 @@
+"""The server's answers as typed objects: msgspec Structs that mirror the
+OpenAI wire types the service sends (service/protocol.py), decoded leniently.
+
+The client imports nothing of the server, so it installs on its own; fields
+it does not name are ignored, so a newer server never breaks an older client.
+"""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache."""
+        return self.prompt_tokens_details.cached_tokens if self.prompt_tokens_details else 0
+
+
+class Message(Struct):
+    role: str
+    content: str | None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: Message
+    finish_reason: str | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    created: int = 0
+
+    @property
+    def text(self) -> str:
+        """The first choice's text."""
+        return self.choices[0].message.content or ""
+
+
+class Delta(Struct):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    model: str = ""
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+
+
+class Completion(Struct):
+    """A /v1/completions answer, and each chunk of its stream (same shape)."""
+
+    id: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    model: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text if self.choices else ""
+
+
+class Model(Struct):
+    id: str
+    owned_by: str = ""
+    max_model_len: int | None = None
+
+
+class ModelList(Struct):
+    data: list[Model]
+
+
+class Health(Struct):
+    status: str  # "ok", "warming", "draining", "dead"
+    detail: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
