@@ -27,6 +27,7 @@ from service.errors import APIError, error_response
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
 # The web page and the schema hold no secrets.
 PUBLIC_PATHS = frozenset({"/", "/openapi.json", "/favicon.ico"})
+PUBLIC_PREFIXES = ("/web/",)  # the chat page's own files
 # Routes that act on every tenant at once: an admin key only (once any key is set).
 ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
 
@@ -91,7 +92,7 @@ class Guard:
         """
         config, path = self.config, scope["path"]
         keys = config.api_keys + config.admin_keys
-        if not keys or path in PUBLIC_PATHS:
+        if not keys or path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
             return None
         if path in OPEN_PATHS and not config.protect_health_and_metrics:
             return None

@@ -1,8 +1,8 @@
 """HTTP routes, one module per endpoint family; `ROUTES` is the app's table."""
 
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
-from service.routes import admin, chat, completions, health, models
+from service.routes import admin, chat, completions, health, models, web
 
 ROUTES = [
     Route("/v1/chat/completions", chat.create, methods=["POST"]),
@@ -15,5 +15,6 @@ ROUTES = [
     Route("/metrics", health.metrics, methods=["GET"]),
     Route("/reset_prefix_cache", admin.reset_prefix_cache, methods=["POST"]),
     Route("/openapi.json", admin.openapi, methods=["GET"]),
-    Route("/", admin.index, methods=["GET"]),
+    Route("/", web.index, methods=["GET"]),
+    Mount("/web", app=web.web_files(), name="web"),
 ]

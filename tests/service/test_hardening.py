@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from clients.python import Client
 from engine.sampling_params import FLOAT32_TINY
 from live_server import LiveServer, run_server, tiny_config, wait_until
 from service.cli import CPU_SERVING_STEP_TOKENS, build_parser, service_config_from_args
@@ -92,13 +93,11 @@ class StreamWatch:
         self.thread.start()
 
     def _read(self, live: LiveServer) -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": MAX_MODEL_LEN - 16,
-                "ignore_eos": True, "stream": True}
         try:
-            with client(live) as http, http.stream("POST", COMPLETIONS, json=body) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        self.times.append(time.monotonic())
+            with Client(live.url, KEY, max_retries=0) as api, api.complete_stream(
+                    "Once upon a time", max_tokens=MAX_MODEL_LEN - 16, ignore_eos=True) as stream:
+                for _ in stream:
+                    self.times.append(time.monotonic())
                     if self.stop.is_set():
                         return
         except BaseException as exc:  # noqa: BLE001 - reported by the test
@@ -272,16 +271,15 @@ def test_serving_default_step_budget_on_cpu_keeps_streams_flowing(tiny_llama_pat
             return output
 
         live.engine.scheduler.schedule = recording_schedule
-        with live.client() as http, http.stream("POST", COMPLETIONS, json={
-                "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True,
-                "stream": True}) as stream:
-            lines = stream.iter_lines()
+        with live.client() as http, Client(live.url) as api, api.complete_stream(
+                [5, 6, 7], max_tokens=200, ignore_eos=True) as stream:
+            pieces = iter(stream)
             assert wait_until(lambda: len(steps) > 2, 30)
             first = len(steps)
             long_prompt = list(range(100, 100 + MAX_MODEL_LEN - 10))  # 1,014 tokens
             response = http.post(COMPLETIONS, json={"prompt": long_prompt, "max_tokens": 1})
             assert response.status_code == 200, response.text
-            for _ in lines:
+            for _ in pieces:
                 pass
         del live.engine.scheduler.schedule
     during = [step for step in steps[first:] if any(n > 1 for _, n in step)]
