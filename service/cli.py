@@ -65,6 +65,7 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_fleet_args(parser: argparse.ArgumentParser) -> None:
+    defaults = FleetConfig()  # one source for the defaults: the config's own
     group = parser.add_argument_group("fleet (all need --redis-url)")
     group.add_argument("--redis-url", default=None,
                        help="the fleet's Redis (redis://[:password@]host:port/db, rediss:// for "
@@ -75,22 +76,24 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--advertise-url", default=None,
                        help="how peers and `pagedserve fleet` reach this replica "
                             "(default: http://HOST:PORT)")
-    group.add_argument("--registry-min-seen", type=int, default=2,
+    group.add_argument("--registry-min-seen", type=int, default=defaults.min_seen,
                        help="keep a system prompt once it was seen this often")
-    group.add_argument("--registry-half-life-seconds", type=float, default=3600.0,
+    group.add_argument("--registry-half-life-seconds", type=float,
+                       default=defaults.half_life_seconds,
                        help="a prompt's popularity halves with this much disuse")
-    group.add_argument("--registry-max-prefixes", type=int, default=1000,
+    group.add_argument("--registry-max-prefixes", type=int, default=defaults.max_prefixes,
                        help="prefixes kept per namespace in Redis, least popular dropped")
-    group.add_argument("--registry-buffer-size", type=int, default=1024,
+    group.add_argument("--registry-buffer-size", type=int, default=defaults.buffer_size,
                        help="sightings held while Redis is slow or down, then dropped")
-    group.add_argument("--warm-max-prefixes", type=int, default=32)
+    group.add_argument("--warm-max-prefixes", type=int, default=defaults.warm_max_prefixes)
     group.add_argument("--warm-max-blocks", type=int, default=None,
                        help="KV blocks warm-up may fill (default: a fifth of the pool)")
-    group.add_argument("--warm-timeout-seconds", type=float, default=60.0,
+    group.add_argument("--warm-timeout-seconds", type=float,
+                       default=defaults.warm_timeout_seconds,
                        help="readiness waits at most this long for the warm-up")
-    group.add_argument("--warm-refresh-seconds", type=float, default=30.0,
+    group.add_argument("--warm-refresh-seconds", type=float, default=defaults.refresh_seconds,
                        help="while idle, warm newly popular prefixes this often")
-    group.add_argument("--heartbeat-seconds", type=float, default=5.0,
+    group.add_argument("--heartbeat-seconds", type=float, default=defaults.heartbeat_seconds,
                        help="presence refresh; the key lapses after three missed beats")
 
 

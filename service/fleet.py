@@ -31,7 +31,7 @@ from service.auth import cache_salt
 from service.config import FleetConfig
 from service.prefix_registry import REDIS_ERRORS, Namespace, PrefixRegistry, connect, salt_id
 from service.presence import ReplicaInfo, beat, leave
-from service.warmup import Budget, Tenant, WarmResult, warm
+from service.warmup import Budget, Tenant, WarmResult, fully_cached, warm
 
 if TYPE_CHECKING:
     from service.serving import ServiceState
@@ -174,9 +174,7 @@ class Fleet:
         total = counters.get("kv_blocks_total", 0)
         prefixes = self.warm.prefixes
         try:
-            held = await state.engine.call(lambda e: [
-                len(e.block_manager.cached_run(p.block_hashes)) == len(p.block_hashes)
-                for p in prefixes])
+            held = await fully_cached(state.engine, prefixes)
         except EngineDeadError:
             held = [False] * len(prefixes)
         return ReplicaInfo(

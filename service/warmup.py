@@ -81,9 +81,7 @@ async def warm(
     chosen = _within_budget(engine, top, salts, budget, result)
     hashes = [h for prefix in chosen for h in prefix.block_hashes]
     await engine.call(lambda e: e.block_manager.set_popular(hashes))
-    cached = await engine.call(lambda e: [len(e.block_manager.cached_run(p.block_hashes))
-                                          for p in chosen])
-    todo = [p for p, hit in zip(chosen, cached) if hit < len(p.block_hashes)]
+    todo = [p for p, held in zip(chosen, await fully_cached(engine, chosen)) if not held]
     deadline = started + budget.timeout_seconds
     result.prefilled = len(todo)
     if idle is None:
@@ -93,12 +91,20 @@ async def warm(
             if not idle() or time.monotonic() > deadline:
                 break
             await _prefill(engine, [prefix], salts, deadline)
-    cached = await engine.call(lambda e: [len(e.block_manager.cached_run(p.block_hashes))
-                                          for p in chosen])
-    result.prefixes = [p for p, hit in zip(chosen, cached) if hit == len(p.block_hashes)]
+    result.prefixes = [p for p, held in zip(chosen, await fully_cached(engine, chosen)) if held]
     result.blocks = sum(len(p.block_hashes) for p in result.prefixes)
     result.seconds = time.monotonic() - started
     return result
+
+
+async def fully_cached(engine: AsyncEngine, prefixes: list[Prefix]) -> list[bool]:
+    """Whether each prefix's blocks are all in the prefix cache now (asked of the
+    engine thread, which owns the block manager)."""
+    def check(e) -> list[bool]:
+        return [len(e.block_manager.cached_run(p.block_hashes)) == len(p.block_hashes)
+                for p in prefixes]
+
+    return await engine.call(check)
 
 
 def _within_budget(engine: AsyncEngine, top: list[Prefix], salts: dict[str, str | None],

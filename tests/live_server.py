@@ -29,6 +29,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def accepts(port: int) -> bool:
+    """Whether something listens on this loopback port (a server we started)."""
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 @dataclass
 class LiveServer:
     url: str

@@ -14,14 +14,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import string
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from live_server import free_port
+from live_server import accepts, free_port
 from need import need
 
 TEMPLATE = (Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "templates"
@@ -100,14 +99,9 @@ def start_nginx(folder: Path, replicas: list[str]) -> Nginx:
     process = subprocess.Popen([binary, "-c", str(conf), "-p", str(folder), "-e", error_log,
                                 "-g", "daemon off;"], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
-    while not _accepts(port):
+    while not accepts(port):
         if process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"nginx did not start: {(folder / 'error.log').read_text()}")
         time.sleep(0.02)
     return Nginx(folder, port, process)
 
-
-def _accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0

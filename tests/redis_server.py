@@ -9,14 +9,13 @@ take Redis away and bring it back.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from need import need
-from live_server import free_port
+from live_server import accepts, free_port
 
 
 def redis_binary() -> str | None:
@@ -52,7 +51,7 @@ class RedisServer:
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
-        while not _accepts(self.port):
+        while not accepts(self.port):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start on port {self.port}")
             time.sleep(0.02)
@@ -64,11 +63,6 @@ class RedisServer:
             self.process.wait(10)
         self.process = None
 
-
-def _accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def start_redis(folder: Path, password: str | None = None, tls: bool = False) -> RedisServer:

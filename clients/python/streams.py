@@ -34,8 +34,11 @@ class _Reader:
         self.finish_reason: str | None = None
         self.done = False  # [DONE] arrived: the server ended the stream cleanly
 
-    def text_of(self, data: str) -> str:
-        """The first choice's new text in one event; errors raise StreamError."""
+    def take(self, data: str) -> str | None:
+        """The first choice's new text in one event (None at [DONE]); errors raise StreamError."""
+        if data == DONE:
+            self.done = True
+            return None
         payload = msgspec.json.decode(data)
         if isinstance(payload, dict) and "error" in payload:
             raise error_from(200, data.encode(), StreamError)
@@ -58,10 +61,9 @@ class TextStream(_Reader):
     def __iter__(self):
         try:
             for event in EventSource(self.response).iter_sse():
-                if event.data == DONE:
-                    self.done = True
+                text = self.take(event.data)
+                if text is None:
                     return
-                text = self.text_of(event.data)
                 if text:
                     yield text
         finally:
@@ -85,10 +87,9 @@ class AsyncTextStream(_Reader):
     async def __aiter__(self):
         try:
             async for event in EventSource(self.response).aiter_sse():
-                if event.data == DONE:
-                    self.done = True
+                text = self.take(event.data)
+                if text is None:
                     return
-                text = self.text_of(event.data)
                 if text:
                     yield text
         finally:
