@@ -18,7 +18,8 @@ import time
 from bench.workload import FIRST_TOKEN
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, ModelInfo
+from engine.llm_engine import LLMEngine
+from engine.model_info import ModelInfo
 from engine.model_runner import ModelRunnerOutput
 from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams

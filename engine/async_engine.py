@@ -63,6 +63,7 @@ class EngineStats:
     """What the engine looked like after its latest step (read from any thread)."""
 
     counters: dict[str, int] = field(default_factory=dict)
+    offload: dict | None = None  # LLMEngine.offload_stats(): the KV tiers, when there are any
     step_seconds: float = 0.0  # wall time of the latest non-empty step
     num_steps: int = 0
 
@@ -320,13 +321,13 @@ class AsyncEngine:
                     started = time.perf_counter()
                     outputs = engine.step()
                     elapsed = time.perf_counter() - started
-                    self.stats = EngineStats(engine.stats(), elapsed, self.stats.num_steps + 1)
+                    self.stats = EngineStats(engine.stats(), engine.offload_stats(), elapsed,
+                                             self.stats.num_steps + 1)
                     if self._on_step is not None:
                         self._on_step(elapsed)
                 else:
-                    self.stats = EngineStats(
-                        engine.stats(), self.stats.step_seconds, self.stats.num_steps
-                    )
+                    self.stats = EngineStats(engine.stats(), engine.offload_stats(),
+                                             self.stats.step_seconds, self.stats.num_steps)
                 if self._adds_taken:  # the snapshot counts them now: stop counting them twice
                     with self._wakeup:
                         self._num_queued_adds -= self._adds_taken

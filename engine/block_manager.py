@@ -29,9 +29,8 @@ from its head, so heads are worth more than tails.
 Every block is in exactly one state: held (ref_count > 0, in >= 1 block table)
 or free (ref_count == 0, in exactly one of the three queues).
 
-With `record_events`, every change to the set of cached hashes is logged as
-a KV event (engine/kv_events.py) for the engine to publish; off, the log is
-None and costs one check per registering call and per eviction.
+With `record_events`, each change to the cached hashes is logged as a KV
+event (engine/kv_events.py); off, that costs one check per registration.
 """
 
 from __future__ import annotations
@@ -144,15 +143,13 @@ class BlockManager:
     ) -> None:
         """Register the sequence's full, computed blocks under their hashes.
 
-        The result is that of trying every full, computed block of the table,
-        in order, at every call: a block whose content another block already
-        holds is left unregistered and tried again at every later call, so it
-        takes the hash over once that copy is evicted. Only the tries that can
-        change anything are made: a block stays registered while a table holds
-        it (hashes are dropped from free blocks only), so the entries scanned
-        before are skipped, except those left unregistered and those replaced
-        since by copy on write. A decode step thus looks at no block, or at
-        the one it just filled, instead of the whole table.
+        As if every full, computed block of the table were tried, in order, at
+        every call: a block whose content another block already holds is left
+        unregistered and tried again later, so it takes the hash over once that
+        copy is evicted. Only tries that can change anything are made (a held
+        block keeps its hash), so earlier entries are skipped, except those left
+        unregistered or replaced by copy on write: a decode step looks at no
+        block, or at the one it just filled, instead of the whole table.
 
         `token_slice(start, end)` gives the sequence's tokens, which the
         BlockStored events carry; only read when events are recorded.
@@ -183,6 +180,14 @@ class BlockManager:
         progress[1] = unregistered
         if fresh:  # those hashed now were put in the cache by this call
             new = [i for i in fresh if self.block_hashes[table[i]] is not None]
+            self.events += stored_events(new, block_hashes, self.block_size, token_slice)
+
+    def cache_loaded_blocks(self, entries: list[tuple[int, int]], block_hashes: list[bytes],
+                            token_slice: Callable[[int, int], list[int]] | None = None) -> None:
+        """Register blocks whose K/V were just loaded from an offload tier, given as
+        (index in the `block_hashes` chain, block id); a hash cached meanwhile stays put."""
+        new = [i for i, block_id in entries if self._register(block_id, block_hashes[i])]
+        if self.events is not None and new:
             self.events += stored_events(new, block_hashes, self.block_size, token_slice)
 
     def _register(self, block_id: int, block_hash: bytes) -> bool:
@@ -217,9 +222,7 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no sequence holds. Returns how many.
-
-        Logs AllBlocksCleared even when nothing was cached, as vLLM does.
-        """
+        Logs AllBlocksCleared even when nothing was cached, as vLLM does."""
         dropped = 0
         for queue in (self.cached_free, self.popular_free):
             while queue:
@@ -245,9 +248,8 @@ class BlockManager:
     ) -> list[int] | None:
         """Give a new sequence a block table covering `num_tokens` tokens.
 
-        `cached_blocks` (from find_cached_prefix) become the head of the table;
-        the rest are fresh blocks. Returns the table, or None (changing
-        nothing) when memory is short.
+        `cached_blocks` (find_cached_prefix) head the table, fresh blocks follow.
+        Returns the table, or None (changing nothing) when memory is short.
         """
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks")

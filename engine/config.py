@@ -94,6 +94,23 @@ class EngineConfig:
     kv_events_topic: str = field(default="", metadata={
         "help": "the topic frame of every KV event message (llm-d reads the pod and "
                 "model names from it)"})
+    # Offload tiers under the prefix cache (engine/kv_offload/).
+    kv_offload_host_bytes: int = field(default=0, metadata={
+        "help": "bytes of the host-memory KV tier (pinned on CUDA, a RAM pool on CPU); "
+                "0: no host tier"})
+    kv_offload_disk_dir: str | None = field(default=None, metadata={
+        "help": "folder of the disk KV tier (a file per block, least recently used "
+                "dropped first); unset: no disk tier"})
+    kv_offload_disk_bytes: int = field(default=16 << 30, metadata={
+        "help": "most bytes the disk KV tier keeps"})
+    kv_offload_redis_url: str | None = field(default=None, metadata={
+        "help": "Redis of the KV tier the fleet shares (redis:// or rediss://; give that "
+                "Redis maxmemory and maxmemory-policy volatile-lru); unset: no Redis tier"})
+    kv_offload_redis_ttl: int = field(default=3600, metadata={
+        "help": "seconds a block lives in the Redis KV tier"})
+    kv_offload_store_threshold: int = field(default=2, metadata={
+        "help": "requests that must share a full prompt block before it is copied into "
+                "the KV tiers"})
     # Converted models live here; $XDG_CACHE_HOME already moves it, so no flag.
     cache_dir: Path = field(default_factory=default_cache_dir, metadata={"cli": False})
 
@@ -101,6 +118,7 @@ class EngineConfig:
         self._check_ints()
         self._check_choices()
         self._check_kv_events()
+        self._check_offload()
         if not _is_power_of_two(self.block_size) or self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(
                 f"block_size={self.block_size} is not supported: use a power of two "
@@ -135,6 +153,10 @@ class EngineConfig:
             "kv_cache_memory_bytes": 1,
             "seed": 0,
             "num_threads": 0,
+            "kv_offload_host_bytes": 0,
+            "kv_offload_disk_bytes": 1,
+            "kv_offload_redis_ttl": 1,
+            "kv_offload_store_threshold": 1,
         }
         for name, minimum in minimums.items():
             value = getattr(self, name)
@@ -177,6 +199,22 @@ class EngineConfig:
                              f"{', '.join(KV_EVENTS_SCHEMES)}")
         if not isinstance(self.kv_events_topic, str):
             raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        """Some offload tier is configured."""
+        return bool(self.kv_offload_host_bytes or self.kv_offload_disk_dir
+                    or self.kv_offload_redis_url)
+
+    def _check_offload(self) -> None:
+        url = self.kv_offload_redis_url
+        if url is not None and not (isinstance(url, str)
+                                    and url.startswith(("redis://", "rediss://", "unix://"))):
+            raise ValueError(f"kv_offload_redis_url={url!r} must start with redis://, "
+                             f"rediss:// or unix://")
+        if self.kv_offload_enabled and not self.enable_prefix_caching:
+            raise ValueError("the KV offload tiers sit under the prefix cache: they need "
+                             "enable_prefix_caching")
 
     def replace(self, **changes) -> "EngineConfig":
         """A new validated config with some fields changed (the original stays as it was)."""

@@ -13,29 +13,26 @@ engine thread); it holds no locks of its own.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import operator
-import logging
 from dataclasses import dataclass, field
-from pathlib import Path
+
+import torch
 
 from engine.block_hash import salt_digest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_events import KVEventPublisher
-from engine.model_runner import ModelRunner, Runner
-from engine.models.loader import load_hf_config, load_tokenizer, resolve_model_path
+from engine.kv_offload import KVOffload, build_offload
+from engine.model_info import ModelInfo, load_model
+from engine.model_runner import Runner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stopping import StopChecker
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass(eq=False)
 class Request:
@@ -51,22 +48,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the engine must know of a model besides running it.
-
-    load_model() reads it from a checkpoint; an engine built around a given
-    runner (LLMEngine(config, runner=..., model_info=...)) takes it as is.
-    """
-
-    vocab_size: int  # prompt token ids are checked against it
-    eos_token_ids: frozenset[int] = frozenset()
-    # Keys every prefix-cache block hash: equal fingerprints promise equal K/V.
-    fingerprint: bytes = bytes(32)
-    tokenizer: object | None = None  # None: prompts are token ids, outputs carry no text
-    path: Path | None = None  # the checkpoint folder, when there is one
 
 
 class LLMEngine:
@@ -99,8 +80,10 @@ class LLMEngine:
         self.vocab_size = model_info.vocab_size
         self.fingerprint = model_info.fingerprint
         if scheduler is None:
-            scheduler = Scheduler(config, self._block_manager())
+            block_manager = self._block_manager()
+            scheduler = Scheduler(config, block_manager, self._kv_offload(block_manager))
         self.scheduler = scheduler
+        self.offload = scheduler.offload
         self.block_manager = scheduler.block_manager
         if self.block_manager.num_blocks > runner.num_blocks:
             raise ValueError(
@@ -121,6 +104,19 @@ class LLMEngine:
             record_events=self.config.kv_events_endpoint is not None,
         )
 
+    def _kv_offload(self, block_manager: BlockManager) -> KVOffload | None:
+        """The offload tiers' manager, when the config names a tier."""
+        if not self.config.kv_offload_enabled:
+            return None
+        runner = self.runner
+        if not all(hasattr(runner, name) for name in ("read_blocks", "write_blocks")):
+            raise ValueError("KV offload needs a runner with read_blocks and write_blocks")
+        return build_offload(
+            self.config, block_manager, runner, fingerprint=self.fingerprint,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            payload_bytes=runner.bytes_per_block(),
+            pin_memory=torch.device(runner.device).type == "cuda")
+
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """The publisher of the block manager's events, when an endpoint is set."""
         endpoint = self.config.kv_events_endpoint
@@ -132,9 +128,11 @@ class LLMEngine:
         return KVEventPublisher(endpoint, self.config.kv_events_topic)
 
     def close(self) -> None:
-        """Stop the KV event publisher, if any (safe to repeat; the rest needs no closing)."""
+        """Stop the KV event publisher and the offload threads, if any (safe to repeat)."""
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.offload is not None:
+            self.offload.close()
 
     def _publish_events(self) -> None:
         if self.kv_events is not None:
@@ -235,8 +233,12 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step and the model; report every request that moved."""
+        if self.offload is not None:
+            self.offload.poll()  # blocks that landed from the tiers join the prefix cache
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if self.offload is not None:
+                self.offload.wait_for_loads(timeout=0.01)  # only loads are left to wait for
             self._publish_events()
             return []
         result = self.runner.execute(scheduled)
@@ -258,6 +260,8 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.finish(seq, stop.finish_reason, stop.stop_reason)
             moved[request.request_id] = request
+        if self.offload is not None:
+            self.offload.after_step()  # copy out the blocks to store while they still exist
         outputs = [self._output(request) for request in moved.values()]
         for request in moved.values():
             if request.finished:
@@ -328,46 +332,9 @@ class LLMEngine:
             "prefix_warm_blocks": self.block_manager.num_popular_cached,
         }
 
-
-def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunner]:
-    """Read the checkpoint that `config` names: the config with the model's own
-    max_model_len filled in, what the engine must know of the model, and the
-    runner holding its weights and KV cache."""
-    model_path = resolve_model_path(config.model, config.cache_dir)
-    hf_config = load_hf_config(model_path)
-    config = config.resolve_max_model_len(hf_config.max_position_embeddings)
-    tokenizer = (
-        load_tokenizer(config.tokenizer, required=True)
-        if config.tokenizer
-        else load_tokenizer(model_path)
-    )
-    eos_token_ids = _eos_token_ids(hf_config, tokenizer)
-    runner = ModelRunner(config, hf_config, model_path, eos_token_ids)
-    info = ModelInfo(
-        vocab_size=runner.model.args.vocab_size,
-        eos_token_ids=eos_token_ids,
-        fingerprint=model_fingerprint(model_path, runner.dtype, config),
-        tokenizer=tokenizer,
-        path=model_path,
-    )
-    logger.info(
-        "model ready: %s on %s (%s), %d KV blocks of %d tokens",
-        model_path.name, runner.device, runner.dtype, runner.num_blocks, config.block_size,
-    )
-    return config, info, runner
-
-
-def model_fingerprint(model_path, dtype, config: EngineConfig) -> bytes:
-    """What besides the tokens decides a block's K/V: weights, dtype, quantization,
-    parallelism.
-
-    The weights are named by their config and their files' names and sizes, so
-    every replica that loads the same checkpoint agrees on it.
-    """
-    parts = [(model_path / "config.json").read_text()]
-    parts += [f"{f.name}:{f.stat().st_size}" for f in sorted(model_path.glob("*.safetensors"))]
-    parts += [str(dtype), f"quantization={config.quantization}", f"tp={config.tensor_parallel_size}"]
-    return hashlib.sha256("\n".join(parts).encode()).digest()
+    def offload_stats(self) -> dict | None:
+        """Per tier hits, stores, bytes and usage, and the load/store counters (None: no tiers)."""
+        return None if self.offload is None else self.offload.snapshot()
 
 
 def _token_id(value) -> int:
@@ -378,14 +345,3 @@ def _token_id(value) -> int:
         return operator.index(value)
     except TypeError:
         raise ValueError(f"token id {value!r} is not an integer") from None
-
-
-def _eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (hf_config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)

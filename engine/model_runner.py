@@ -264,6 +264,30 @@ class ModelRunner:
         # kv_cache: [2, layers, blocks, ...] -> copy along the blocks dimension.
         self.kv_cache.index_copy_(2, destination, self.kv_cache.index_select(2, source))
 
+    # -- whole blocks as bytes, for the offload tiers (engine/kv_offload/) ------------------
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copies of blocks' K/V, all layers: [n, bytes_per_block] uint8 on the CPU.
+
+        Each row is one block laid out [2 (K, V), layers, block_size, kv_heads,
+        head_dim]: the record one tier value holds (pinned on CUDA, so the copy
+        out is a DMA the host can read as soon as it is done).
+        """
+        index = self._tensor(block_ids)
+        blocks = self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
+        rows = blocks.contiguous().view(len(block_ids), -1).view(torch.uint8)
+        if self.device.type == "cpu":
+            return rows
+        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        return host.copy_(rows)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """The inverse of read_blocks: fill blocks with rows of bytes."""
+        args = self.model.args
+        shape = (len(block_ids), 2, args.num_layers, self.block_size, args.num_kv_heads,
+                 args.head_dim)
+        blocks = data.to(self.device, non_blocking=True).view(self.dtype).view(shape)
+        self.kv_cache.index_copy_(2, self._tensor(block_ids), blocks.permute(1, 2, 0, 3, 4, 5))
+
     def _flatten(self, ordered: list[ScheduledSequence]):
         bs = self.block_size
         input_ids: list[int] = []

@@ -19,6 +19,9 @@ step that preempted, so the freed memory goes to the sequences that needed it.
 Prefix caching enters at admission: a new sequence first looks up the longest
 chain of cached blocks matching its prompt and starts with
 `num_computed_tokens` at the cached length, so only the rest is computed.
+With offload tiers (engine/kv_offload/), the lookup goes on into the tiers:
+a sequence with blocks to load waits aside in `loading`, holding up nobody,
+and comes back to the head of the queue when they have landed as cached blocks.
 Blocks are registered in the cache in the step that fills them, so a request
 can hit a prefix that another one is still generating from, or is computing
 in this very step (each layer stores the whole batch's K/V before attending).
@@ -45,8 +48,12 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv_offload.offload import KVOffload
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
+
+
+LOADING = -1  # what _admit returns for a sequence that waits aside for its loads
 
 
 @dataclass
@@ -90,13 +97,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 offload: KVOffload | None = None) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_size = config.block_size
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []  # waiting for blocks from the offload tiers
+        self.offload = offload
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prefill work done, recomputation included
 
@@ -105,17 +115,23 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         if self.block_manager.enable_caching:
             seq.update_block_hashes(self.block_size)
+            if self.offload is not None and seq.fork_parent is None:
+                self.offload.note_arrival(seq.block_hashes)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence (stop, length or abort) and give its blocks back."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq in self.loading:
+            self.loading.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        if self.offload is not None:
+            self.offload.forget(seq)
         self.block_manager.free(seq.seq_id)
         seq.finish(reason, stop_reason)
 
@@ -174,19 +190,32 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        if self.loading:
+            self._return_loaded()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_new = self._admit(seq, budget, output)
             if num_new is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if num_new == LOADING:
+                self.loading.append(seq)  # aside until its blocks land; the next one may go
+                continue
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             output.sequences.append(self._scheduled(seq, num_new))
             budget -= num_new
 
+    def _return_loaded(self) -> None:
+        """Sequences whose loads have landed go back to the head of the queue, in order."""
+        ready = [seq for seq in self.loading if self.offload.ready(seq)]
+        for seq in reversed(ready):
+            self.loading.remove(seq)
+            self.waiting.appendleft(seq)
+
     def _admit(self, seq: Sequence, budget: int, output: SchedulerOutput) -> int | None:
-        """Give a waiting sequence its blocks; returns its token count, or None to wait."""
+        """Give a waiting sequence its blocks; returns its token count, None to wait,
+        or LOADING when it must first wait aside for blocks from the offload tiers."""
         parent = seq.fork_parent
         if parent is not None and parent.status is SequenceStatus.RUNNING:
             if parent.num_computed_tokens < parent.num_prompt_tokens:
@@ -194,10 +223,15 @@ class Scheduler:
             return self._admit_fork(seq, parent, output)
         manager = self.block_manager
         hits = manager.find_cached_prefix(seq.block_hashes, seq.num_tokens)
+        if self.offload is not None and manager.enable_caching and self.offload.start_loads(
+                seq, hits, (seq.num_tokens - 1) // self.block_size):
+            return LOADING
         cached = len(hits) * self.block_size
         num_new = min(seq.num_tokens - cached, budget)
         if manager.allocate(seq.seq_id, cached + num_new, hits) is None:
             return None
+        if self.offload is not None:
+            self.offload.forget(seq)  # the blocks it loaded are its own hits now
         if manager.enable_caching:
             manager.record_lookup(seq.num_tokens, cached)
         seq.num_computed_tokens = cached

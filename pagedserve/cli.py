@@ -4,7 +4,7 @@
     pagedserve generate --prompt "Hello" [--chat] [engine flags]
     pagedserve fleet --redis-url redis://host:6379
     pagedserve chat [--base-url URL] [--system "..."]
-    pagedserve bench throughput|prefix|serve|scheduler|kernels [...]
+    pagedserve bench throughput|prefix|serve|scheduler|kernels|fleet|offload [...]
 
 Each command is a module with `main(argv) -> int | None` that parses its own
 flags; this dispatcher only picks the module and hands it the rest of the
@@ -33,6 +33,8 @@ BENCHMARKS = MappingProxyType({
     "scheduler": ("bench.scheduler", "scheduler overhead, with a null model"),
     "kernels": ("bench.kernels", "paged attention and store_kvcache"),
     "fleet": ("bench.fleet", "a new replica with the fleet's warm-up vs a cold one (Redis)"),
+    "offload": ("bench.offload", "KV offload tiers when prefixes outgrow the pool; warm-up "
+                "from the Redis tier"),
 })
 
 

@@ -67,6 +67,62 @@ class EngineCollector:
             yield CounterMetricFamily(PREFIX + name, help_text, value=stats[key])
 
 
+# (metric, help, key of a tier's snapshot) for each KV offload tier, labelled by tier.
+TIER_COUNTERS = (
+    ("kv_offload_hits", "KV blocks loaded from the tier (sound records).", "hits"),
+    ("kv_offload_misses", "Loads from the tier that found nothing or a bad record.", "misses"),
+    ("kv_offload_bad_records", "Records of the tier that failed their checks (corrupt, "
+     "truncated, foreign): each was a miss.", "bad_records"),
+    ("kv_offload_stores", "KV blocks written to the tier.", "stores"),
+    ("kv_offload_loaded_bytes", "Bytes loaded from the tier.", "bytes_loaded"),
+    ("kv_offload_stored_bytes", "Bytes written to the tier.", "bytes_stored"),
+    ("kv_offload_evictions", "Blocks the tier dropped to stay within its bound.", "evictions"),
+    ("kv_offload_errors", "Failed operations of the tier's medium (I/O, connection).",
+     "errors"),
+)
+TIER_GAUGES = (
+    ("kv_offload_usage_bytes", "Bytes the tier holds (Redis: the server's used_memory).",
+     "used_bytes"),
+    ("kv_offload_capacity_bytes", "The tier's bound in bytes (Redis: maxmemory, 0 if none).",
+     "capacity_bytes"),
+    ("kv_offload_tier_up", "1 while the tier serves, 0 when it is disabled or unreachable.",
+     "up"),
+)
+# (metric, help, key) of the offload manager, over all tiers.
+OFFLOAD_COUNTERS = (
+    ("kv_offload_loads", "Load jobs started at admission.", "loads"),
+    ("kv_offload_blocks_loaded", "KV blocks that load jobs brought into the device cache.",
+     "blocks_loaded"),
+    ("kv_offload_blocks_load_failed", "KV blocks a load job could not bring (then computed).",
+     "blocks_load_failed"),
+    ("kv_offload_blocks_stored", "KV blocks copied out of the device for the tiers.",
+     "blocks_stored"),
+    ("kv_offload_stores_dropped", "KV blocks not stored because the store thread was behind.",
+     "stores_dropped"),
+)
+
+
+class OffloadCollector:
+    """The KV offload tiers (only when the engine has some)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats.offload
+        if not stats:
+            return
+        tiers = stats["tiers"]
+        for kind, table in ((CounterMetricFamily, TIER_COUNTERS), (GaugeMetricFamily, TIER_GAUGES)):
+            for name, help_text, key in table:
+                family = kind(PREFIX + name, help_text, labels=["tier"])
+                for tier, values in tiers.items():
+                    family.add_metric([tier], values[key])
+                yield family
+        for name, help_text, key in OFFLOAD_COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, help_text, value=stats[key])
+
+
 class FleetCollector:
     """The replica's link to the fleet's Redis (only with --redis-url)."""
 
@@ -112,6 +168,7 @@ class Metrics:
     def watch(self, engine: AsyncEngine) -> None:
         """Report this engine's state at every scrape."""
         self.registry.register(EngineCollector(engine))
+        self.registry.register(OffloadCollector(engine))
 
     def watch_fleet(self, fleet) -> None:
         """Report the fleet link's state at every scrape."""

@@ -47,7 +47,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from engine.block_hash import HASH_SCHEME_VERSION
+from engine.block_hash import HASH_SCHEME_VERSION, cache_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,9 @@ class Namespace:
 
     @property
     def key(self) -> str:
-        return (f"{KEY_ROOT}:prefixes:{self.fingerprint.hex()[:16]}:{self.block_size}:"
-                f"{self.dtype}:h{self.scheme}:{self.salt_id}")
+        return (f"{KEY_ROOT}:prefixes:"
+                f"{cache_namespace(self.fingerprint, self.block_size, self.dtype, self.scheme)}:"
+                f"{self.salt_id}")
 
 
 def salt_id(salt_digest: bytes) -> str:

@@ -29,6 +29,7 @@ class RedisServer:
     password: str | None = None
     tls: bool = False  # serve TLS only, with a self-signed certificate made here
     process: subprocess.Popen | None = None
+    extra_args: list[str] = field(default_factory=list)  # e.g. ["--maxmemory", "10mb"]
 
     @property
     def url(self) -> str:
@@ -48,6 +49,7 @@ class RedisServer:
                          "--tls-cert-file", str(self.folder / "cert.pem"),
                          "--tls-key-file", str(self.folder / "key.pem"),
                          "--tls-auth-clients", "no"]
+        args += self.extra_args
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
