@@ -72,6 +72,12 @@ class TimingRunner:
         finally:
             self.seconds += time.perf_counter() - start
 
+    def close(self) -> None:
+        """Close the runner inside (a tensor-parallel one stops its workers)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
 
 def timed_engine(config: EngineConfig) -> LLMEngine:
     """The model `config` names, behind a TimingRunner (engine.runner.seconds)."""

@@ -132,15 +132,9 @@ class AsyncEngine:
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     # -- the asyncio side --------------------------------------------------------------
-    def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        add_special_tokens: bool = True,
-        cache_salt: str | None = None,
-    ) -> "RequestStream":
+    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                 add_special_tokens: bool = True, cache_salt: str | None = None,
+                 ) -> "RequestStream":
         """Submit a request now; iterate the returned stream for its outputs.
 
         Refusals (engine dead, queue full) raise here, before anything is
@@ -157,10 +151,8 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(
-                    request_id, prompt, params,
-                    add_special_tokens=add_special_tokens, cache_salt=cache_salt,
-                )
+                self.engine.add_request(request_id, prompt, params,
+                                        add_special_tokens=add_special_tokens, cache_salt=cache_salt)
             except Exception as exc:  # a bad request, not a broken engine
                 self._deliver_soon([(request_id, exc)])
 
@@ -249,13 +241,20 @@ class AsyncEngine:
         return waiting + max(0, self._num_queued_adds - free_seats)
 
     @property
-    def failure(self) -> str | None:
-        """Why the engine cannot serve, or None while it can."""
+    def fault(self) -> str | None:
+        """Why the engine broke, which only a restart mends (None: it did not)."""
         if self.error is not None:
             return f"the engine stopped after an error: {self.error!r}"
-        if self._stopping or not self.is_alive:
-            return "the engine is not running"
+        if self.engine.failure is not None:  # a worker died, perhaps while the engine idled
+            return f"the engine cannot step: {self.engine.failure}"
         return None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve, or None while it can."""
+        if self.fault is None and (self._stopping or not self.is_alive):
+            return "the engine is not running"
+        return self.fault
 
     def _check_alive(self) -> None:
         reason = self.failure

@@ -76,7 +76,8 @@ class EngineConfig:
         "help": "longest sequence, prompt and output; 0: the model's own limit"})
     # Parallelism and kernels.
     tensor_parallel_size: int = field(default=1, metadata={
-        "help": "GPUs per replica (only 1 for now)"})
+        "help": "devices the model is split over (tensor parallelism: one process per "
+                "rank, gloo on CPU, NCCL on CUDA); must divide the attention heads"})
     kernel_backend: str = field(default="auto", metadata={
         "help": "attention kernels; auto: Triton on CUDA, the compiled CPU op elsewhere "
                 "(the torch paths where it can't build); torch: the pure-torch reference; "
@@ -135,11 +136,6 @@ class EngineConfig:
         if not 0.0 < utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
-            )
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
-                f"only 1 (tensor parallelism is a planned feature)"
             )
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
 

@@ -114,7 +114,7 @@ class LLMEngine:
         return build_offload(
             self.config, block_manager, runner, fingerprint=self.fingerprint,
             dtype=str(runner.dtype).removeprefix("torch."),
-            payload_bytes=runner.bytes_per_block(),
+            payload_bytes=runner.block_record_bytes(),
             pin_memory=torch.device(runner.device).type == "cuda")
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:
@@ -128,11 +128,21 @@ class LLMEngine:
         return KVEventPublisher(endpoint, self.config.kv_events_topic)
 
     def close(self) -> None:
-        """Stop the KV event publisher and the offload threads, if any (safe to repeat)."""
+        """Stop the KV event publisher, the offload threads and the runner's
+        worker processes, if any (safe to repeat)."""
         if self.kv_events is not None:
             self.kv_events.close()
         if self.offload is not None:
             self.offload.close()
+        close_runner = getattr(self.runner, "close", None)
+        if close_runner is not None:
+            close_runner()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot step any more even while idle (a tensor-parallel
+        worker died), or None."""
+        return getattr(self.runner, "failure", None)
 
     def _publish_events(self) -> None:
         if self.kv_events is not None:
@@ -331,6 +341,14 @@ class LLMEngine:
             "kv_blocks_cached": self.block_manager.num_cached_blocks,
             "prefix_warm_blocks": self.block_manager.num_popular_cached,
         }
+
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        """Bytes of weights and of KV cache held by each tensor-parallel rank
+        (one entry without tensor parallelism; none for a runner that doesn't say)."""
+        memory = getattr(self.runner, "rank_memory", None)
+        if memory is None and hasattr(self.runner, "memory"):
+            memory = [self.runner.memory()]
+        return memory or []
 
     def offload_stats(self) -> dict | None:
         """Per tier hits, stores, bytes and usage, and the load/store counters (None: no tiers)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.distributed.executor import TensorParallelRunner
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_hf_config, load_tokenizer, resolve_model_path
 
@@ -48,7 +49,10 @@ def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunn
         else load_tokenizer(model_path)
     )
     eos_token_ids = _eos_token_ids(hf_config, tokenizer)
-    runner = ModelRunner(config, hf_config, model_path, eos_token_ids)
+    if config.tensor_parallel_size > 1:
+        runner = TensorParallelRunner(config, hf_config, model_path, eos_token_ids)
+    else:
+        runner = ModelRunner(config, hf_config, model_path, eos_token_ids)
     info = ModelInfo(
         vocab_size=runner.model.args.vocab_size,
         eos_token_ids=eos_token_ids,
@@ -60,6 +64,10 @@ def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunn
         "model ready: %s on %s (%s), %d KV blocks of %d tokens",
         model_path.name, runner.device, runner.dtype, runner.num_blocks, config.block_size,
     )
+    for rank, memory in enumerate(getattr(runner, "rank_memory", None) or [runner.memory()]):
+        logger.info("rank %d of %d holds %.1f MiB of weights and %.1f MiB of KV cache",
+                    rank, config.tensor_parallel_size, memory["weights_bytes"] / 2**20,
+                    memory["kv_cache_bytes"] / 2**20)
     return config, info, runner
 
 

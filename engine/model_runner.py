@@ -14,11 +14,17 @@ into the flat tensors the model wants:
 
 The KV cache is one tensor, [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim];
 layer i reads kv_cache[0][i] (K) and kv_cache[1][i] (V).
+
+The flattening itself is engine/step_inputs.py: a header and one int64
+payload, decoded into tensors by `run_step`. With tensor parallelism
+(engine/distributed/) a ModelRunner holds one rank's slice of the model and
+of the KV heads, and every rank runs `run_step` on the same encoded step.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,10 +32,12 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cpu_allocator import keep_freed_memory
-from engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from engine.distributed.partition import Partition
+from engine.models.llama import LlamaArgs, LlamaForCausalLM
 from engine.models.loader import iter_safetensors
 from engine.sampler import Sampler, SamplerOutput, SamplingRequest
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.step_inputs import Op, decode_step, encode_step
 from engine.stopping import banned_token_ids
 from kernels import check_backend_support, compiled_bf16_linear, get_backend
 
@@ -55,7 +63,9 @@ class Runner(Protocol):
     returns one sampled token for every sequence whose `sampling` is set.
     What the engine must know of the model itself (vocabulary, EOS ids,
     fingerprint, tokenizer) is not the runner's business: see
-    engine.llm_engine.ModelInfo.
+    engine.model_info.ModelInfo. A runner may also have `close()` (called by
+    LLMEngine.close) and `failure` (why it cannot step even while idle): the
+    tensor-parallel runner stops and watches its workers with them.
     """
 
     num_blocks: int  # KV blocks, the null block 0 included
@@ -96,10 +106,16 @@ def build_sampling_batch(
     return batch
 
 
-def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank `rank`: on CUDA, the rank-th GPU from
+    the one named (cuda means cuda:0)."""
+    name = config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
 
 
 def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
@@ -118,9 +134,18 @@ def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torc
         dtype = DTYPES.get(dtype)
     if dtype in (torch.bfloat16, torch.float16):
         return dtype
-    widths = [getattr(hf_config, name, 0) for name in ("hidden_size", "intermediate_size")]
-    fast = has_fast_bf16(device, config.kernel_backend, widths)
+    fast = has_fast_bf16(device, config.kernel_backend, _linear_widths(config, hf_config))
     return torch.bfloat16 if fast else torch.float32
+
+
+def _linear_widths(config: EngineConfig, hf_config) -> list[int]:
+    """The in_features of one rank's linear layers: the hidden size, and the
+    attention output's and the MLP's inputs, cut by tensor parallelism."""
+    tp = config.tensor_parallel_size
+    hidden = getattr(hf_config, "hidden_size", 0)
+    heads = getattr(hf_config, "num_attention_heads", 0) or 1
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    return [hidden, getattr(hf_config, "intermediate_size", 0) // tp, heads * head_dim // tp]
 
 
 def has_fast_bf16(device: torch.device, kernel_backend: str = "auto",
@@ -140,22 +165,28 @@ def has_fast_bf16(device: torch.device, kernel_backend: str = "auto",
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, model_path, eos_token_ids) -> None:
+    def __init__(self, config: EngineConfig, hf_config, model_path, eos_token_ids,
+                 group=None) -> None:
+        """`group`: the tensor-parallel group this runner is one rank of (None: no
+        tensor parallelism); it then holds that rank's slice of the model."""
         self.config = config
         self.block_size = config.block_size
-        self.device = resolve_device(config)
+        self.group = group
+        rank = group.rank if group is not None else 0
+        self.device = resolve_device(config, rank)
         self.dtype = resolve_dtype(config, hf_config, self.device)
         self.kernels = get_backend(config.kernel_backend)
         if self.device.type == "cpu":
             keep_freed_memory()
+        args = LlamaArgs.from_hf_config(hf_config)
+        self.partition = Partition.of(args, rank, group.size if group is not None else 1)
         self.model = self._load_model(hf_config, model_path)
-        args = self.model.args
         check_backend_support(
             config.kernel_backend, config.block_size, args.head_dim, self.dtype, self.device
         )
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(
-            2, args.num_layers, self.num_blocks, self.block_size, args.num_kv_heads,
+            2, args.num_layers, self.num_blocks, self.block_size, self.partition.num_kv_heads,
             args.head_dim, dtype=self.dtype, device=self.device,
         )
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -163,8 +194,10 @@ class ModelRunner:
 
     # -- start-up -------------------------------------------------------------------
     def _load_model(self, hf_config, model_path) -> LlamaForCausalLM:
-        model = LlamaForCausalLM(hf_config, self.config.max_model_len, self.kernels)
-        model.load_weights(iter_safetensors(model_path))
+        model = LlamaForCausalLM(hf_config, self.config.max_model_len, self.kernels,
+                                 self.partition, self.group)
+        slices = self.partition if self.group is not None else None  # None: whole tensors
+        model.load_weights(iter_safetensors(model_path, slices))
         model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.config.quantization == "int4":
             if self.device.type != "cpu" or self.dtype != torch.bfloat16:
@@ -177,9 +210,18 @@ class ModelRunner:
         return model
 
     def bytes_per_block(self) -> int:
+        """One block's K/V of every layer, on this rank."""
         args = self.model.args
-        elements = 2 * args.num_layers * self.block_size * args.num_kv_heads * args.head_dim
+        heads = self.partition.num_kv_heads
+        elements = 2 * args.num_layers * self.block_size * heads * args.head_dim
         return elements * torch.tensor([], dtype=self.dtype).element_size()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds: the model's weights and its KV cache."""
+        weights = sum(t.numel() * t.element_size()
+                      for t in (*self.model.parameters(), *self.model.buffers()))
+        return {"weights_bytes": weights,
+                "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
 
     def _num_kv_blocks(self) -> int:
         """How many KV blocks fit in the memory budget; refuse if one long sequence doesn't."""
@@ -191,6 +233,8 @@ class ModelRunner:
         else:
             num_blocks = config.kv_cache_memory_bytes // self.bytes_per_block()
             budget = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+        if self.group is not None:  # every rank's cache has the same blocks: the smallest wins
+            num_blocks = self.group.all_min(num_blocks)
         needed = -(-config.max_model_len // self.block_size) + 1  # + the null block
         if num_blocks < needed:
             raise ValueError(
@@ -219,62 +263,94 @@ class ModelRunner:
         """One prefill of `num_tokens` tokens into a one-block scratch cache (slots -1)."""
         args = self.model.args
         scratch = torch.zeros(
-            2, args.num_layers, 2, self.block_size, args.num_kv_heads, args.head_dim,
+            2, args.num_layers, 2, self.block_size, self.partition.num_kv_heads, args.head_dim,
             dtype=self.dtype, device=self.device,
         )
-        tokens = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        meta = self._metadata([], [], [-1] * num_tokens)
-        # Attention itself is skipped (no prefill sequences), the rest runs at full size.
-        hidden = self.model(tokens, tokens, scratch, meta)
-        self.model.compute_logits(hidden[-1:])
+        # No sequences, so attention itself is skipped; the rest runs at full size.
+        header = [Op.STEP, num_tokens, 0, 0, 0, 0, 1, 0]
+        payload = [0] * (2 * num_tokens) + [-1] * num_tokens + [0, num_tokens - 1]
+        inputs = decode_step(header, torch.tensor(payload, device=self.device))
+        hidden = self.model(inputs.input_ids, inputs.positions, scratch, inputs.meta)
+        self.model.compute_logits(hidden[inputs.sample_rows])
 
     # -- one step --------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        self._use_configured_threads()
-        if output.blocks_to_copy:
-            self._copy_blocks(output.blocks_to_copy)
+        self.use_configured_threads()
         decodes = [s for s in output.sequences if s.num_new_tokens == 1]
         prefills = [s for s in output.sequences if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        input_ids, positions, slots = self._flatten(ordered)
-        meta = self._metadata(decodes, prefills, slots)
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_cache, meta)
-        batch = build_sampling_batch(ordered, self.eos_token_ids)
+        batch = build_sampling_batch(decodes + prefills, self.eos_token_ids)
+        header, payload = encode_step(decodes, prefills, batch.rows, output.blocks_to_copy,
+                                      self.block_size)
+        logits = self.run_step(header, self.share(header, payload.to(self.device)))
         if not batch.rows:
             return ModelRunnerOutput([], SamplerOutput([], [], []))
-        logits = self.model.compute_logits(hidden[self._tensor(batch.rows)])
         return ModelRunnerOutput(batch.seq_ids, self.sampler(logits, batch.requests))
 
-    def _use_configured_threads(self) -> None:
+    def share(self, header: list[int], payload: torch.Tensor) -> torch.Tensor:
+        """Hand the encoded step to the other tensor-parallel ranks (none here:
+        engine/distributed/executor.py broadcasts it)."""
+        return payload
+
+    @torch.inference_mode()
+    def run_step(self, header: list[int], payload: torch.Tensor) -> torch.Tensor | None:
+        """The forward pass of an encoded step (engine/step_inputs.py), on every
+        rank alike: the logits of its sampled rows (None when nothing samples,
+        and on the ranks other than 0)."""
+        inputs = decode_step(header, payload)
+        if inputs.copy_sources.numel():
+            self._copy_blocks(inputs.copy_sources, inputs.copy_destinations)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        if not inputs.sample_rows.numel():
+            return None
+        return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def use_configured_threads(self) -> None:
         """Apply --num-threads in whichever thread steps the engine: an OpenMP
         thread count belongs to the calling thread, and the serving engine
         steps in its own thread. Fewer threads than cores leave a core to the
         HTTP side; on the 2-core CPU one serving stream decoded at 19.9 ms per
         token with 1 thread and 36.0 ms with 2, which stalled whenever the
         event loop or the client took a core (docs/performance.md)."""
-        wanted = self.config.num_threads
+        wanted = self.config.num_threads or self._threads_per_rank()
         if wanted and self.device.type == "cpu" and torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
 
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+    def _threads_per_rank(self) -> int:
+        """Tensor-parallel ranks on the CPU share its cores: by default each
+        takes its share (0, torch's default, for a single rank)."""
+        size = self.partition.size
+        if size == 1 or self.device.type != "cpu":
+            return 0
+        return max(1, len(os.sched_getaffinity(0)) // size)
+
+    def _copy_blocks(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Copy on write: K and V of every layer from each source block to its destination."""
-        source = self._tensor([s for s, _ in pairs])
-        destination = self._tensor([d for _, d in pairs])
         # kv_cache: [2, layers, blocks, ...] -> copy along the blocks dimension.
         self.kv_cache.index_copy_(2, destination, self.kv_cache.index_select(2, source))
 
     # -- whole blocks as bytes, for the offload tiers (engine/kv_offload/) ------------------
+    def block_record_bytes(self) -> int:
+        """One block's K/V over all tensor-parallel ranks: what read_blocks returns
+        per block, and what an offload tier stores."""
+        return self.bytes_per_block() * self.partition.size
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copies of blocks' K/V, all layers: [n, bytes_per_block] uint8 on the CPU.
+        """Copies of blocks' K/V, all layers: [n, block_record_bytes] uint8 on the CPU.
 
         Each row is one block laid out [2 (K, V), layers, block_size, kv_heads,
         head_dim]: the record one tier value holds (pinned on CUDA, so the copy
         out is a DMA the host can read as soon as it is done).
         """
+        return self.to_host(self.block_rows(block_ids))
+
+    def block_rows(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's K/V of the blocks as rows of bytes, on the device."""
         index = self._tensor(block_ids)
         blocks = self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
-        rows = blocks.contiguous().view(len(block_ids), -1).view(torch.uint8)
+        return blocks.contiguous().view(len(block_ids), -1).view(torch.uint8)
+
+    def to_host(self, rows: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
             return rows
         host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
@@ -283,45 +359,10 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """The inverse of read_blocks: fill blocks with rows of bytes."""
         args = self.model.args
-        shape = (len(block_ids), 2, args.num_layers, self.block_size, args.num_kv_heads,
-                 args.head_dim)
+        shape = (len(block_ids), 2, args.num_layers, self.block_size,
+                 self.partition.num_kv_heads, args.head_dim)
         blocks = data.to(self.device, non_blocking=True).view(self.dtype).view(shape)
         self.kv_cache.index_copy_(2, self._tensor(block_ids), blocks.permute(1, 2, 0, 3, 4, 5))
-
-    def _flatten(self, ordered: list[ScheduledSequence]):
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for s in ordered:
-            input_ids.extend(s.token_ids)
-            span = range(s.start_position, s.context_len)
-            positions.extend(span)
-            table = s.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
-        return input_ids, positions, slots
-
-    def _metadata(self, decodes, prefills, slots) -> AttentionMetadata:
-        cu_seqlens = [0]
-        for s in prefills:
-            cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
-        return AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=self._block_tables(decodes),
-            decode_context_lens=self._tensor([s.context_len for s in decodes], torch.int32),
-            prefill_block_tables=self._block_tables(prefills),
-            prefill_cu_seqlens_q=self._tensor(cu_seqlens, torch.int32),
-            prefill_context_lens=self._tensor([s.context_len for s in prefills], torch.int32),
-        )
-
-    def _block_tables(self, seqs: list[ScheduledSequence]) -> torch.Tensor:
-        """Rows padded with the null block (0) to the longest table in the group."""
-        width = max((len(s.block_table) for s in seqs), default=0)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        if not rows:
-            return torch.zeros(0, 0, dtype=torch.int32, device=self.device)
-        return self._tensor(rows, torch.int32)
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

@@ -48,13 +48,28 @@ COUNTERS = (
 )
 
 
+# (metric, help, key of LLMEngine.memory_per_rank()), labelled by tensor-parallel rank.
+MEMORY_GAUGES = (
+    ("model_weights_bytes", "Bytes of model weights the rank holds (its slice under tensor "
+     "parallelism).", "weights_bytes"),
+    ("kv_cache_bytes", "Bytes of KV cache the rank holds (its KV heads' share).",
+     "kv_cache_bytes"),
+)
+
+
 class EngineCollector:
     """Reports the engine's latest stats snapshot whenever Prometheus scrapes."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        self.memory = engine.engine.memory_per_rank()  # fixed once the model is loaded
 
     def collect(self):
+        for name, help_text, key in MEMORY_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, help_text, labels=["rank"])
+            for rank, memory in enumerate(self.memory):
+                family.add_metric([str(rank)], memory[key])
+            yield family
         stats = self.engine.stats.counters
         for name, help_text, key in GAUGES:
             yield GaugeMetricFamily(PREFIX + name, help_text, value=stats[key])

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.partition import Partition
 from engine.models.quantization import Int4Linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -172,16 +173,21 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_index: int, kernels) -> None:
+    """This rank's heads (all of them without tensor parallelism): qkv_proj is
+    column-parallel, o_proj row-parallel, and the all-reduce after it sums
+    the ranks' partial outputs (engine/distributed/partition.py)."""
+
+    def __init__(self, args: LlamaArgs, part: Partition, layer_index: int, kernels, group) -> None:
         super().__init__()
-        self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
+        self.num_heads = part.num_heads
+        self.num_kv_heads = part.num_kv_heads
         self.head_dim = args.head_dim
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
+        self.q_size = part.num_heads * args.head_dim
+        self.kv_size = part.num_kv_heads * args.head_dim
         self.scale = args.head_dim**-0.5
         self.layer_index = layer_index
         self.kernels = kernels
+        self.group = group
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias, kernels)
         self.o_proj = Linear(self.q_size, args.hidden_size, False, kernels)
 
@@ -209,28 +215,58 @@ class Attention(nn.Module):
                 q[d:], k_cache, v_cache, meta.prefill_block_tables,
                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale,
             )
-        return self.o_proj(out.view(-1, self.q_size))
+        return _all_reduce(self.o_proj(out.view(-1, self.q_size)), self.group)
 
 
 class MLP(nn.Module):
-    def __init__(self, args: LlamaArgs, kernels) -> None:
+    """gate_up_proj column-parallel, down_proj row-parallel (+ all-reduce)."""
+
+    def __init__(self, args: LlamaArgs, part: Partition, kernels, group) -> None:
         super().__init__()
-        self.intermediate_size = args.intermediate_size
-        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, args.mlp_bias, kernels)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias, kernels)
+        self.intermediate_size = width = part.intermediate_size
+        self.group = group
+        self.gate_up_proj = Linear(args.hidden_size, 2 * width, args.mlp_bias, kernels)
+        self.down_proj = Linear(width, args.hidden_size, args.mlp_bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return _all_reduce(self.down_proj(F.silu(gate) * up), self.group)
+
+
+def _all_reduce(partial: torch.Tensor, group) -> torch.Tensor:
+    """The sum of every rank's partial output (itself without tensor parallelism)."""
+    if group is not None:
+        group.all_reduce(partial)
+    return partial
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows of this rank's vocabulary slice. A token outside the
+    slice embeds to zeros here, so the all-reduce leaves each token the one
+    row that holds it (a sum with zeros: exact in any dtype)."""
+
+    def __init__(self, part: Partition, hidden_size: int, group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(part.vocab_rows, hidden_size))
+        self.start = part.vocab_start
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return _all_reduce(rows.masked_fill_(outside.unsqueeze(-1), 0), self.group)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_index: int, kernels) -> None:
+    def __init__(self, args: LlamaArgs, part: Partition, layer_index: int, kernels, group) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.self_attn = Attention(args, layer_index, kernels)
+        self.self_attn = Attention(args, part, layer_index, kernels, group)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.mlp = MLP(args, kernels)
+        self.mlp = MLP(args, part, kernels, group)
 
     def forward(self, rope_tables, hidden, residual, kv_cache, meta):
         """(the previous layer's MLP output, the residual stream) -> the same for
@@ -258,17 +294,25 @@ PACKED_SHARDS = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config, max_positions: int, kernels) -> None:
+    """The whole model, or with `group` set, one tensor-parallel rank's slice
+    of it (`partition`): the layers' sizes are the slice's, the hidden size
+    and everything between the layers are whole and equal on every rank."""
+
+    def __init__(self, hf_config, max_positions: int, kernels,
+                 partition: Partition | None = None, group=None) -> None:
         super().__init__()
         self.args = args = LlamaArgs.from_hf_config(hf_config)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, kernels) for i in range(args.num_layers))
+        self.partition = part = partition or Partition.of(args)
+        self.group = group
+        self.embed_tokens = VocabParallelEmbedding(part, args.hidden_size, group)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, part, i, kernels, group) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.rope = RotaryEmbedding(hf_config, max_positions)
         self.kernels = kernels
         self.lm_head = None
         if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.hidden_size, args.vocab_size, False, kernels)
+            self.lm_head = Linear(args.hidden_size, part.vocab_rows, False, kernels)
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every scheduled token: [num_tokens, hidden_size]."""
@@ -280,9 +324,17 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary; with tensor parallelism each rank
+        computes its slice's and rank 0 gathers them (the others get None)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.kernels.linear(hidden, weight)
+        logits = self.kernels.linear(hidden, weight)
+        if self.group is None:
+            return logits
+        slices = self.group.gather(logits)
+        if slices is None:
+            return None
+        return torch.cat(slices, dim=-1)[:, : self.args.vocab_size]
 
     def quantize_int4(self) -> None:
         """Every decoder layer's linear layers to int4 (engine/models/quantization.py).
@@ -326,12 +378,13 @@ class LlamaForCausalLM(nn.Module):
         return name, 0
 
     def _shard_offset(self, target: str, index: int) -> int:
-        args = self.args
+        """Where a checkpoint tensor (this rank's slice of it) starts in its fused projection."""
+        part, head_dim = self.partition, self.args.head_dim
         if ".qkv_proj." in target:
-            q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+            q, kv = part.num_heads * head_dim, part.num_kv_heads * head_dim
             return (0, q, q + kv)[index]
         if ".gate_up_proj." in target:
-            return index * args.intermediate_size
+            return index * part.intermediate_size
         return 0
 
     def _check_all_loaded(self, params: dict, loaded: set[str]) -> None:

@@ -128,8 +128,10 @@ def load_hf_config(folder: Path):
     return AutoConfig.from_pretrained(str(folder))
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every *.safetensors file in the folder."""
+def iter_safetensors(folder: Path, partition=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every *.safetensors file in the folder; with a tensor-parallel
+    `partition` (engine/distributed/partition.py), only the rank's slice of each,
+    read from the file without the rest."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -138,7 +140,10 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if partition is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, partition.shard_checkpoint_tensor(name, f.get_slice(name))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -19,7 +19,7 @@ async def health(request: Request) -> Response:
     """200 while the engine thread runs and the server admits requests; 503 otherwise."""
     state = request.app.state.service
     failure = state.engine.failure
-    if state.draining and state.engine.error is None:
+    if state.draining and state.engine.fault is None:
         status = Health("draining", "the server is shutting down")
     elif failure is not None:
         status = Health("dead", failure)
@@ -34,8 +34,8 @@ async def health(request: Request) -> Response:
 async def live(request: Request) -> Response:
     """Liveness: a dead engine needs a restart; a warming or draining one does not."""
     state = request.app.state.service
-    if state.engine.error is not None:
-        status = Health("dead", state.engine.failure)
+    if state.engine.fault is not None:
+        status = Health("dead", state.engine.fault)
     else:
         status = Health("ok")
     code = 200 if status.status == "ok" else 503

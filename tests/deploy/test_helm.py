@@ -120,6 +120,8 @@ VALUE_SETS = {
     },
     # The rest: a Redis password only in the user's Secret, Redis on an
     # emptyDir, a cache claim with storageClassName "", the optional objects off.
+    # Four GPUs per pod: the model split over them, /dev/shm in memory.
+    "tensor-parallel": lambda: {"gpu": {"enabled": True, "count": 4}},
     "redis-own-secret": lambda: {
         "redis": {"enabled": True, "auth": {"existingSecret": "redis-auth"},
                   "persistence": {"enabled": False}},
@@ -300,6 +302,29 @@ def test_gpu_only_with_gpu_enabled():
         "tolerations"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert "tolerations" not in one(render(), "Deployment")["spec"]["template"]["spec"]
+
+
+def test_several_gpus_split_the_model_and_get_shared_memory():
+    """gpu.count > 1: tensor-parallel-size follows it, and NCCL gets a memory /dev/shm."""
+    import helm_python as helm
+
+    docs = render({"gpu": {"enabled": True, "count": 2}})
+    assert served_config(docs)["tensor-parallel-size"] == 2
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert [v for v in pod["volumes"] if v["name"] == "shm"] == [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in server(docs)["volumeMounts"]
+    for single in (render(), render(ci_values())):  # one GPU, or none: neither
+        assert "tensor-parallel-size" not in served_config(single)
+        volumes = one(single, "Deployment")["spec"]["template"]["spec"]["volumes"]
+        assert "shm" not in [v["name"] for v in volumes]
+    chosen = {"gpu": {"enabled": True, "count": 4},
+              "server": {"config": {"tensor-parallel-size": 2}}}
+    assert served_config(render(chosen))["tensor-parallel-size"] == 2
+    too_many = {"gpu": {"enabled": True, "count": 2},
+                "server": {"config": {"tensor-parallel-size": 4}}}
+    with pytest.raises(helm.HelmError, match="needs 4 GPUs per pod, but gpu.count=2"):
+        render(too_many)
 
 
 def test_the_image_tag_follows_values():

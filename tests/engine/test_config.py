@@ -100,9 +100,9 @@ def test_bad_kernel_backend_and_device():
 
 
 @pytest.mark.parametrize("size", [2, 8])
-def test_tensor_parallel_not_supported_yet(size):
-    with pytest.raises(ValueError, match=rf"tensor_parallel_size={size} is not supported yet"):
-        EngineConfig(tensor_parallel_size=size)
+def test_tensor_parallel_size_is_a_plain_setting(size):
+    # Whether the model splits that way is the model's question, asked at load.
+    assert EngineConfig(tensor_parallel_size=size).tensor_parallel_size == size
 
 
 def test_tensor_parallel_zero_is_below_minimum():

@@ -96,3 +96,29 @@ topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
+
+{{/*
+The flags the chart sets in config.yaml; server.config overrides them.
+tensor-parallel-size follows gpu.count, and may not ask for more GPUs than
+the pod gets.
+*/}}
+{{- define "pagedserve.chartFlags" -}}
+{{- $flags := dict "shutdown-grace-seconds" .Values.server.shutdownGraceSeconds }}
+{{- $gpus := int (ternary .Values.gpu.count 0 .Values.gpu.enabled) }}
+{{- if and (gt $gpus 1) (not (hasKey .Values.server.config "tensor-parallel-size")) }}
+{{- $_ := set $flags "tensor-parallel-size" $gpus }}
+{{- end }}
+{{- $size := int (get .Values.server.config "tensor-parallel-size" | default 1) }}
+{{- if and .Values.gpu.enabled (gt $size $gpus) }}
+{{- fail (printf "server.config.tensor-parallel-size=%d needs %d GPUs per pod, but gpu.count=%d" $size $size $gpus) }}
+{{- end }}
+{{- toYaml $flags }}
+{{- end }}
+
+{{/*
+Tensor-parallel ranks on several GPUs talk through NCCL, which needs more
+shared memory than a container's default 64 MiB /dev/shm.
+*/}}
+{{- define "pagedserve.tensorParallel" -}}
+{{- and .Values.gpu.enabled (gt (int .Values.gpu.count) 1) | ternary "true" "" }}
+{{- end }}
