@@ -5,6 +5,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -13,4 +14,5 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

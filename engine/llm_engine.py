@@ -33,6 +33,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stopping import StopChecker
+from engine.structured_outputs import StructuredOutputs
 
 @dataclass(eq=False)
 class Request:
@@ -79,6 +80,8 @@ class LLMEngine:
         self.eos_token_ids = model_info.eos_token_ids
         self.vocab_size = model_info.vocab_size
         self.fingerprint = model_info.fingerprint
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size,
+                                                    self.eos_token_ids)
         if scheduler is None:
             block_manager = self._block_manager()
             scheduler = Scheduler(config, block_manager, self._kv_offload(block_manager))
@@ -171,8 +174,10 @@ class LLMEngine:
         self.check_params(params)
         salt = salt_digest(cache_salt)
         seqs, detokenizers, stop_checkers = [], [], []
+        constraint = params.structured_outputs
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
+            grammar = None if constraint is None else self.structured_outputs.matcher(constraint)
             seq = Sequence(
                 seq_id=next(self._seq_ids),
                 request_id=request_id,
@@ -183,15 +188,15 @@ class LLMEngine:
                 hash_extra=self.fingerprint,
                 cache_salt=salt,
                 fork_parent=seqs[0] if seqs else None,
+                grammar=grammar,
             )
             seqs.append(seq)
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens
             )
             detokenizers.append(detokenizer)
-            stop_checkers.append(StopChecker(
-                params, self.eos_token_ids, self.config.max_model_len, len(token_ids), detokenizer
-            ))
+            stop_checkers.append(StopChecker(params, self.eos_token_ids, self.config.max_model_len,
+                                             len(token_ids), detokenizer, grammar))
         self.requests[request_id] = Request(
             request_id, text, token_ids, seqs, detokenizers, stop_checkers,
             [0] * params.n, [False] * params.n,
@@ -234,11 +239,14 @@ class LLMEngine:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     def check_params(self, params: SamplingParams) -> None:
-        """Refuse a logit_bias for a token id outside the vocabulary (thread-safe)."""
+        """Refuse a logit_bias for a token id outside the vocabulary, and a
+        structured-output constraint that does not compile (thread-safe)."""
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
                              f"(0..{self.vocab_size - 1})")
+        if params.structured_outputs is not None:
+            self.structured_outputs.compile(params.structured_outputs)
 
     # -- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -102,6 +102,7 @@ def build_sampling_batch(
             prompt_token_ids=s.prompt_token_ids,
             output_token_ids=s.output_token_ids,
             banned_token_ids=banned,
+            grammar=s.grammar,
         ))
     return batch
 

@@ -4,7 +4,8 @@ Processing order follows vLLM, so results can be compared with it:
 
 1. logprobs are taken from the raw logits (vLLM's default "raw" mode);
 2. banned tokens: each row's banned_token_ids are masked out (engine/stopping.py
-   decides them: min_tokens; the sampler only applies the mask);
+   decides them: min_tokens; the sampler only applies the mask); then the
+   tokens a structured-output constraint forbids (engine/structured_outputs.py);
 3. logit_bias (OpenAI), added to the logits;
 4. repetition penalty (HF/vLLM), then frequency/presence penalties (OpenAI),
    on the biased logits, as vLLM orders them;
@@ -26,6 +27,7 @@ from itertools import chain
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import GrammarMatcher, apply_grammar_masks
 
 
 @dataclass
@@ -40,6 +42,8 @@ class SamplingRequest:
     output_token_ids: Sequence[int]
     # Ids this row may not draw now; ids outside the vocabulary are ignored.
     banned_token_ids: Collection[int] = ()
+    # Its structured-output matcher (engine/structured_outputs.py), if constrained.
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass
@@ -77,6 +81,7 @@ class Sampler:
         logits = self._prepare_logits(logits, len(requests))
         raw_logprobs = _raw_logprobs(logits, requests)
         logits = apply_banned_tokens(logits, requests)
+        logits = apply_grammar_masks(logits, [r.grammar for r in requests])
         logits = apply_logit_bias(logits, requests)
         logits = _apply_request_penalties(logits, requests)
         token_ids = self._choose_tokens(logits, requests)

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.structured_outputs import StructuredOutputsParams
+
 # Below this temperature the softmax is numerically a one-hot, so sampling
 # would only add noise (and risk overflow when dividing by it): take argmax.
 GREEDY_TEMPERATURE = 1e-5
@@ -50,6 +52,9 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its
     # logit before sampling (greedy included); -100 all but bans a token.
     logit_bias: dict[int, float] | None = None
+    # A JSON schema, regex, choice or grammar the output must match
+    # (engine/structured_outputs.py); a dict of its fields is taken too.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # The dataclass is frozen so that a request's settings cannot change
@@ -58,6 +63,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        if isinstance(self.structured_outputs, dict):
+            try:
+                constraint = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+            object.__setattr__(self, "structured_outputs", constraint)
         if self.top_k == -1:
             # vLLM and HF both use -1 for "disabled"; keep one spelling inside.
             object.__setattr__(self, "top_k", 0)
@@ -100,6 +111,10 @@ class SamplingParams:
                 "seed", self.seed, minimum=_SEED_MIN, maximum=_SEED_MAX,
                 allowed="None or an integer in [-2**63, 2**64 - 1]",
             )
+        constraint = self.structured_outputs
+        if constraint is not None and not isinstance(constraint, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{constraint!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

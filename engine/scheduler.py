@@ -70,6 +70,7 @@ class ScheduledSequence:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    grammar: object | None = None  # the sequence's structured-output matcher
 
     @property
     def num_new_tokens(self) -> int:
@@ -269,6 +270,7 @@ class Scheduler:
             generator=seq.generator,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
+            grammar=seq.grammar,
         )
 
     # -- after the model ran -----------------------------------------------------------

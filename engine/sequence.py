@@ -43,6 +43,9 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
+    # Its place in the request's structured-output constraint, if it has one
+    # (engine/structured_outputs.py: a GrammarMatcher of its own).
+    grammar: object | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

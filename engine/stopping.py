@@ -7,12 +7,17 @@ After each new token of a sequence, the first rule that applies ends it:
     EOS              "stop"         None          never (unless ignore_eos: not a stop)
     stop string      "stop"         the string    text cut before it (after it with
                                                   include_stop_str_in_output)
+    constraint done  "stop"         None          kept (its end: EOS, not shown)
     max_tokens       "length"       None          kept
     max_model_len    "length"       None          kept
 
 So within one token a stop id beats EOS, EOS beats a stop string, and any
 stop beats length (a stop string completed by the last allowed token is a
-"stop"). These are vLLM's semantics.
+"stop"). These are vLLM's semantics. A structured-output constraint
+(engine/structured_outputs.py) sees every token first; once it is complete
+it only allows EOS, so it normally ends as EOS does, and with ignore_eos its
+end stops the sequence all the same. `max_tokens` can cut a constrained
+output short: that is "length", and the text is then not guaranteed to match.
 
 min_tokens holds back the first three rules, in two halves that share one
 test, `may_stop`:
@@ -126,12 +131,15 @@ class StopChecker:
         max_model_len: int,
         num_prompt_tokens: int,
         detokenizer: IncrementalDetokenizer,
+        grammar=None,
     ) -> None:
+        """`grammar`: the sequence's structured-output matcher, if constrained."""
         self._params = params
         self._eos_token_ids = eos_token_ids
         self._max_model_len = max_model_len
         self._num_prompt_tokens = num_prompt_tokens
         self._detokenizer = detokenizer
+        self._grammar = grammar
         self._stop_strings = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.stop: Stop | None = None  # set once the sequence has stopped
 
@@ -151,6 +159,8 @@ class StopChecker:
 
     def _check(self, token_id: int, num_output_tokens: int) -> Stop | None:
         params = self._params
+        if self._grammar is not None:
+            self._grammar.accept(token_id)
         stoppable = may_stop(params, num_output_tokens)
         if stoppable and token_id in params.stop_token_ids:
             if params.include_stop_str_in_output:
@@ -161,6 +171,8 @@ class StopChecker:
         stop_string = self._append_text(token_id, stoppable)
         if stop_string is not None:
             return Stop("stop", stop_string)
+        if self._grammar is not None and self._grammar.is_terminated:
+            return Stop("stop")
         num_tokens = self._num_prompt_tokens + num_output_tokens
         if num_output_tokens >= params.max_tokens or num_tokens >= self._max_model_len:
             return Stop("length")

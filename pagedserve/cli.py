@@ -4,7 +4,7 @@
     pagedserve generate --prompt "Hello" [--chat] [engine flags]
     pagedserve fleet --redis-url redis://host:6379
     pagedserve chat [--base-url URL] [--system "..."]
-    pagedserve bench throughput|prefix|serve|scheduler|kernels|fleet|offload [...]
+    pagedserve bench throughput|prefix|serve|scheduler|kernels|fleet|offload|structured [...]
 
 Each command is a module with `main(argv) -> int | None` that parses its own
 flags; this dispatcher only picks the module and hands it the rest of the
@@ -35,6 +35,8 @@ BENCHMARKS = MappingProxyType({
     "fleet": ("bench.fleet", "a new replica with the fleet's warm-up vs a cold one (Redis)"),
     "offload": ("bench.offload", "KV offload tiers when prefixes outgrow the pool; warm-up "
                 "from the Redis tier"),
+    "structured": ("bench.structured", "JSON-schema constrained requests in a batch: "
+                   "throughput, mask time per step, compile time"),
 })
 
 

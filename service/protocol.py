@@ -85,6 +85,8 @@ class SamplingFields(Struct, kw_only=True):
     logit_bias: LogitBias | None = None
     # Mixed into the server's per-tenant salt, never used alone (see service/auth.py).
     cache_salt: str | None = None
+    # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (service/constraints.py).
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -93,6 +95,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
+    # text, json_object or json_schema (service/constraints.py).
+    response_format: dict[str, Any] | None = None
     # Accepted by OpenAI but not served here yet: decoded only so that a
     # request using them gets a 400 naming the field instead of free text
     # (service/routes/chat.py, unsupported()).
@@ -101,7 +105,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any | None = None
-    response_format: dict[str, Any] | None = None
 
 
 # A text prompt, a list of token ids, or a batch of either (checked in

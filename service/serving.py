@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 from service.admission import Admission, TimedStream
 from service.auth import cache_salt
 from service.config import ServiceConfig
@@ -96,6 +97,7 @@ class ServiceState:
         prompt_param: str,
         max_tokens: int | None,
         logprobs: int | None,
+        constraint: StructuredOutputsParams | None = None,
     ) -> Admission:
         """Check a parsed request and hand its prompts to the engine.
 
@@ -106,7 +108,7 @@ class ServiceState:
         self._check_model(body.model)
         self._check_accepting()
         all_params = [
-            self._sampling_params(body, token_ids, prompt_param, max_tokens, logprobs)
+            self._sampling_params(body, token_ids, prompt_param, max_tokens, logprobs, constraint)
             for token_ids in prompts
         ]
         request_id = new_id(id_prefix)
@@ -158,7 +160,7 @@ class ServiceState:
                            code="warming",
                            headers={"Retry-After": str(self.config.retry_after_seconds)})
 
-    def _sampling_params(self, body, token_ids, prompt_param, max_tokens, logprobs):
+    def _sampling_params(self, body, token_ids, prompt_param, max_tokens, logprobs, constraint):
         try:
             self.engine.check_prompt(token_ids)
         except ValueError as exc:
@@ -166,12 +168,13 @@ class ServiceState:
         params = sampling_params(
             body, prompt_len=len(token_ids), max_model_len=self.engine.config.max_model_len,
             max_tokens=max_tokens, logprobs=logprobs, prompt_param=prompt_param,
-            defaults=self.sampling_defaults,
+            defaults=self.sampling_defaults, structured_outputs=constraint,
         )
         try:
-            self.engine.check_params(params)
+            self.engine.check_params(params)  # a constraint compiled already (off the loop)
         except ValueError as exc:
-            raise bad_request(f"{exc}", param="logit_bias") from None
+            param = "logit_bias" if str(exc).startswith("logit_bias") else "structured_outputs"
+            raise bad_request(f"{exc}", param=param) from None
         return params
 
     def _submit(
@@ -250,6 +253,7 @@ def sampling_params(
     logprobs: int | None,
     prompt_param: str,
     defaults: dict[str, float] | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams for a request, refusing a length that cannot fit (vLLM's wording).
 
@@ -281,6 +285,7 @@ def sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logit_bias=_logit_bias(body.logit_bias),
+        structured_outputs=structured_outputs,
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):

@@ -9,6 +9,7 @@ from starlette.responses import Response
 
 from engine.chat_template import ChatTemplateError, render_chat_text
 from service.admission import Admission
+from service.constraints import check_constraint, constraint_of
 from service.errors import bad_request
 from service.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -26,6 +27,8 @@ async def create(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     refuse_unsupported(body)
+    constraint, constraint_param = constraint_of(body)
+    await check_constraint(state, constraint, constraint_param)
     token_ids = await render(state, body)
     admission = state.admit(
         request, body, [token_ids],
@@ -35,6 +38,7 @@ async def create(request: Request) -> Response:
         max_tokens=(body.max_tokens if body.max_completion_tokens is None
                     else body.max_completion_tokens),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        constraint=constraint,
     )
     if state.fleet is not None and body.cache_salt is None:
         # A client's own salt is not recorded: no other replica could warm it.
@@ -65,8 +69,6 @@ def refuse_unsupported(body: ChatCompletionRequest) -> None:
         raise _unsupported("functions", "function calling")
     if body.function_call not in (None, "none"):
         raise _unsupported("function_call", "function calling")
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise _unsupported("response_format", "structured outputs (json_object, json_schema)")
     for i, message in enumerate(body.messages):
         if message.tool_calls:
             raise _unsupported(f"messages[{i}].tool_calls", "tool calling")

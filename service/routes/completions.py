@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.admission import Admission
+from service.constraints import check_constraint, constraint_of
 from service.errors import bad_request
 from service.protocol import (
     CompletionChoice, CompletionRequest, CompletionResponse, encoder,
@@ -39,12 +40,15 @@ async def create(request: Request) -> Response:
         # not served (vLLM's current engine dropped it too).
         raise bad_request(f"best_of={body.best_of} is not supported: only best_of=n "
                           f"(n={body.n})", param="best_of", code="unsupported_parameter")
+    constraint, constraint_param = constraint_of(body)
+    await check_constraint(state, constraint, constraint_param)
     admission = state.admit(
         request, body, await state.off_loop(_prompts, state, body.prompt),
         id_prefix="cmpl",
         prompt_param="prompt",
         max_tokens=DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
         logprobs=body.logprobs,
+        constraint=constraint,
     )
     if body.stream:
         return sse_response(_events(state, admission, body), admission,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import prefix_caching, throughput
+from bench import prefix_caching, structured, throughput
 from bench.prefix_report import ideal_prefill_tokens, unique_prompt_tokens
 
 TINY_ENGINE = ["--kv-cache-memory-bytes", str(1 << 22), "--device", "cpu"]
@@ -188,3 +188,19 @@ def test_histogram_median_interpolates_like_promql():
     # 8 new samples: 2 in (0, 0.1], 4 in (0.1, 0.2], 2 above; the 4th sits halfway in the second.
     assert abs(histogram_median(before, after, name) - 0.15) < 1e-9
     assert histogram_median(after, after, name) is None
+
+
+def test_structured_bench_smoke(tiny_llama_path, tmp_path):
+    """Both runs and the compile times are reported; the constrained run masked steps."""
+    out = tmp_path / "structured.json"
+    argv = ["--model", str(tiny_llama_path), *TINY_ENGINE, "--requests", "4",
+            "--output-len", "8", "--output", str(out)]
+    assert structured.main(argv) == 0
+    report = json.loads(out.read_text())
+    plain, mixed = report["runs"]
+    assert (plain["constrained"], mixed["constrained"]) == (False, True)
+    assert plain["output_tokens"] == 4 * 8 and plain["mask_steps"] == 0
+    assert 2 * 8 < mixed["output_tokens"] <= 4 * 8 and mixed["mask_steps"] > 0
+    assert 0 < mixed["mask_ms_median"] <= mixed["mask_ms_max"]
+    assert set(report["compile_ms"]) == {"vocabulary", *structured.SCHEMAS}
+    assert all(ms > 0 for ms in report["compile_ms"].values())

@@ -180,16 +180,14 @@ def test_a_conversation_of_more_messages_than_tokens_is_refused_unrendered(serve
     assert f"{MAX_MODEL_LEN} messages" in error["message"]
 
 
-# -- 3. options that are not served are refused by name; logit_bias is served ---------------
+# -- 3. options that are not served are refused by name (response_format is served:
+#       tests/service/test_structured_outputs_http.py) -----------------------------------------
 @pytest.mark.parametrize("field,value,param", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tools"),
     ("tool_choice", "required", "tool_choice"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice"),
     ("functions", [{"name": "f", "parameters": {}}], "functions"),
     ("function_call", "auto", "function_call"),
-    ("response_format", {"type": "json_object"}, "response_format"),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
-     "response_format"),
 ])
 def test_unserved_openai_options_are_refused_by_name(server, field, value, param):
     with client(server) as http:

@@ -1,0 +1,73 @@
+"""A request's output constraint: OpenAI's `response_format`, or vLLM's `structured_outputs`.
+
+    response_format {"type": "text"}                      no constraint
+                    {"type": "json_object"}               any JSON object
+                    {"type": "json_schema",
+                     "json_schema": {"name", "schema", "strict"}}   that schema
+    structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+
+The result is the engine's StructuredOutputsParams. A malformed field, or a
+schema, regex or grammar that does not compile, is a 400 naming the field;
+compiling runs off the event loop, before the request reaches the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.structured_outputs import ConstraintError, StructuredOutputsParams
+from service.errors import bad_request
+
+
+def constraint_of(body) -> tuple[StructuredOutputsParams | None, str]:
+    """The body's constraint and the field it came from (for error messages)."""
+    response_format = getattr(body, "response_format", None)
+    if body.structured_outputs is not None:
+        if response_format is not None and response_format.get("type") != "text":
+            raise bad_request("set response_format or structured_outputs, not both",
+                              param="structured_outputs")
+        return _params(body.structured_outputs, "structured_outputs"), "structured_outputs"
+    if response_format is None:
+        return None, "response_format"
+    return _from_response_format(response_format)
+
+
+def _from_response_format(response_format: dict[str, Any]
+                          ) -> tuple[StructuredOutputsParams | None, str]:
+    kind = response_format.get("type")
+    if kind == "text":
+        return None, "response_format"
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True), "response_format"
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, "
+                          f"got {kind!r}", param="response_format.type")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise bad_request("response_format.json_schema must be an object with a name",
+                          param="response_format.json_schema")
+    param = "response_format.json_schema.schema"
+    return _params({"json": spec.get("schema", {"type": "object"})}, param), param
+
+
+def _params(fields, param: str) -> StructuredOutputsParams:
+    if not isinstance(fields, dict):
+        raise bad_request(f"{param} must be an object", param=param)
+    try:
+        return StructuredOutputsParams(**fields)
+    except TypeError as exc:
+        raise bad_request(f"{param}: {exc}", param=param) from None
+    except ValueError as exc:
+        raise bad_request(f"{param}: {exc}", param=param) from None
+
+
+async def check_constraint(state, constraint: StructuredOutputsParams | None, param: str) -> None:
+    """Compile the constraint off the loop (cached for the engine); 400 if it is invalid."""
+    if constraint is None:
+        return
+    try:
+        await state.off_loop(state.engine.engine.structured_outputs.compile, constraint)
+    except ConstraintError as exc:
+        raise bad_request(f"{param} is invalid: {exc.detail}", param=param) from None
+    except ValueError as exc:  # no tokenizer to compile against
+        raise bad_request(f"{param}: {exc}", param=param) from None
