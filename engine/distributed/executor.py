@@ -239,10 +239,12 @@ class TensorParallelRunner(ModelRunner):
             raise WorkerFailedError("the tensor-parallel runner is closed")
         try:
             return fn(*args)
-        except RuntimeError as exc:
-            # A peer's socket closed: give its watch thread a moment to say why.
-            failure = self.workers.wait_for_failure(2.0)
-            self.workers.fail(failure or f"a tensor-parallel collective failed: {exc}")
+        except BaseException as exc:
+            # The ranks are out of step now, whether a peer died (its socket
+            # closed: give its watch thread a moment to say why) or rank 0
+            # failed halfway through a step: the group cannot go on.
+            failure = self.workers.wait_for_failure(2.0) if isinstance(exc, RuntimeError) else None
+            self.workers.fail(failure or f"a tensor-parallel step failed on rank 0: {exc!r}")
             raise WorkerFailedError(self.workers.failure) from exc
 
     # -- offload tiers: a block's record is every rank's slice, rank after rank ----------

@@ -162,6 +162,25 @@ def test_a_worker_dying_while_idle_is_reported_at_once(tiny_llama_path):
     llm.engine.close()
 
 
+def test_rank_0_failing_halfway_through_a_step_stops_the_workers(tiny_llama_path):
+    # The workers wait in the second layer's all-reduce that rank 0 never reaches:
+    # the group is out of step, so the engine fails rather than hang or mix steps.
+    llm = LLM(str(tiny_llama_path), dtype="float32", tensor_parallel_size=2, max_model_len=256,
+              kv_cache_memory_bytes=32 << 20)
+    pids = llm.engine.runner.workers.pids
+
+    def broken(x):
+        raise ValueError("injected fault in rank 0's second layer")
+
+    llm.engine.runner.model.layers[1].mlp.forward = broken
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError, match="failed on rank 0: .*injected fault"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 10
+    assert all_gone(pids)
+    llm.engine.close()
+
+
 def test_close_stops_every_worker(tiny_llama_path):
     llm = LLM(str(tiny_llama_path), dtype="float32", tensor_parallel_size=2, max_model_len=256,
               kv_cache_memory_bytes=32 << 20)
