@@ -353,10 +353,8 @@ class LLMEngine:
     def memory_per_rank(self) -> list[dict[str, int]]:
         """Bytes of weights and of KV cache held by each tensor-parallel rank
         (one entry without tensor parallelism; none for a runner that doesn't say)."""
-        memory = getattr(self.runner, "rank_memory", None)
-        if memory is None and hasattr(self.runner, "memory"):
-            memory = [self.runner.memory()]
-        return memory or []
+        report = getattr(self.runner, "memory_per_rank", None)
+        return report() if report is not None else []
 
     def offload_stats(self) -> dict | None:
         """Per tier hits, stores, bytes and usage, and the load/store counters (None: no tiers)."""

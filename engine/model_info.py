@@ -64,7 +64,7 @@ def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunn
         "model ready: %s on %s (%s), %d KV blocks of %d tokens",
         model_path.name, runner.device, runner.dtype, runner.num_blocks, config.block_size,
     )
-    for rank, memory in enumerate(getattr(runner, "rank_memory", None) or [runner.memory()]):
+    for rank, memory in enumerate(runner.memory_per_rank()):
         logger.info("rank %d of %d holds %.1f MiB of weights and %.1f MiB of KV cache",
                     rank, config.tensor_parallel_size, memory["weights_bytes"] / 2**20,
                     memory["kv_cache_bytes"] / 2**20)

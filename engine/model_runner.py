@@ -224,6 +224,10 @@ class ModelRunner:
         return {"weights_bytes": weights,
                 "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
 
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        """memory() of every tensor-parallel rank, in rank order (here: this one)."""
+        return [self.memory()]
+
     def _num_kv_blocks(self) -> int:
         """How many KV blocks fit in the memory budget; refuse if one long sequence doesn't."""
         config = self.config

@@ -213,6 +213,9 @@ class TensorParallelRunner(ModelRunner):
             self.workers.abandon()
             raise
 
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        return self.rank_memory  # gathered from every rank once, at start-up
+
     @property
     def failure(self) -> str | None:
         """Why the runner cannot step (a worker died), or None."""

@@ -67,6 +67,12 @@ def six_head_llama(tmp_path_factory, smollm2_path) -> Path:
                            intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
 
 
+def two_ranks(model: Path) -> LLM:
+    """The tiny model over two ranks, for the tests that kill or close them."""
+    return LLM(str(model), dtype="float32", tensor_parallel_size=2, max_model_len=256,
+               kv_cache_memory_bytes=32 << 20)
+
+
 def assert_sharded_memory(tp1_memory, memory, size: int) -> None:
     """Each rank holds about 1/N of the weights (norms and RoPE tables are whole
     on every rank) and its KV budget's worth of cache."""
@@ -151,8 +157,7 @@ def test_a_worker_killed_mid_run_fails_the_engine_and_leaves_no_process(six_head
 
 
 def test_a_worker_dying_while_idle_is_reported_at_once(tiny_llama_path):
-    llm = LLM(str(tiny_llama_path), dtype="float32", tensor_parallel_size=2, max_model_len=256,
-              kv_cache_memory_bytes=32 << 20)
+    llm = two_ranks(tiny_llama_path)
     pids = llm.engine.runner.workers.pids
     os.kill(pids[0], signal.SIGKILL)
     assert wait_until(lambda: llm.engine.failure is not None, timeout=5, interval=0.05)
@@ -165,8 +170,7 @@ def test_a_worker_dying_while_idle_is_reported_at_once(tiny_llama_path):
 def test_rank_0_failing_halfway_through_a_step_stops_the_workers(tiny_llama_path):
     # The workers wait in the second layer's all-reduce that rank 0 never reaches:
     # the group is out of step, so the engine fails rather than hang or mix steps.
-    llm = LLM(str(tiny_llama_path), dtype="float32", tensor_parallel_size=2, max_model_len=256,
-              kv_cache_memory_bytes=32 << 20)
+    llm = two_ranks(tiny_llama_path)
     pids = llm.engine.runner.workers.pids
 
     def broken(x):
@@ -182,8 +186,7 @@ def test_rank_0_failing_halfway_through_a_step_stops_the_workers(tiny_llama_path
 
 
 def test_close_stops_every_worker(tiny_llama_path):
-    llm = LLM(str(tiny_llama_path), dtype="float32", tensor_parallel_size=2, max_model_len=256,
-              kv_cache_memory_bytes=32 << 20)
+    llm = two_ranks(tiny_llama_path)
     pids = llm.engine.runner.workers.pids
     assert all(alive(pid) for pid in pids)
     llm.engine.close()
