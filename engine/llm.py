@@ -69,14 +69,19 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation or a list of them, using the model's chat template."""
+        """Answer one conversation or a list of them, using the model's chat template.
+
+        `tools` (OpenAI's function objects) go to the template's `tools`
+        variable; reading calls out of the text is the HTTP service's part.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _params_per_prompt(sampling_params, len(conversations))
         tokenizer = self.get_tokenizer()
         items = []
         for conversation, sp in zip(conversations, params):
-            text = render_chat_text(tokenizer, conversation, add_generation_prompt)
+            text = render_chat_text(tokenizer, conversation, add_generation_prompt, tools)
             items.append((text, sp, False))  # the template already placed special tokens
         return self._run(items, use_tqdm)
 

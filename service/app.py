@@ -25,6 +25,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from engine.async_engine import AsyncEngine
+from engine.chat_template import chat_template_source, renders_tools
 from engine.llm_engine import LLMEngine
 from engine.models.loader import load_sampling_defaults, load_tokenizer
 from service.auth import Guard
@@ -36,6 +37,7 @@ from service.openapi import build_openapi
 from service.routes import ROUTES
 from service.serving import ServiceState
 from service.token_bytes import TokenBytes
+from service.tool_parsers import detect_parser
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ async def start_service(config: ServiceConfig) -> ServiceState:
         model_name=config.served_model_name or config.engine.model,
         sampling_defaults=(load_sampling_defaults(engine.model_path)
                            if config.generation_config == "auto" else {}),
+        renders_tools=renders_tools(tokenizer),
+        tool_parser=detect_parser(chat_template_source(tokenizer), config.tool_call_parser),
     )
     logger.info("serving %s at http://%s:%d", state.model_name, config.host, config.port)
     if state.sampling_defaults:

@@ -26,7 +26,7 @@ import yaml
 
 from engine.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
-from service.config import GENERATION_CONFIGS, FleetConfig, ServiceConfig
+from service.config import GENERATION_CONFIGS, TOOL_CALL_PARSERS, FleetConfig, ServiceConfig
 
 
 def add_service_args(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +58,10 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
                        help="defaults for sampling settings a request leaves out; auto: the "
                             "model's generation_config.json (SmolLM2: temperature 0.2, top_p "
                             "0.9), vllm: the API's own (temperature 1.0)")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
+                       help='the tool-call format tool_choice "auto" reads; auto: from the chat '
+                            "template (hermes: <tool_call>, llama3_json: <|python_tag|>), none: "
+                            'refuse "auto" ("required" and named functions always work)')
     group.add_argument("--log-prompts", action="store_true",
                        help="log prompt token ids (off by default: prompts are private)")
     group.add_argument("--log-level", default="info",
@@ -161,6 +165,7 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         log_prompts=args.log_prompts,
         generation_config=args.generation_config,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

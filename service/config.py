@@ -12,6 +12,9 @@ from engine.config import EngineConfig
 
 
 GENERATION_CONFIGS = ("auto", "vllm")
+# tool_choice "auto" reads the model's own tool-call format (service/tool_parsers.py):
+# "auto" picks it from the chat template, "none" refuses tool_choice "auto".
+TOOL_CALL_PARSERS = ("auto", "none", "hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class ServiceConfig:
     # model's generation_config.json (as vLLM does), "vllm" the API's own
     # (temperature 1.0, top_p 1.0, ...).
     generation_config: str = "auto"
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
@@ -101,6 +105,9 @@ class ServiceConfig:
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config={self.generation_config!r} must be one of "
                              f"{', '.join(GENERATION_CONFIGS)}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
         if any(not key for key in self.api_keys + self.admin_keys):
             raise ValueError("api_keys and admin_keys must not contain an empty key")
         for name in ("max_request_body_bytes", "max_waiting_requests", "retry_after_seconds"):

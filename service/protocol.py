@@ -49,14 +49,54 @@ class TextPart(Struct):
     text: str
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct):
+    """A call the assistant made: in a response, and in the history a client sends back."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct):
     # "developer" is OpenAI's newer name for the system role.
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # Decoded so that a conversation carrying tool calls is refused by name
-    # (tools are not supported yet), not silently stripped of them.
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
+
+
+# OpenAI's rule for function names (service/tools.py).
+FunctionName = Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object
+    strict: bool | None = None  # accepted; the output is always held to the schema
+
+
+class Tool(Struct):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -97,12 +137,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     # text, json_object or json_schema (service/constraints.py).
     response_format: dict[str, Any] | None = None
-    # Accepted by OpenAI but not served here yet: decoded only so that a
-    # request using them gets a 400 naming the field instead of free text
-    # (service/routes/chat.py, unsupported()).
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
+    # Tool calling (service/tools.py); tool_choice defaults to "auto" with tools.
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated form of tools: decoded only to refuse it by name.
     functions: list[Any] | None = None
     function_call: Any | None = None
 
@@ -149,9 +188,10 @@ class ChoiceLogprobs(Struct):
     content: list[TokenLogprob] | None
 
 
-class AssistantMessage(Struct):
+class AssistantMessage(Struct, omit_defaults=True):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the turn is only tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Struct):
@@ -172,9 +212,24 @@ class ChatCompletionResponse(Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """A piece of a streamed tool call: the first carries id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+
 class Delta(Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -65,6 +65,10 @@ class ServiceState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM received: finish what runs, take nothing new
     fleet: Any = None  # service.fleet.Fleet with --redis-url, else None
+    # Tool calling (service/tools.py): whether the chat template shows the model
+    # its tools, and the tool-call format tool_choice "auto" reads (None: refused).
+    renders_tools: bool = False
+    tool_parser: str | None = None
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) in the worker thread (rendering, tokenizing); its errors re-raise here."""

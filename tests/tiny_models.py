@@ -33,3 +33,13 @@ def make_tiny_model(folder: Path, tokenizer_source: Path, **overrides) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(folder)
     return folder
+
+
+# A Hermes-style chat template (as Qwen2.5's, shortened): it shows the model its
+# tools and writes earlier calls as <tool_call>{...}</tool_call>.
+HERMES_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")

@@ -7,6 +7,7 @@ it does not name are ignored, so a newer server never breaks an older client.
 
 from __future__ import annotations
 
+import msgspec
 from msgspec import Struct
 
 
@@ -26,9 +27,25 @@ class Usage(Struct):
         return self.prompt_tokens_details.cached_tokens if self.prompt_tokens_details else 0
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text
+
+    def parsed_arguments(self):
+        """The arguments as Python values."""
+        return msgspec.json.decode(self.arguments)
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class Message(Struct):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # with tools and tool_choice
 
 
 class ChatChoice(Struct):

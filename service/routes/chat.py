@@ -13,12 +13,14 @@ from service.constraints import check_constraint, constraint_of
 from service.errors import bad_request
 from service.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatMessage, Delta, encoder,
+    ChatCompletionResponse, Delta, FunctionCall, FunctionDelta, ToolCall, ToolCallDelta, encoder,
 )
 from service.routes.logprobs import chat_logprobs
 from service.routes.usage import usage
 from service.serving import ServiceState, parse
 from service.streaming import event, sse_response
+from service.tool_parsers import Parsed, parse_text
+from service.tools import ToolPlan, plan_tools, template_messages, template_tools
 
 
 async def create(request: Request) -> Response:
@@ -27,9 +29,10 @@ async def create(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     refuse_unsupported(body)
-    constraint, constraint_param = constraint_of(body)
+    plan = plan_tools(body, state.tool_parser)
+    constraint, constraint_param = _constraint(body, plan)
     await check_constraint(state, constraint, constraint_param)
-    token_ids = await render(state, body)
+    messages, token_ids = await render(state, body, plan)
     admission = state.admit(
         request, body, [token_ids],
         id_prefix="chatcmpl",
@@ -42,44 +45,46 @@ async def create(request: Request) -> Response:
     )
     if state.fleet is not None and body.cache_salt is None:
         # A client's own salt is not recorded: no other replica could warm it.
-        state.fleet.observe_chat(_system_turn(body), token_ids,
+        state.fleet.observe_chat(_system_turn(messages), token_ids,
                                  getattr(request.state, "api_key", None))
     if body.stream:
-        return sse_response(_events(state, admission, body), admission,
+        return sse_response(_events(state, admission, body, plan), admission,
                             state.config.sse_ping_seconds)
     outputs = await admission.collect(request)
     if outputs is None:
         return Response(status_code=499)  # nobody is listening any more
-    return Response(encoder.encode(_response(state, admission.request_id, outputs[0], body)),
-                    media_type="application/json")
+    response = _response(state, admission.request_id, outputs[0], body, plan)
+    return Response(encoder.encode(response), media_type="application/json")
 
 
 def refuse_unsupported(body: ChatCompletionRequest) -> None:
-    """400 for an OpenAI option this server does not serve yet, naming it.
+    """400 for OpenAI's deprecated `functions` / `function_call`, naming them.
 
-    Answering such a request with free text would look like success to a
-    client that relies on the option (a JSON schema, a tool call), so each is
-    refused unless it asks for what plain generation does anyway.
+    Answering with free text would look like success to a client that relies
+    on a function call; `tools` and `tool_choice` are their served successors.
     """
-    if body.tools:
-        raise _unsupported("tools", "tool calling")
-    if body.tool_choice not in (None, "none"):
-        raise _unsupported("tool_choice", "tool calling")
-    if body.functions:
-        raise _unsupported("functions", "function calling")
-    if body.function_call not in (None, "none"):
-        raise _unsupported("function_call", "function calling")
-    for i, message in enumerate(body.messages):
-        if message.tool_calls:
-            raise _unsupported(f"messages[{i}].tool_calls", "tool calling")
+    for param, value in (("functions", body.functions), ("function_call", body.function_call)):
+        if value not in (None, [], "none"):
+            raise bad_request(f"{param} is OpenAI's deprecated form of tool calling and is not "
+                              "served: send tools and tool_choice instead",
+                              param=param, code="unsupported_parameter")
 
 
-def _unsupported(param: str, feature: str):
-    return bad_request(f"{param}: {feature} is not supported by this server yet",
-                       param=param, code="unsupported_parameter")
+def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None):
+    """The output constraint: response_format / structured_outputs, or the tools' grammar."""
+    constraint, param = constraint_of(body)
+    if plan is None or not plan.calls_tools:
+        return constraint, param
+    if constraint is not None:
+        field = param.split(".")[0]
+        raise bad_request(f"{field} cannot be combined with tool_choice {plan.choice!r}: a "
+                          "turn is either tool calls or constrained content",
+                          param=field)
+    return plan.constraint, plan.constraint_param
 
 
-async def render(state: ServiceState, body: ChatCompletionRequest) -> list[int]:
+async def render(state: ServiceState, body: ChatCompletionRequest,
+                 plan: ToolPlan | None) -> tuple[list[dict], list[int]]:
     """The conversation through the model's chat template, as token ids (off the loop).
 
     Every message costs at least one token (its role marker), so a conversation
@@ -91,59 +96,76 @@ async def render(state: ServiceState, body: ChatCompletionRequest) -> list[int]:
         raise bad_request(
             f"this model's maximum context length is {limit} tokens; the conversation has "
             f"{len(body.messages)} messages, at least one token each", param="messages")
-    return await state.off_loop(_render, state, body)
+    return await state.off_loop(_render, state, body, plan)
 
 
-def _render(state: ServiceState, body: ChatCompletionRequest) -> list[int]:
-    messages = [_message(m) for m in body.messages]
+def _render(state: ServiceState, body: ChatCompletionRequest,
+            plan: ToolPlan | None) -> tuple[list[dict], list[int]]:
+    messages = template_messages(body.messages, plan, state.renders_tools)
     try:
-        text = render_chat_text(state.tokenizer, messages, body.add_generation_prompt)
+        text = render_chat_text(state.tokenizer, messages, body.add_generation_prompt,
+                                tools=template_tools(plan, state.renders_tools))
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     state.check_text_size(len(text), "messages")  # before the costly part: tokenizing
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    return messages, state.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _system_turn(body: ChatCompletionRequest) -> list[dict]:
-    """The system (or developer) messages the conversation opens with."""
+def _system_turn(messages: list[dict]) -> list[dict]:
+    """The system messages the conversation opens with (as rendered)."""
     system = []
-    for message in body.messages:
-        if message.role not in ("system", "developer"):
+    for message in messages:
+        if message["role"] != "system":
             break
-        system.append(_message(message))
+        system.append(message)
     return system
 
 
-def _message(message: ChatMessage) -> dict:
-    content = message.content
-    if content is None:
-        content = ""
-    elif isinstance(content, list):
-        content = "".join(part.text for part in content)
-    role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content}
-
-
-def _response(state, request_id, output, body) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(
+def _response(state, request_id, output, body, plan) -> ChatCompletionResponse:
+    choices = []
+    for c in output.outputs:
+        message, calls = _message(c.text, plan)
+        choices.append(ChatChoice(
             index=c.index,
-            message=AssistantMessage("assistant", c.text),
+            message=message,
             logprobs=(chat_logprobs(state.tokenizer, state.token_bytes, c, 0, len(c.token_ids))
                       if body.logprobs else None),
-            finish_reason=c.finish_reason,
+            finish_reason=plan.finish_reason(c.finish_reason, calls) if plan else c.finish_reason,
             stop_reason=c.stop_reason,
-        )
-        for c in output.outputs
-    ]
+        ))
     return ChatCompletionResponse(
         request_id, int(time.time()), state.model_name, choices, usage(output)
     )
 
 
-async def _events(state: ServiceState, admission: Admission, body):
-    """The SSE events of one chat stream: role, content deltas, finish, usage."""
+def _message(text: str, plan: ToolPlan | None) -> tuple[AssistantMessage, int]:
+    """The assistant's turn, with its tool calls read out of the text; and how many."""
+    parser = plan.new_parser() if plan is not None else None
+    if parser is None:
+        return AssistantMessage("assistant", text), 0
+    content, calls = parse_text(parser, text)
+    tool_calls = [ToolCall(c.id, FunctionCall(c.name, c.arguments)) for c in calls]
+    if tool_calls:
+        return AssistantMessage("assistant", content or None, tool_calls), len(tool_calls)
+    return AssistantMessage("assistant", content), 0
+
+
+def _delta(parsed: Parsed) -> Delta:
+    """A stream's delta from what a tool-call parser made of the new text."""
+    calls: list[ToolCallDelta] = []
+    for piece in parsed.calls:
+        if calls and calls[-1].index == piece.index:  # one entry per call and chunk
+            calls[-1].function.arguments += piece.arguments
+        else:
+            calls.append(ToolCallDelta(piece.index, piece.id, "function" if piece.id else None,
+                                       FunctionDelta(piece.name, piece.arguments)))
+    return Delta(content=parsed.content or None, tool_calls=calls or None)
+
+
+async def _events(state: ServiceState, admission: Admission, body, plan: ToolPlan | None):
+    """The SSE events of one chat stream: role, content or tool-call deltas, finish, usage."""
     created, model = int(time.time()), state.model_name
+    parsers = [plan.new_parser() if plan is not None else None for _ in range(body.n)]
 
     def chunk(choices, **extra) -> bytes:
         return event(ChatCompletionChunk(admission.request_id, created, model, choices, **extra))
@@ -158,9 +180,19 @@ async def _events(state: ServiceState, admission: Admission, body):
                 end = len(c.token_ids)
                 logprobs = chat_logprobs(state.tokenizer, state.token_bytes, c,
                                          end - len(c.delta_token_ids), end)
-            choices.append(ChatChunkChoice(
-                c.index, Delta(content=c.delta_text or None), logprobs, c.finish_reason
-            ))
-        yield chunk(choices)
+            parser, finish_reason = parsers[c.index], c.finish_reason
+            if parser is None:
+                delta = Delta(content=c.delta_text or None)
+            else:
+                parsed = parser.feed(c.delta_text)
+                if finish_reason is not None:
+                    parsed.add(parser.finish())
+                    finish_reason = plan.finish_reason(finish_reason, parser.calls)
+                delta = _delta(parsed)
+                if delta == Delta() and finish_reason is None and logprobs is None:
+                    continue  # the text so far is a call's head, not yet a piece of one
+            choices.append(ChatChunkChoice(c.index, delta, logprobs, finish_reason))
+        if choices:
+            yield chunk(choices)
     if body.stream_options is not None and body.stream_options.include_usage:
         yield chunk([], usage=usage(*admission.latest))

@@ -47,6 +47,18 @@ def test_chat_and_its_stream_say_the_same(client):
     assert stream.done and stream.id.startswith("chatcmpl-")
 
 
+def test_tool_calls_are_typed(client):
+    unit = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"], "additionalProperties": False}
+    answer = client.chat(HELLO, max_tokens=30, tools=[
+        {"type": "function", "function": {"name": "set_unit", "parameters": unit}}],
+        tool_choice={"type": "function", "function": {"name": "set_unit"}})
+    [call] = answer.choices[0].message.tool_calls
+    assert call.function.name == "set_unit" and call.id.startswith("call_")
+    assert call.function.parsed_arguments()["unit"] in ("celsius", "fahrenheit")
+    assert answer.choices[0].message.content is None and answer.text == ""
+
+
 def test_completions_models_and_health(client, server):
     whole = client.complete("The sea is", max_tokens=8, temperature=0)
     assert client.complete_stream("The sea is", max_tokens=8, temperature=0).text() == whole.text

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from tiny_models import HERMES_CHAT_TEMPLATE
 
 MAX_MODEL_LEN = 256
 VOCAB = 49152
@@ -536,6 +537,22 @@ def test_streaming_n2(llm):
 
 
 # -- chat -----------------------------------------------------------------------------------------
+def test_chat_passes_tools_to_the_template(llm, tokenizer):
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "Time?"}]
+    original = tokenizer.chat_template  # the engine's own tokenizer: restored after
+    tokenizer.chat_template = HERMES_CHAT_TEMPLATE
+    try:
+        expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=True)
+        [out] = llm.chat(messages, greedy(2), use_tqdm=False, tools=tools)
+    finally:
+        tokenizer.chat_template = original
+    assert '"name": "get_time"' in expected
+    assert out.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+
+
 def test_chat(llm, tokenizer):
     messages = [
         {"role": "system", "content": "You are terse."},

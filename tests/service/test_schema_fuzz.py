@@ -152,7 +152,7 @@ def test_request_schemas_publish_the_bounds(fuzz_server):
         "type": "integer", "minimum": 0, "maximum": 20}
     assert components["CompletionRequest"]["required"] == ["prompt"]
     roles = components["ChatMessage"]["properties"]["role"]
-    assert set(roles["enum"]) == {"system", "developer", "user", "assistant"}
+    assert set(roles["enum"]) == {"system", "developer", "user", "assistant", "tool"}
 
 
 def test_the_published_bounds_are_the_enforced_ones(fuzz_server):
