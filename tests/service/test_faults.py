@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
 import pytest
 
+from engine.async_engine import Command
 from live_server import LiveServer, run_server, tiny_config, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -369,17 +371,26 @@ def test_requests_dropped_while_queued_are_aborted(tiny_llama_path):
             while stats(live)["num_requests_waiting"] < 5:  # 1 + 2 + 2 engine requests
                 assert time.monotonic() < deadline, stats(live)
                 await asyncio.sleep(0.01)
+            # The engine thread is held while the clients leave, so the step count
+            # when the server lets go is exact, and read again by a command that
+            # runs behind the aborts: polling from here would count the steps a
+            # busy machine takes to wake this thread too.
+            held, release = threading.Event(), threading.Event()
+            live.state.engine._submit(Command(lambda: (held.set(), release.wait(30))))
+            assert held.wait(10)
             for response in queued:
                 await response.aclose()
             for task in posts:
                 task.cancel()
             await asyncio.gather(*posts, return_exceptions=True)
             closed = step_when_released(live, still_open=1)  # the first one runs on
-            deadline = time.monotonic() + 30
-            while stats(live)["num_requests_waiting"] > 0:
-                assert time.monotonic() < deadline, stats(live)
-                await asyncio.sleep(0.01)
-            assert steps(live) - closed <= MAX_STEPS_TO_RELEASE, "left the queue late"
+            seen = []
+            live.state.engine._submit(Command(lambda: seen.append(
+                (len(live.state.engine.engine.scheduler.waiting), steps(live)))))
+            release.set()
+            assert wait_until(lambda: seen, 30)
+            [(waiting, step)] = seen
+            assert waiting == 0 and step - closed <= MAX_STEPS_TO_RELEASE, "left the queue late"
             # The one that runs is untouched and still streaming.
             assert stats(live)["num_requests_running"] == 1
             lines = first.aiter_lines()
