@@ -33,10 +33,19 @@ def test_bfloat16_matches_hf_arithmetic(ops, shape, with_residual, session_seed)
     expected = rms_norm_reference(x, weight, 1e-5, ref_residual if with_residual else None)
     # The residual add is one rounded add, as torch's: identical.
     assert torch.equal(ours_residual, ref_residual)
-    # Only the mean's summation order differs: at most one bf16 step, rarely.
-    step = 2.0 ** (torch.frexp(expected.double())[1] - 8)
-    assert ((out.double() - expected.double()).abs() <= step).all(), f"seed {session_seed}"
+    # Only the mean's summation order differs, so the normalized value (rounded
+    # to bf16 before the weight multiplies it, as HF does) may move by one bf16
+    # step, rarely; the weight scales that step and the product is rounded again.
+    normalized = rms_norm_reference(x, torch.ones_like(weight), 1e-5,
+                                    residual.clone() if with_residual else None)
+    bound = bf16_step(expected) + weight.double().abs() * bf16_step(normalized)
+    assert ((out.double() - expected.double()).abs() <= bound).all(), f"seed {session_seed}"
     assert (out == expected).float().mean() > 0.99
+
+
+def bf16_step(values: torch.Tensor) -> torch.Tensor:
+    """The distance from each value to the next bf16 of larger magnitude (8 significant bits)."""
+    return 2.0 ** (torch.frexp(values.double())[1] - 8)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
