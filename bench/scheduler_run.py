@@ -89,11 +89,12 @@ def steady_workload(case: Case, args, rng: random.Random) -> Workload:
 
 
 def case_config(case: Case, args, steady: Workload) -> EngineConfig:
-    """KV blocks for every steady sequence to grow through the timed steps
-    (none is preempted) and, for admission, three bursts' worth: two running
-    (seats for two bursts, so one is admitted while the last one finishes) and a spare."""
+    """KV blocks for every steady sequence to grow to its max_tokens (none is
+    preempted, and admission's headroom for that growth is there) and, for
+    admission, three bursts' worth: two running (seats for two bursts, so one
+    is admitted while the last one finishes) and a spare."""
     bs = args.block_size
-    margin = bs + args.warmup + args.steps + 8  # tokens a decoding sequence grows by, and slack
+    margin = bs + max(steady.output_lens, default=0) + 8  # tokens a decoding sequence grows by, and slack
     num_blocks = 1 + sum(blocks_needed(len(p) + margin, bs) for p in steady.prompts)
     if case.name == "admission":
         num_blocks += 3 * args.burst * blocks_needed(args.prompt_len + args.burst_output_len + 1, bs)

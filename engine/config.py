@@ -72,6 +72,10 @@ class EngineConfig:
         "help": "most sequences in one step"})
     max_num_batched_tokens: int = field(default=8192, metadata={
         "help": "most tokens in one step (the chunked-prefill budget)"})
+    schedule_conservativeness: float = field(default=1.0, metadata={
+        "help": "how many free KV blocks admission keeps for the running sequences' "
+                "expected growth: 0 admits whenever a prompt fits (preempting more "
+                "later), above 1 is more cautious"})
     max_model_len: int = field(default=0, metadata={
         "help": "longest sequence, prompt and output; 0: the model's own limit"})
     # Parallelism and kernels.
@@ -137,6 +141,11 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
+        conservativeness = self.schedule_conservativeness
+        if isinstance(conservativeness, bool) or not isinstance(conservativeness, (int, float)) \
+                or not conservativeness >= 0:
+            raise ValueError(f"schedule_conservativeness must be a number >= 0, "
+                             f"got {conservativeness!r}")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
 
     def _check_ints(self) -> None:

@@ -62,6 +62,17 @@ def test_good_gpu_memory_utilization(value):
     assert EngineConfig(gpu_memory_utilization=value).gpu_memory_utilization == value
 
 
+@pytest.mark.parametrize("value", [-0.1, -1, float("nan"), "1", None, True])
+def test_bad_schedule_conservativeness(value):
+    with pytest.raises(ValueError, match=r"schedule_conservativeness must be a number >= 0"):
+        EngineConfig(schedule_conservativeness=value)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 0.5, 1.0, 3])
+def test_good_schedule_conservativeness(value):
+    assert EngineConfig(schedule_conservativeness=value).schedule_conservativeness == value
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
@@ -220,12 +231,13 @@ def test_the_documented_flags_keep_their_spelling():
             "--max-model-len", "128", "--gpu-memory-utilization", "0.5",
             "--kv-cache-memory-bytes", "4096", "--tensor-parallel-size", "1",
             "--no-enable-prefix-caching", "--kernel-backend", "torch", "--device", "cpu",
-            "--num-threads", "2", "--seed", "7"]
+            "--num-threads", "2", "--seed", "7", "--schedule-conservativeness", "0.5"]
     assert config_from_args(engine_parser().parse_args(argv)) == EngineConfig(
         model="m", tokenizer="t", dtype="bfloat16", quantization="int4", block_size=32,
         max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
         gpu_memory_utilization=0.5, kv_cache_memory_bytes=4096, tensor_parallel_size=1,
-        enable_prefix_caching=False, kernel_backend="torch", device="cpu", num_threads=2, seed=7)
+        enable_prefix_caching=False, kernel_backend="torch", device="cpu", num_threads=2, seed=7,
+        schedule_conservativeness=0.5)
     assert engine_parser().parse_args(["--enable-prefix-caching"]).enable_prefix_caching is True
 
 

@@ -59,7 +59,8 @@ def llm(tiny_llama_path) -> LLM:
 
 @pytest.fixture(scope="module")
 def small_llm(tiny_llama_path) -> LLM:
-    """Room for one max_model_len sequence and a little more: forces preemption."""
+    """Room for one max_model_len sequence and a little more; admitting without
+    headroom for growth (schedule_conservativeness=0) forces preemption."""
     return LLM(
         str(tiny_llama_path),
         dtype="float32",
@@ -67,6 +68,7 @@ def small_llm(tiny_llama_path) -> LLM:
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=128,
         num_gpu_blocks_override=20,
+        schedule_conservativeness=0,
         seed=1,
     )
 

@@ -64,9 +64,12 @@ CONFIGS = [
     ("block128", dict(block_size=128), False),
     ("block16-chunked", dict(block_size=16, max_num_batched_tokens=32), False),
     ("block128-chunked", dict(block_size=128, max_num_batched_tokens=128), False),
-    ("block4-preempt", dict(block_size=4, max_model_len=400, num_gpu_blocks_override=110), True),
+    # admitting without headroom for growth (schedule_conservativeness=0) forces preemption
+    ("block4-preempt", dict(block_size=4, max_model_len=400, num_gpu_blocks_override=110,
+                            schedule_conservativeness=0), True),
     ("block16-chunked-preempt",
-     dict(block_size=16, max_num_batched_tokens=48, max_model_len=400, num_gpu_blocks_override=30),
+     dict(block_size=16, max_num_batched_tokens=48, max_model_len=400, num_gpu_blocks_override=30,
+          schedule_conservativeness=0),
      True),
 ]
 

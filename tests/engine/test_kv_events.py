@@ -205,7 +205,9 @@ def fake_step(sched: Scheduler, rng: random.Random) -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_replayed_events_track_the_cache_exactly(seed):
     rng = random.Random(seed)
-    config = EngineConfig(block_size=BS, max_num_seqs=4, max_num_batched_tokens=16)
+    # no admission headroom: the cache fills up and preempts
+    config = EngineConfig(block_size=BS, max_num_seqs=4, max_num_batched_tokens=16,
+                          schedule_conservativeness=0)
     bm = BlockManager(12, BS, enable_caching=True, record_events=True)
     sched = Scheduler(config, bm)
     heads = [[rng.randrange(1000) for _ in range(8)] for _ in range(3)]

@@ -67,7 +67,8 @@ def both_ways(path, prompts, params_list, **engine_args):
 SCENARIOS = [
     ("shared-system-prompt", dict(block_size=16), False),
     ("block4-chunked", dict(block_size=4, max_num_batched_tokens=64), False),
-    ("preemption", dict(block_size=16, max_model_len=256, num_gpu_blocks_override=20), True),
+    ("preemption", dict(block_size=16, max_model_len=256, num_gpu_blocks_override=20,
+                        schedule_conservativeness=0), True),
 ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,11 +37,14 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 16) -> Sequence:
     )
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=256, max_num_batched_tokens=64):
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=256, max_num_batched_tokens=64,
+                   schedule_conservativeness=1.0, max_model_len=0):
     config = EngineConfig(
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        schedule_conservativeness=schedule_conservativeness,
+        max_model_len=max_model_len,
     )
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
@@ -342,9 +346,11 @@ def test_update_skips_a_sequence_finished_while_the_step_ran():
 
 
 # -- preemption -----------------------------------------------------------------------------
+# These admit without headroom (schedule_conservativeness=0), as the scheduler did
+# before it kept any, so that growing decodes must preempt.
 def test_preemption_newest_first_by_recompute():
     # 4 usable blocks of 4 tokens
-    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=64)
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=64, schedule_conservativeness=0)
     a, b, c = make_seq(0, 7, 4), make_seq(1, 7, 4), make_seq(2, 3, 1)
     sched.add(a)
     sched.add(b)
@@ -386,7 +392,8 @@ def test_preemption_newest_first_by_recompute():
 
 
 def test_two_sequences_each_preempt_one_victim_in_the_same_step():
-    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=64)  # 4 usable blocks
+    # 4 usable blocks
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=64, schedule_conservativeness=0)
     seqs = [make_seq(i, 4, 3) for i in range(4)]
     for seq in seqs:
         sched.add(seq)
@@ -414,7 +421,7 @@ def test_two_sequences_each_preempt_one_victim_in_the_same_step():
 def test_resumed_sequence_recomputes_in_chunks_and_samples_only_at_the_end():
     # 4 usable blocks, budget 8: b's recompute (prompt 6 + 3 outputs = 9 tokens)
     # takes two chunks; the first ends past the prompt but must not sample
-    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=8)
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=8, schedule_conservativeness=0)
     a, b = make_seq(0, 4, 10), make_seq(1, 6, 5)
     sched.add(a)
     sched.add(b)
@@ -445,7 +452,7 @@ def test_resumed_sequence_recomputes_in_chunks_and_samples_only_at_the_end():
 
 def test_only_sequence_that_cannot_fit_preempts_itself():
     # 2 usable blocks of 4 tokens: the sequence outgrows the whole pool
-    sched = make_scheduler(num_blocks=3, max_num_batched_tokens=16)
+    sched = make_scheduler(num_blocks=3, max_num_batched_tokens=16, schedule_conservativeness=0)
     seq = make_seq(0, 4, 100)
     sched.add(seq)
     records = [step(sched) for _ in range(5)]
@@ -475,7 +482,8 @@ def test_only_sequence_that_cannot_fit_preempts_itself():
 def test_preempted_mid_prefill_sequence_restarts_its_prompt():
     # a decodes in 1 block; b's chunked prefill runs out of blocks and, as the
     # newest, preempts itself; it restarts from 0 once a is done
-    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=8)  # 5 usable
+    # 5 usable blocks
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=8, schedule_conservativeness=0)
     a, b = make_seq(0, 4, 6), make_seq(1, 20, 1)
     sched.add(a)
     assert step(sched).scheduled == [(0, 0, 4, True)]
@@ -499,6 +507,81 @@ def test_preempted_mid_prefill_sequence_restarts_its_prompt():
     assert_all_free(sched)
 
 
+# -- admission headroom -------------------------------------------------------------------------
+def test_admission_keeps_headroom_for_growth_instead_of_preempting():
+    # the preemption test's opening, with headroom: 4 usable blocks, a and b each
+    # need 2 blocks for their prompts and a third to decode to max_tokens
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=64)
+    a, b = make_seq(0, 7, 4), make_seq(1, 7, 4)
+    sched.add(a)
+    sched.add(b)
+    s1 = step(sched)
+    # b fits, but would leave 0 free blocks against an expected growth of
+    # 0.698 * (1 + 1): it waits, a runs alone
+    assert s1.scheduled == [(0, 0, 7, True)]
+    assert s1.tables == {0: [1, 2]}
+    records = run_to_completion(sched)
+    assert [r.scheduled for r in records] == [
+        [(0, 7, 1, True)],  # 2 free, b needs both: still 0 left for the growth
+        [(0, 8, 1, True)],  # a takes its third block
+        [(0, 9, 1, True)],
+        [(1, 0, 7, True)],  # a has finished: b runs into an empty batch
+        [(1, 7, 1, True)],
+        [(1, 8, 1, True)],
+        [(1, 9, 1, True)],
+    ]
+    assert records[1].tables == {0: [1, 2, 3]}
+    assert records[3].tables == {1: [4, 3]}  # the unused block 4, then a's, freed tail first
+    assert sched.num_preemptions == 0 and sched.num_prompt_tokens_computed == 14
+    assert a.output_token_ids == expected_outputs(a)
+    assert b.output_token_ids == expected_outputs(b)
+    assert_all_free(sched)
+
+
+def test_admission_fills_the_cache_when_nothing_grows():
+    # prompts of one block that sample a single token never take another block:
+    # all four fit exactly, headroom or not
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=64)
+    seqs = [make_seq(i, 4, 1) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    s1 = step(sched)
+    assert s1.scheduled == [(i, 0, 4, True) for i in range(4)]
+    assert s1.tables == {0: [1], 1: [2], 2: [3], 3: [4]}
+    assert s1.finished == [0, 1, 2, 3]
+    assert_all_free(sched)
+
+
+def test_growth_ratio_relaxes_each_quiet_step_and_rises_on_preemption():
+    # one sequence that outgrows the whole pool: it preempts itself at step 6
+    sched = make_scheduler(num_blocks=3, max_num_batched_tokens=16)
+    sched.add(make_seq(0, 4, 100))
+    for _ in range(5):
+        step(sched)
+    assert sched.growth_ratio == pytest.approx(0.7 - 5 * 0.002)
+    out = sched.schedule()
+    assert out.preempted_seq_ids == [0]
+    assert sched.growth_ratio == pytest.approx(0.7 - 5 * 0.002 + 0.3)
+    sched.schedule()  # a step with one preemption more would not pass the ceiling
+    assert sched.growth_ratio == pytest.approx(0.99 - 0.002)
+    for _ in range(1000):
+        sched.schedule()
+    assert sched.growth_ratio == pytest.approx(0.1)  # the floor
+    sched.finish(sched.waiting[0], "abort")
+    assert_all_free(sched)
+
+
+def test_expected_growth_is_capped_by_max_model_len_and_the_estimate_cap():
+    sched = make_scheduler(num_blocks=64, max_model_len=64)
+    seq = make_seq(0, 10, 1000)
+    # 63 tokens of K/V at most (the 64th is sampled, never stored): 16 blocks, 3 held
+    assert sched._growth(seq, 10) == 13
+    unbounded = make_scheduler(num_blocks=64)
+    # no max_model_len: max_tokens counts up to GROWTH_CAP_TOKENS past the prompt
+    assert unbounded._growth(make_seq(1, 10, 100_000), 10) == (10 + 2048 - 1 + 3) // 4 - 3
+    assert unbounded._growth(make_seq(2, 10, 5), 10) == 1  # 14 tokens: 4 blocks
+
+
 # -- random scenarios -------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(
@@ -508,16 +591,18 @@ def test_preempted_mid_prefill_sequence_restarts_its_prompt():
     budget_extra=st.integers(0, 24),
     specs=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 8), st.integers(0, 3)),
                    min_size=1, max_size=8),
+    conservativeness=st.sampled_from([0.0, 1.0, 3.0]),
 )
 def test_random_scenarios_complete_with_exact_outputs(
-    block_size, spare_blocks, max_num_seqs, budget_extra, specs
+    block_size, spare_blocks, max_num_seqs, budget_extra, specs, conservativeness
 ):
     """Any mix finishes, every sequence gets exactly its fake tokens (so
     recompute after preemption neither loses nor repeats work), and all blocks
     come back. The pool always fits the longest sequence on its own."""
     longest = max(p + m - 1 for p, m, _ in specs)
     num_blocks = -(-longest // block_size) + 1 + spare_blocks
-    sched = make_scheduler(num_blocks, block_size, max_num_seqs, block_size + budget_extra)
+    sched = make_scheduler(num_blocks, block_size, max_num_seqs, block_size + budget_extra,
+                           schedule_conservativeness=conservativeness)
     seqs = [make_seq(i, p, m) for i, (p, m, _) in enumerate(specs)]
     pending = list(zip(seqs, (d for _, _, d in specs)))
     steps = 0
