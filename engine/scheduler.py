@@ -19,8 +19,8 @@ swap), then carries on exactly where it stopped. Nothing new is admitted in a
 step that preempted, so the freed memory goes to the sequences that needed it.
 
 Recomputation is wasted work, so admission keeps headroom. Every sequence
-may still grow to min(prompt + max_tokens, max_model_len); admission leaves
-free at least
+may still grow to min(prompt + max_tokens, max_model_len), max_tokens counted
+up to GROWTH_CAP_TOKENS; admission leaves free at least
 
     conservativeness x growth_ratio x (blocks the running sequences and the
                                        newcomer still lack to get there)
@@ -74,7 +74,7 @@ from engine.sequence import Sequence, SequenceStatus
 GROWTH_RATIO_START, GROWTH_RATIO_FLOOR, GROWTH_RATIO_CEILING = 0.7, 0.1, 1.0
 GROWTH_RATIO_DECAY, GROWTH_RATIO_STEP_UP = 0.002, 0.3
 # A request without max_tokens may run to max_model_len (thousands of tokens)
-# but rarely does: each sequence's expected growth counts at most this many.
+# but rarely does: at most this many of a sequence's max_tokens are counted.
 GROWTH_CAP_TOKENS = 2048
 
 LOADING = -1  # what _admit returns for a sequence that waits aside for its loads
@@ -223,7 +223,7 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         if self.loading:
             self._return_loaded()
-        growth = sum(self._growth(seq) for seq in self.running) if self.waiting else 0
+        growth = self._running_growth() if self.waiting and self.conservativeness else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_new = self._admit(seq, budget, output, growth)
@@ -236,22 +236,27 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             output.sequences.append(self._scheduled(seq, num_new))
-            growth += self._growth(seq)
+            growth += self._growth(seq, len(self.block_manager.block_table(seq.seq_id)))
             budget -= num_new
 
-    def _growth(self, seq: Sequence, num_tokens: int | None = None) -> int:
-        """Blocks `seq` may still take beyond those covering `num_tokens` (default:
-        its block table), if it runs to max_tokens (capped at GROWTH_CAP_TOKENS)."""
-        if num_tokens is None:
-            num_blocks = len(self.block_manager.block_table(seq.seq_id))
-        else:
-            num_blocks = self.block_manager.blocks_for(num_tokens)
-        final = seq.num_prompt_tokens + seq.params.max_tokens
+    def _growth(self, seq: Sequence, num_blocks: int) -> int:
+        """Blocks `seq` may still take beyond the `num_blocks` it has, if it runs
+        to max_tokens (counting at most GROWTH_CAP_TOKENS of them)."""
+        return max(0, self._final_blocks(seq) - num_blocks)
+
+    def _final_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` holds if it runs to its expected end (fixed for its life)."""
+        final = len(seq.prompt_token_ids) + min(seq.params.max_tokens, GROWTH_CAP_TOKENS)
         if self.max_model_len:
             final = min(final, self.max_model_len)
-        final = min(final, seq.num_tokens + GROWTH_CAP_TOKENS)
         # the last token is sampled but never fed back: its K/V is never stored
-        return max(0, self.block_manager.blocks_for(final - 1) - num_blocks)
+        return (final - 1 + self.block_size - 1) // self.block_size
+
+    def _running_growth(self) -> int:
+        """_growth of every running sequence beyond its block table (which
+        already holds this step's blocks). Once per step with someone waiting."""
+        tables, final_blocks = self.block_manager.block_tables, self._final_blocks
+        return sum(max(0, final_blocks(seq) - len(tables[seq.seq_id])) for seq in self.running)
 
     def _has_headroom(self, seq: Sequence, num_tokens: int, num_hits: int, growth: int) -> bool:
         """Would admitting `seq` with `num_tokens` covered leave enough free blocks
@@ -262,12 +267,12 @@ class Scheduler:
         (the chat benchmark at 1 GiB recomputed 63 % more prompt tokens).
         The head of the queue is always admitted into an empty batch.
         """
-        if not self.running:
+        if not self.running or not self.conservativeness:
             return True
         manager = self.block_manager
-        needed = manager.blocks_for(num_tokens) - num_hits
-        expected = self.growth_ratio * (growth + self._growth(seq, num_tokens))
-        return manager.num_free_blocks - needed >= self.conservativeness * expected
+        num_blocks = manager.blocks_for(num_tokens)
+        expected = self.growth_ratio * (growth + self._growth(seq, num_blocks))
+        return manager.num_free_blocks - (num_blocks - num_hits) >= self.conservativeness * expected
 
     def _return_loaded(self) -> None:
         """Sequences whose loads have landed go back to the head of the queue, in order."""

@@ -575,11 +575,11 @@ def test_expected_growth_is_capped_by_max_model_len_and_the_estimate_cap():
     sched = make_scheduler(num_blocks=64, max_model_len=64)
     seq = make_seq(0, 10, 1000)
     # 63 tokens of K/V at most (the 64th is sampled, never stored): 16 blocks, 3 held
-    assert sched._growth(seq, 10) == 13
+    assert sched._growth(seq, 3) == 13
     unbounded = make_scheduler(num_blocks=64)
     # no max_model_len: max_tokens counts up to GROWTH_CAP_TOKENS past the prompt
-    assert unbounded._growth(make_seq(1, 10, 100_000), 10) == (10 + 2048 - 1 + 3) // 4 - 3
-    assert unbounded._growth(make_seq(2, 10, 5), 10) == 1  # 14 tokens: 4 blocks
+    assert unbounded._growth(make_seq(1, 10, 100_000), 3) == (10 + 2048 - 1 + 3) // 4 - 3
+    assert unbounded._growth(make_seq(2, 10, 5), 3) == 1  # 14 tokens: 4 blocks
 
 
 # -- random scenarios -------------------------------------------------------------------------
