@@ -22,13 +22,17 @@ Recomputation is wasted work, so admission keeps headroom. Every sequence
 may still grow to min(prompt + max_tokens, max_model_len), max_tokens counted
 up to GROWTH_CAP_TOKENS; admission leaves free at least
 
-    conservativeness x growth_ratio x (blocks the running sequences and the
-                                       newcomer still lack to get there)
+    conservativeness x ratio x (blocks the running sequences and the
+                                newcomer still lack to get there)
 
-`growth_ratio` is the share of that growth expected to happen: it starts at
-0.7, sinks by 0.002 each step that preempts nobody (requests mostly stop
-early, at EOS or a stop string) down to 0.1, and rises by 0.3 on a step that
-had to preempt. Preemption stays the safety net when the guess is wrong.
+where `ratio` guesses how much of that growth will be needed, as the smaller
+of two estimates. `growth_ratio` starts at 0.7, sinks by 0.002 each step that
+preempts nobody, down to 0.1, and rises by 0.3 on a step that had to preempt:
+sequences finish and give blocks back before the others need them all.
+`observed_ratio` starts at 0.3 and follows the share of their counted
+max_tokens that finished requests actually generated: requests without
+max_tokens mostly stop at EOS long before it. Preemption stays the safety
+net when the guess is wrong.
 
 Prefix caching enters at admission: a new sequence first looks up the longest
 chain of cached blocks matching its prompt and starts with
@@ -67,12 +71,15 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 
 
-# Admission headroom: the share of their remaining max_tokens the running
-# sequences are expected to still generate. It starts cautious, relaxes a little
-# every step that preempts nobody (most requests stop early, at EOS or a stop
-# string) and jumps back up when a step has to preempt.
+# Admission headroom (see the module docstring): the share of the running
+# sequences' remaining growth to keep free is the smaller of two guesses.
+#   growth_ratio    how much of it tends to be needed at once: relaxes every
+#                   step that preempts nobody, jumps back up on a preemption
+#   observed_ratio  the share of their counted max_tokens that finished
+#                   requests generated (a moving average; most stop at EOS)
 GROWTH_RATIO_START, GROWTH_RATIO_FLOOR, GROWTH_RATIO_CEILING = 0.7, 0.1, 1.0
 GROWTH_RATIO_DECAY, GROWTH_RATIO_STEP_UP = 0.002, 0.3
+OBSERVED_START, OBSERVED_WEIGHT = 0.3, 0.1
 # A request without max_tokens may run to max_model_len (thousands of tokens)
 # but rarely does: at most this many of a sequence's max_tokens are counted.
 GROWTH_CAP_TOKENS = 2048
@@ -137,6 +144,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.conservativeness = config.schedule_conservativeness
         self.growth_ratio = GROWTH_RATIO_START
+        self.observed_ratio = OBSERVED_START
 
     # -- queue management ----------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -161,6 +169,10 @@ class Scheduler:
         if self.offload is not None:
             self.offload.forget(seq)
         self.block_manager.free(seq.seq_id)
+        if reason != "abort":  # what it generated of what admission counted on
+            counted = min(seq.params.max_tokens, GROWTH_CAP_TOKENS)
+            share = min(1.0, len(seq.output_token_ids) / counted)
+            self.observed_ratio += OBSERVED_WEIGHT * (share - self.observed_ratio)
         seq.finish(reason, stop_reason)
 
     # -- one step ----------------------------------------------------------------------
@@ -271,7 +283,8 @@ class Scheduler:
             return True
         manager = self.block_manager
         num_blocks = manager.blocks_for(num_tokens)
-        expected = self.growth_ratio * (growth + self._growth(seq, num_blocks))
+        ratio = min(self.growth_ratio, self.observed_ratio)
+        expected = ratio * (growth + self._growth(seq, num_blocks))
         return manager.num_free_blocks - (num_blocks - num_hits) >= self.conservativeness * expected
 
     def _return_loaded(self) -> None:

@@ -517,7 +517,7 @@ def test_admission_keeps_headroom_for_growth_instead_of_preempting():
     sched.add(b)
     s1 = step(sched)
     # b fits, but would leave 0 free blocks against an expected growth of
-    # 0.698 * (1 + 1): it waits, a runs alone
+    # min(0.698, 0.3) * (1 + 1): it waits, a runs alone
     assert s1.scheduled == [(0, 0, 7, True)]
     assert s1.tables == {0: [1, 2]}
     records = run_to_completion(sched)
@@ -569,6 +569,41 @@ def test_growth_ratio_relaxes_each_quiet_step_and_rises_on_preemption():
     assert sched.growth_ratio == pytest.approx(0.1)  # the floor
     sched.finish(sched.waiting[0], "abort")
     assert_all_free(sched)
+
+
+def test_observed_ratio_follows_what_finished_requests_generated():
+    sched = make_scheduler(num_blocks=64)
+    seqs = [make_seq(i, 4, 10) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    step(sched)  # every sequence has its first token
+    assert sched.observed_ratio == 0.3
+    sched.finish(seqs[0], "stop")  # 1 of 10 tokens
+    assert sched.observed_ratio == pytest.approx(0.3 + 0.1 * (0.1 - 0.3))
+    sched.finish(seqs[1], "abort")  # says nothing about lengths
+    assert sched.observed_ratio == pytest.approx(0.28)
+    for _ in range(9):
+        step(sched)  # the other two run to max_tokens
+    assert sched.observed_ratio == pytest.approx(0.28 + 0.1 * 0.72 + 0.1 * (1 - 0.352))
+    assert_all_free(sched)
+
+
+def test_short_answers_let_admission_run_more_sequences():
+    # 8 usable blocks of 4 tokens; a sequence of 4 prompt tokens and max_tokens
+    # 20 ends up holding 6 blocks (23 tokens of K/V)
+    def admitted_beside_a_running_one(shares):
+        sched = make_scheduler(num_blocks=9, max_num_batched_tokens=64)
+        sched.observed_ratio = shares
+        sched.add(make_seq(0, 4, 20))
+        step(sched)
+        for i in range(1, 6):
+            sched.add(make_seq(i, 4, 20))
+        return step(sched).admitted
+    # 0 holds 2 blocks (4 to go), 6 are free; each newcomer takes 1 (5 to go).
+    # At the prior 0.3, one newcomer: 5 free >= 0.3 * 9, but not 4 >= 0.3 * 14
+    assert admitted_beside_a_running_one(0.3) == [1]
+    # requests that stop after 1/20 of max_tokens: 2 free >= 0.05 * 24, not 1 >= 0.05 * 29
+    assert admitted_beside_a_running_one(0.05) == [1, 2, 3, 4]
 
 
 def test_expected_growth_is_capped_by_max_model_len_and_the_estimate_cap():
