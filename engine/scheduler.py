@@ -262,13 +262,13 @@ class Scheduler:
         if self.max_model_len:
             final = min(final, self.max_model_len)
         # the last token is sampled but never fed back: its K/V is never stored
-        return (final - 1 + self.block_size - 1) // self.block_size
+        return self.block_manager.blocks_for(final - 1)
 
     def _running_growth(self) -> int:
         """_growth of every running sequence beyond its block table (which
         already holds this step's blocks). Once per step with someone waiting."""
-        tables, final_blocks = self.block_manager.block_tables, self._final_blocks
-        return sum(max(0, final_blocks(seq) - len(tables[seq.seq_id])) for seq in self.running)
+        tables = self.block_manager.block_tables
+        return sum(self._growth(seq, len(tables[seq.seq_id])) for seq in self.running)
 
     def _has_headroom(self, seq: Sequence, num_tokens: int, num_hits: int, growth: int) -> bool:
         """Would admitting `seq` with `num_tokens` covered leave enough free blocks
