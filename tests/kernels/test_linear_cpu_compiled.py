@@ -1,9 +1,10 @@
 """The compiled bf16-weight linear (kernels/cpu/csrc/linear.h) against float64
 matmuls on fresh random inputs, and kernels.linear's choice of path.
 
-Shapes cross every edge of the op's blocking: token counts around its 4-row
-panels and its 128-token chunks, output features around its tiles and
-32-row strips, in_features of one pair and of SmolLM2's layers.
+Shapes cross every edge of the op's blocking: token counts around its
+panels (6 or 8 rows) and its 120-token chunks, output features around its
+tiles and strips (32 or 48 rows), in_features of one pair and of SmolLM2's
+layers.
 """
 
 import pytest
@@ -74,11 +75,13 @@ def test_rows_never_mix(ops, session_seed):
     assert torch.equal(out[keep], ops.linear_bf16(x[keep], weight, None))
 
 
-def test_a_token_gets_the_same_numbers_in_any_batch(ops, session_seed):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_gets_the_same_numbers_in_any_batch(ops, dtype, session_seed):
     """Batching must not change a sequence's logits: every token's dot
-    products run in the same order whatever panel or chunk it lands in."""
+    products run in the same order whatever panel or chunk it lands in (bf16
+    tokens take the dot-product tiles on CPUs that have them)."""
     generator = torch.Generator().manual_seed(session_seed)
-    x, weight, b = _inputs(generator, 133, 576, 67, torch.float32, True)
+    x, weight, b = _inputs(generator, 133, 576, 67, dtype, True)
     whole = ops.linear_bf16(x, weight, b)
     for row in (0, 3, 4, 128, 132):
         assert torch.equal(ops.linear_bf16(x[row:row + 1], weight, b)[0], whole[row])

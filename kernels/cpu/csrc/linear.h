@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -51,7 +52,7 @@ constexpr int kCols = vec::W == 16 ? 3 : 2;  // weight rows per tile
 constexpr int kOneRowCols = 6;              // one token: more features, more FMAs in flight
 // Every (token, feature) sum runs the same FMAs in the same order whatever
 // tile it lands in, so a sequence's numbers never depend on its batch.
-constexpr int64_t kStripCols = 32;          // weight rows per work item
+constexpr int64_t kStripCols = 16 * kCols;  // weight rows per work item: whole tiles
 constexpr int64_t kChunkRows = 120;         // tokens per pass over the weights (kRows divides it)
 
 // Which element of a 2W-element pair each lane of load_pair(bf16) holds.
@@ -77,6 +78,22 @@ void permute_rows(const T* x, float* xp, int64_t K, int64_t r0, int64_t r1,
       for (int i = 0; i < kPairLen; ++i) xp[r * K + k + i] = to_float(x[r * K + k + order[i]]);
 }
 
+// dot[i] = the sum of acc[i]'s lanes, for N accumulators: eight at a time
+// through one shuffle tree (vec::reduce8; a tile's 24 sums would otherwise
+// cost about a third as many instructions as a 576-wide tile's multiplies),
+// the last group padded with zeros.  Every sum takes the same tree whatever
+// tile it is in, so batching still never changes a token's numbers.
+template <int N>
+inline void reduce_all(const vec::F* acc, float* dot) {
+  for (int i = 0; i < N; i += 8) {
+    vec::F group[8];
+    float out[8];
+    for (int j = 0; j < 8; ++j) group[j] = i + j < N ? acc[i + j] : vec::zero();
+    vec::reduce8(group, out);
+    for (int j = 0; j < 8 && i + j < N; ++j) dot[i + j] = out[j];
+  }
+}
+
 // R tokens (rows of xp, stride K) times C weight rows (stride K): dot[r * C + c].
 // Each pair is taken in two halves (the even lanes, then the odd ones) so
 // only C weight vectors are live at once and R x C accumulators fit.
@@ -98,13 +115,34 @@ inline void tile(const float* xp, const bf16_t* w, int64_t K, float* dot) {
       for (int c = 0; c < C; ++c) acc[r][c] = vec::fma(xb, half[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) dot[r * C + c] = vec::reduce_add(acc[r][c]);
+  reduce_all<R * C>(&acc[0][0], dot);
 }
 
+#if defined(PAGEDSERVE_HAS_DPBF16)
+// bf16 tokens on a CPU with a bf16 dot-product instruction: x and W are read
+// as they are (no permutation, no conversion) and each instruction does
+// 2W multiply-adds, twice an fp32 FMA's.  Same tiles, same summation order
+// for every (token, feature) whatever tile it lands in.
+template <int R, int C>
+inline void tile(const bf16_t* x, const bf16_t* w, int64_t K, float* dot) {
+  vec::F acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vec::zero();
+  for (int64_t k = 0; k < K; k += kPairLen) {
+    vec::BH wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vec::load_bf16(w + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const vec::BH xv = vec::load_bf16(x + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = vec::dot_acc(acc[r][c], xv, wv[c]);
+    }
+  }
+  reduce_all<R * C>(&acc[0][0], dot);
+}
+#endif
+
 // R tokens against weight rows [n0, n1): out[r, n] = dot + bias[n].
-template <int R, int C, typename TOut>
-void tokens_times_strip(const float* xp, const bf16_t* w, const float* bias, int64_t K,
+template <int R, int C, typename X, typename TOut>
+void tokens_times_strip(const X* xp, const bf16_t* w, const float* bias, int64_t K,
                         int64_t n0, int64_t n1, TOut* out, int64_t N) {
   float dot[R * C];
   int64_t n = n0;
@@ -121,8 +159,8 @@ void tokens_times_strip(const float* xp, const bf16_t* w, const float* bias, int
 }
 
 // The last r1 - r0 < kRows tokens, as one panel of that height.
-template <int R, typename TOut>
-void leftover_rows(const float* xp, const bf16_t* w, const float* bias, int64_t K, int64_t rows,
+template <int R, typename X, typename TOut>
+void leftover_rows(const X* xp, const bf16_t* w, const float* bias, int64_t K, int64_t rows,
                    int64_t n0, int64_t n1, TOut* out, int64_t N) {
   if constexpr (R == 1) {
     tokens_times_strip<1, kOneRowCols>(xp, w, bias, K, n0, n1, out, N);
@@ -134,8 +172,8 @@ void leftover_rows(const float* xp, const bf16_t* w, const float* bias, int64_t 
 }
 
 // Tokens [r0, r1) against weight rows [n0, n1): full panels, then the rest.
-template <typename TOut>
-void rows_times_strip(const float* xp, const bf16_t* w, const float* bias, int64_t K, int64_t r0,
+template <typename X, typename TOut>
+void rows_times_strip(const X* xp, const bf16_t* w, const float* bias, int64_t K, int64_t r0,
                       int64_t r1, int64_t n0, int64_t n1, TOut* out, int64_t N) {
   int64_t r = r0;
   for (; r + kRows <= r1; r += kRows)
@@ -143,19 +181,39 @@ void rows_times_strip(const float* xp, const bf16_t* w, const float* bias, int64
   if (r < r1) leftover_rows<kRows - 1>(xp + r * K, w, bias, K, r1 - r, n0, n1, out + r * N, N);
 }
 
-template <typename TIn, typename TOut>
-void run(const TIn* x, const bf16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
-         float* xp, TOut* out) {
-  static const auto order = pair_order();  // fixed per build: worked out once
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { permute_rows(x, xp, K, r0, r1, order); });
+// Every chunk of tokens against every strip of weight rows.
+template <typename X, typename TOut>
+void all_strips(const X* x, const bf16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
+                TOut* out) {
   const int64_t strips = (N + kStripCols - 1) / kStripCols;
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t m1 = std::min(M, m0 + kChunkRows);
     at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s)
-        rows_times_strip(xp, w, bias, K, m0, m1, s * kStripCols,
+        rows_times_strip(x, w, bias, K, m0, m1, s * kStripCols,
                          std::min(N, (s + 1) * kStripCols), out, N);
     });
+  }
+}
+
+// bf16 tokens go to the dot-product tiles as they are where the build has them.
+#if defined(PAGEDSERVE_HAS_DPBF16)
+constexpr bool kDotBf16 = true;
+#else
+constexpr bool kDotBf16 = false;
+#endif
+
+// xp: M x K fp32 scratch for the permuted tokens (unused, may be null, when
+// bf16 tokens take the dot-product tiles).
+template <typename TIn, typename TOut>
+void run(const TIn* x, const bf16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
+         float* xp, TOut* out) {
+  if constexpr (kDotBf16 && std::is_same_v<TIn, bf16_t>) {
+    all_strips(x, w, bias, M, K, N, out);
+  } else {
+    static const auto order = pair_order();  // fixed per build: worked out once
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { permute_rows(x, xp, K, r0, r1, order); });
+    all_strips(static_cast<const float*>(xp), w, bias, M, K, N, out);
   }
 }
 
@@ -184,15 +242,17 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  at::Tensor xp = at::empty({M, K}, x.options().dtype(at::kFloat));
+  const bool permuted = !(linear::kDotBf16 && x.scalar_type() == at::kBFloat16);
+  at::Tensor xp = permuted ? at::empty({M, K}, x.options().dtype(at::kFloat)) : at::Tensor();
+  float* xp_ptr = permuted ? xp.data_ptr<float>() : nullptr;
   const auto* w = reinterpret_cast<const bf16_t*>(weight.data_ptr());
   const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    linear::run(xc.data_ptr<float>(), w, bias_ptr, M, K, N, xp.data_ptr<float>(),
+    linear::run(xc.data_ptr<float>(), w, bias_ptr, M, K, N, xp_ptr,
                 out.data_ptr<float>());
   } else {
-    linear::run(reinterpret_cast<const bf16_t*>(xc.data_ptr()), w, bias_ptr, M, K, N,
-                xp.data_ptr<float>(), reinterpret_cast<bf16_t*>(out.data_ptr()));
+    linear::run(reinterpret_cast<const bf16_t*>(xc.data_ptr()), w, bias_ptr, M, K, N, xp_ptr,
+                reinterpret_cast<bf16_t*>(out.data_ptr()));
   }
   return out;
 }

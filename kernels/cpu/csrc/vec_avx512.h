@@ -104,6 +104,15 @@ inline void store_pair(fp16_t* p, F a, F b) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + W), _mm512_cvtps_ph(b.v, _MM_FROUND_TO_NEAREST_INT));
 }
 
+// Raw bf16 (natural order, 2W elements) for the dot-product instruction:
+// dot_acc(acc, a, b) adds a[2i] * b[2i] + a[2i+1] * b[2i+1] to lane i, with
+// exact products (a bf16 times a bf16 fits an fp32) and fp32 sums.
+struct BH {
+  __m512bh v;
+};
+inline BH load_bf16(const bf16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
+inline F dot_acc(F acc, BH a, BH b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
+
 // Eight bf16 dot products of one query row (raw bf16, natural order) with
 // eight K rows, head_dim a multiple of 32: no conversion, one instruction
 // per 32 elements.
