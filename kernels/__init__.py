@@ -134,20 +134,23 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           float_out: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias``, like F.linear.  bf16 weights on the CPU go
-    through the compiled op when it is built (output in x's dtype, fp32
-    accumulation); everything else is the reference, F.linear."""
+    through the compiled op when it is built (fp32 accumulation, output in
+    x's dtype, or float32 with ``float_out``: the logits, whose bf16 rounding
+    would make near-ties exact ties); everything else is the reference, F.linear."""
     # Called ~120 times per decode step: every check here is on the hot path
     # (a 2-D x skips the reshape and view, ~6 us a call on this machine).
     if weight.dtype == torch.bfloat16 and x.is_cpu:
         ops = cpu_ops.ops_for(weight.shape[1])
         if ops is not None:
             if x.dim() == 2:
-                return ops.linear_bf16(x, weight, bias)
+                return ops.linear_bf16(x, weight, bias, float_out)
             rows = x.reshape(-1, weight.shape[1])
-            return ops.linear_bf16(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
-    return linear_reference(x, weight, bias)
+            out = ops.linear_bf16(rows, weight, bias, float_out)
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return linear_reference(x, weight, bias, float_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

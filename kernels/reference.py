@@ -217,7 +217,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * x32.to(x.dtype)
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``: torch's own matmul, the ground truth of kernels.linear."""
-    return F.linear(x, weight, bias)
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     float_out: bool = False) -> torch.Tensor:
+    """``x @ weight.T + bias``: torch's own matmul, the ground truth of
+    kernels.linear; ``float_out`` returns it as float32 (rounded to x's dtype
+    first here: F.linear has no wider output)."""
+    out = F.linear(x, weight, bias)
+    return out.float() if float_out else out

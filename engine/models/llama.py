@@ -328,7 +328,10 @@ class LlamaForCausalLM(nn.Module):
         """Logits over the whole vocabulary; with tensor parallelism each rank
         computes its slice's and rank 0 gathers them (the others get None)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.kernels.linear(hidden, weight)
+        # float32 logits: rounded to bf16 they tie wherever two tokens are
+        # within one bf16 step (~0.1 at typical logit sizes), and greedy picks
+        # between ties by token id.
+        logits = self.kernels.linear(hidden, weight, float_out=True)
         if self.group is None:
             return logits
         slices = self.group.gather(logits)

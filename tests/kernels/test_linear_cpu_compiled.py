@@ -64,6 +64,19 @@ def test_bfloat16_activations_round_once(ops, tokens, features, session_seed):
     assert ((out.double() - expected).abs() <= 0.5 * step + fp32_error).all(), f"seed {session_seed}"
 
 
+@pytest.mark.parametrize("tokens", (1, 9, 131))
+def test_float_out_is_the_sum_before_its_bf16_rounding(ops, tokens, session_seed):
+    """bf16 in, float32 out (the logits): the same fp32 sums, not rounded."""
+    generator = torch.Generator().manual_seed(session_seed + 11 * tokens)
+    x, weight, b = _inputs(generator, tokens, 576, 65, torch.bfloat16, True)
+    out = ops.linear_bf16(x, weight, b, True)
+    assert out.dtype == torch.float32
+    scale = F.linear(x.double().abs(), weight.double().abs()) + b.double().abs() + 1
+    error = (out.double() - _expected(x, weight, b)).abs() / scale
+    assert error.max() < 1e-6, f"seed {session_seed}: relative error {error.max():.2e}"
+    assert torch.equal(out.to(torch.bfloat16), ops.linear_bf16(x, weight, b))
+
+
 def test_rows_never_mix(ops, session_seed):
     """A NaN in one token's activations poisons that token's outputs only."""
     generator = torch.Generator().manual_seed(session_seed)
@@ -111,14 +124,19 @@ def test_kernels_linear_takes_the_op_for_bf16_weights_only(ops, session_seed):
     # Any leading shape, as F.linear takes it.
     batched = kernels.linear(x.view(2, 3, 64), weight, b)
     assert torch.equal(batched, ops.linear_bf16(x, weight, b).view(2, 3, 40))
+    assert torch.equal(kernels.linear(x, weight, b, float_out=True),
+                       ops.linear_bf16(x, weight, b, True))
     # float32 weights: F.linear itself, bit for bit (HF parity in float32 relies on it).
     x32, w32 = x.float(), weight.float()
     assert torch.equal(kernels.linear(x32, w32, b), F.linear(x32, w32, b))
+    assert torch.equal(kernels.linear(x32, w32, b, float_out=True), F.linear(x32, w32, b))
     # An in_features no build divides: F.linear.
     odd_x, odd_w = torch.randn(3, 24).bfloat16(), torch.randn(5, 24).bfloat16()
     assert cpu_ops.ops_for(24) is None
     assert torch.equal(kernels.linear(odd_x, odd_w), F.linear(odd_x, odd_w))
     assert kernels.get_backend("torch").linear is linear_reference
+    wide = linear_reference(x, weight, b.bfloat16(), float_out=True)
+    assert wide.dtype == torch.float32 and torch.equal(wide, F.linear(x, weight, b.bfloat16()).float())
 
 
 def test_turned_off_means_f_linear(monkeypatch, session_seed):

@@ -234,9 +234,9 @@ void run(const TIn* x, const bf16_t* w, const float* bias, int64_t M, int64_t K,
 }  // namespace linear
 
 // y = x W^T + bias: x [tokens, in] fp32 or bf16, W [out, in] bf16, bias [out]
-// or None; y [tokens, out] in x's dtype.
+// or None; y [tokens, out] in x's dtype, or fp32 when float_out.
 inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias) {
+                              const std::optional<at::Tensor>& bias, bool float_out) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_bf16: tensors must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "linear_bf16: x [tokens, in] and weight [out, in], got ", x.sizes(), " and ",
@@ -254,7 +254,8 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     b = bias->to(at::kFloat).contiguous();
   }
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({M, N}, x.options());
+  const bool bf16_out = x.scalar_type() == at::kBFloat16 && !float_out;
+  at::Tensor out = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0 || N == 0) return out;
   const bool permuted = !(linear::kDotBf16 && x.scalar_type() == at::kBFloat16);
   at::Tensor xp = permuted ? at::empty({M, K}, x.options().dtype(at::kFloat)) : at::Tensor();
@@ -262,7 +263,9 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   const auto* w = reinterpret_cast<const bf16_t*>(weight.data_ptr());
   const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    linear::run(xc.data_ptr<float>(), w, bias_ptr, M, K, N, xp_ptr,
+    linear::run(xc.data_ptr<float>(), w, bias_ptr, M, K, N, xp_ptr, out.data_ptr<float>());
+  } else if (!bf16_out) {
+    linear::run(reinterpret_cast<const bf16_t*>(xc.data_ptr()), w, bias_ptr, M, K, N, xp_ptr,
                 out.data_ptr<float>());
   } else {
     linear::run(reinterpret_cast<const bf16_t*>(xc.data_ptr()), w, bias_ptr, M, K, N, xp_ptr,

@@ -40,7 +40,8 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale) -> Tensor",
         &pagedserve::paged_prefill_attention);
-  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &pagedserve::linear_bf16);
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor",
+        &pagedserve::linear_bf16);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor",
         &pagedserve::rms_norm);
   m.def("isa() -> str", &pagedserve::isa_name);
