@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 WARM_BLOCKS_SHARE = 0.2  # default warm-up budget: a fifth of the KV pool
 SYSTEM_TOKENS_CACHED = 256  # distinct system turns whose tokens are kept
+READY_BEAT_SECONDS = 1.0  # the most readiness waits to announce itself in Redis
 
 
 class Fleet:
@@ -58,6 +59,7 @@ class Fleet:
         self.warm = WarmResult()  # the latest warm-up's outcome
         self.started = time.time()
         self._tasks: set[asyncio.Task] = set()
+        self._publishing = asyncio.Lock()  # one presence write at a time, newest last
         # System messages -> their rendered tokens: popular prompts repeat, and
         # rendering and tokenizing is the costly part of recording one.
         self._system_tokens: OrderedDict[tuple, list[int]] = OrderedDict()
@@ -124,10 +126,15 @@ class Fleet:
         return Budget(self.config.warm_max_prefixes, blocks, self.config.warm_timeout_seconds)
 
     async def _warm_then_refresh(self) -> None:
+        await self._warm(idle=None)  # never raises: a failed warm-up still ends warming
+        # Redis hears "ok" before /health does: a router or test that saw the
+        # 200 never reads "warming" from the fleet a heartbeat later. A Redis
+        # that hangs may delay readiness by a second, never hold it.
         try:
-            await self._warm(idle=None)
-        finally:
-            self.warming = False
+            await asyncio.wait_for(self._publish(warming=False), READY_BEAT_SECONDS)
+        except TimeoutError:
+            pass  # the heartbeat says "ok" once Redis answers
+        self.warming = False
         while True:
             await asyncio.sleep(self.config.refresh_seconds)
             if self.idle():
@@ -159,16 +166,21 @@ class Fleet:
 
     # -- presence ------------------------------------------------------------------
     async def _heartbeat(self) -> None:
-        period = self.config.heartbeat_seconds
         while True:
+            await self._publish()
+            await asyncio.sleep(self.config.heartbeat_seconds)
+
+    async def _publish(self, warming: bool | None = None) -> None:
+        """Write this replica's presence now. The lock keeps a beat that read the
+        state earlier from landing after, and overwriting, a newer one."""
+        async with self._publishing:
             try:
-                await beat(self.client, await self.info(), period)
+                await beat(self.client, await self.info(warming), self.config.heartbeat_seconds)
                 self.registry.mark_up()
             except REDIS_ERRORS as exc:
                 self.registry.mark_down(exc)
-            await asyncio.sleep(period)
 
-    async def info(self) -> ReplicaInfo:
+    async def info(self, warming: bool | None = None) -> ReplicaInfo:
         state = self.state
         counters = state.engine.stats.counters
         total = counters.get("kv_blocks_total", 0)
@@ -179,7 +191,7 @@ class Fleet:
             held = [False] * len(prefixes)
         return ReplicaInfo(
             id=self.replica_id, url=self.url, model=state.model_name,
-            namespace=namespace(state, None).key, status=self.status(),
+            namespace=namespace(state, None).key, status=self.status(warming),
             running=counters.get("num_requests_running", 0),
             waiting=counters.get("num_requests_waiting", 0),
             kv_usage=1.0 - counters.get("kv_blocks_free", 0) / total if total else 0.0,
@@ -187,12 +199,14 @@ class Fleet:
             started=self.started, updated=time.time(),
         )
 
-    def status(self) -> str:
+    def status(self, warming: bool | None = None) -> str:
+        """As the fleet sees it; `warming` overrides the flag (for the beat that
+        announces the end of the warm-up just before the flag drops)."""
         if self.state.engine.failure is not None:
             return "dead"
         if self.state.draining:
             return "draining"
-        return "warming" if self.warming else "ok"
+        return "warming" if (self.warming if warming is None else warming) else "ok"
 
 
 def namespace(state: ServiceState, salt: str | None) -> Namespace:

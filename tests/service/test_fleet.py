@@ -88,6 +88,23 @@ def test_a_second_replica_warms_the_popular_system_prompt(tiny_llama_path, redis
                           == ["A"])  # B left on shutdown
 
 
+def test_the_fleet_hears_ok_before_health_does(tiny_llama_path, redis_server):
+    """The end of the warm-up is published at once, not at the next heartbeat
+    (a minute away here): a replica answering 200 is never listed as warming."""
+    with run_server(fleet_config(tiny_llama_path, redis_server.url, "A")) as a:
+        for user in ("one", "two"):
+            chat(a, SYSTEM, user)
+        assert wait_until(lambda: a.metrics()[
+            "pagedserve:registry_sightings_recorded_total"] == 2)
+    slow = FleetConfig(redis_url=redis_server.url, replica_id="B", heartbeat_seconds=60)
+    with run_server(tiny_config(tiny_llama_path, fleet=slow)) as b:
+        assert wait_until(lambda: httpx.get(f"{b.url}/health").status_code == 200, 30)
+        assert b.state.fleet.warm.blocks == system_blocks(b)  # it did warm something
+        (info,) = asyncio.run(_replicas(redis_server.url))
+        assert info.id == "B" and info.status == "ok"
+        assert info.warm_prefixes == [p.id for p in b.state.fleet.warm.prefixes]
+
+
 async def _replicas(url: str):
     client = connect(url)
     try:
