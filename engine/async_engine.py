@@ -18,6 +18,9 @@ between two steps; the asyncio side only reads an immutable stats snapshot.
 An abort therefore takes effect at the start of the next step, which is when
 the request's blocks go back to the pool.
 
+The service builds the engine on that thread too (`launch`), so that the one
+thread stepping the model is the only one with an OpenMP pool.
+
 If a step raises, the engine is dead: every in-flight request gets the error,
 later requests are refused at once and `/health` reports it. Nothing waits
 forever on a thread that is gone.
@@ -26,6 +29,7 @@ forever on a thread that is gone.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -101,6 +105,42 @@ class AsyncEngine:
         self._loop = loop or asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    async def launch(cls, build: Callable[[], LLMEngine], **options: Any) -> AsyncEngine:
+        """Build the engine on a new engine thread, then step it on that same thread.
+
+        Why not load it elsewhere and start() after: OpenMP keeps a pool of
+        worker threads for every thread that ever ran a parallel region, and
+        once libgomp manages more threads than there are cores its workers
+        stop spinning between regions. A loader thread's idle pool left every
+        op of every step waiting for its workers to wake from sleep: one
+        stream decoded 1.5x slower on 2 cores (docs/performance.md).
+        """
+        loop = asyncio.get_running_loop()
+        handed: concurrent.futures.Future = concurrent.futures.Future()
+
+        def main() -> None:
+            try:
+                bridge = cls(build(), **options)
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                if handed.set_running_or_notify_cancel():
+                    handed.set_exception(exc)
+                return
+            if not handed.set_running_or_notify_cancel():  # the caller gave up meanwhile
+                bridge.engine.close()
+                return
+            bridge._loop, bridge._thread = loop, threading.current_thread()
+            handed.set_result(bridge)
+            bridge._run()
+
+        threading.Thread(target=main, name="engine", daemon=True).start()
+        try:
+            return await asyncio.wrap_future(handed)
+        except asyncio.CancelledError:
+            if not handed.cancel():  # too late: it was being handed over; stop it
+                handed.add_done_callback(_shut_down_unclaimed)
+            raise
 
     @property
     def config(self) -> EngineConfig:
@@ -387,6 +427,12 @@ class RequestStream:
 
     async def aclose(self) -> None:
         self.close()
+
+
+def _shut_down_unclaimed(handed: concurrent.futures.Future) -> None:
+    """A launched engine nobody awaited any more: stop it (off the loop: shutdown joins)."""
+    if handed.exception() is None:
+        threading.Thread(target=handed.result().shutdown, daemon=True).start()
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

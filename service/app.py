@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from functools import partial
 
 import anyio
 import msgspec
@@ -46,12 +47,14 @@ VERSION = "0.1.0"
 
 async def start_service(config: ServiceConfig) -> ServiceState:
     """Load the model, start the engine thread, and build the server's state."""
-    # Loading takes seconds; a worker thread keeps the loop responsive meanwhile.
-    engine = await anyio.to_thread.run_sync(LLMEngine, config.engine)
+    # Loading takes seconds, on the engine thread: the loop stays responsive,
+    # and no other thread keeps an OpenMP pool (AsyncEngine.launch says why).
     metrics = Metrics()
-    bridge = AsyncEngine(engine, config.max_waiting_requests, metrics.engine_step.observe)
+    bridge = await AsyncEngine.launch(
+        partial(LLMEngine, config.engine), max_waiting_requests=config.max_waiting_requests,
+        on_step=metrics.engine_step.observe)
+    engine = bridge.engine
     metrics.watch(bridge)
-    bridge.start()
     tokenizer_source = config.engine.tokenizer or engine.model_path
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, tokenizer_source)
     state = ServiceState(

@@ -10,6 +10,8 @@ hanging it. What is checked:
   * closing a stream, iterated or not, aborts the request: every KV block is
     free again after at most one more step;
   * call(fn) runs fn on the engine thread and hands back its result or error;
+  * launch() builds the engine on the thread that then steps it, passes a
+    build error on, and stops an engine whose launch was cancelled;
   * back-pressure: QueueFullError once max_waiting_requests are waiting;
   * a fault in a step kills the engine cleanly: open streams, pending calls
     and new requests all get EngineDeadError, nothing hangs;
@@ -286,6 +288,59 @@ def test_call_runs_on_the_engine_thread_and_returns_or_raises(llm_engine):
     assert outputs[-1].finished
     assert counts == [1, 1, 1]
     assert rest[-1].finished
+
+
+def engine_config(model_path) -> EngineConfig:
+    return EngineConfig(model=str(model_path), max_model_len=256,
+                        kv_cache_memory_bytes=64 << 20, dtype="float32")
+
+
+def test_launch_builds_the_engine_on_the_thread_that_steps_it(tiny_llama_path):
+    built_on = {}
+
+    def build() -> LLMEngine:
+        built_on["thread"] = threading.current_thread()
+        return LLMEngine(engine_config(tiny_llama_path))
+
+    async def body():
+        bridge = await AsyncEngine.launch(build, max_waiting_requests=8)
+        try:
+            stepping = await bridge.call(lambda engine: threading.current_thread())
+            outputs = await collect(bridge.generate("r1", PROMPT, long_params(3)))
+            return bridge, stepping, outputs
+        finally:
+            bridge.shutdown(timeout=30)
+
+    bridge, stepping, outputs = run(body())
+    assert stepping is built_on["thread"] and stepping is not threading.current_thread()
+    assert bridge.max_waiting_requests == 8 and outputs[-1].finished
+    assert not stepping.is_alive(), "the engine thread outlived shutdown()"
+
+
+def test_launch_passes_a_build_error_on(tiny_llama_path):
+    def build() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        run(AsyncEngine.launch(build))
+
+
+def test_a_cancelled_launch_stops_the_engine_it_built(tiny_llama_path):
+    built_on = {}
+
+    def build() -> LLMEngine:
+        built_on["thread"] = threading.current_thread()
+        time.sleep(0.5)  # still loading when the caller gives up
+        return LLMEngine(engine_config(tiny_llama_path))
+
+    async def body():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(AsyncEngine.launch(build), 0.1)
+        await asyncio.sleep(0)
+
+    run(body())
+    built_on["thread"].join(timeout=60)
+    assert not built_on["thread"].is_alive(), "a cancelled launch left its engine running"
 
 
 # -- back-pressure -------------------------------------------------------------------------
