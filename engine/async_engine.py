@@ -18,9 +18,6 @@ between two steps; the asyncio side only reads an immutable stats snapshot.
 An abort therefore takes effect at the start of the next step, which is when
 the request's blocks go back to the pool.
 
-The service builds the engine on that thread too (`launch`), so that the one
-thread stepping the model is the only one with an OpenMP pool.
-
 If a step raises, the engine is dead: every in-flight request gets the error,
 later requests are refused at once and `/health` reports it. Nothing waits
 forever on a thread that is gone.
@@ -40,7 +37,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -108,15 +105,11 @@ class AsyncEngine:
 
     @classmethod
     async def launch(cls, build: Callable[[], LLMEngine], **options: Any) -> AsyncEngine:
-        """Build the engine on a new engine thread, then step it on that same thread.
-
-        Why not load it elsewhere and start() after: OpenMP keeps a pool of
-        worker threads for every thread that ever ran a parallel region, and
-        once libgomp manages more threads than there are cores its workers
-        stop spinning between regions. A loader thread's idle pool left every
-        op of every step waiting for its workers to wake from sleep: one
-        stream decoded 1.5x slower on 2 cores (docs/performance.md).
-        """
+        """Build the engine on a new engine thread, then step it there. Not built
+        elsewhere and start()ed: libgomp keeps a worker pool per thread that ran
+        a parallel region, and with more of them than cores its workers sleep
+        between regions; a loader thread's idle pool made one stream decode
+        1.5x slower on 2 cores (docs/performance.md, speed log item 25)."""
         loop = asyncio.get_running_loop()
         handed: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -327,8 +320,7 @@ class AsyncEngine:
             if queue is None:  # the consumer already left
                 continue
             queue.put_nowait(item)
-            if isinstance(item, BaseException) or item.finished:
-                # The engine is done with it; the queue still holds what is unread.
+            if isinstance(item, BaseException) or item.finished:  # the queue keeps the unread
                 del self._streams[request_id]
 
     def _end_streams(self, error: BaseException) -> None:
@@ -381,9 +373,8 @@ class AsyncEngine:
     def _wait_for_work(self) -> list[Command] | None:
         """Take the queued commands, sleeping while there is nothing to do."""
         with self._wakeup:
-            while not (
-                self._stopping or self._commands or self.engine.has_unfinished_requests()
-            ):
+            while not (self._stopping or self._commands
+                       or self.engine.has_unfinished_requests()):
                 self._wakeup.wait()
             if self._stopping:
                 return None
@@ -392,41 +383,6 @@ class AsyncEngine:
             # Still counted in num_waiting until the next stats snapshot includes them.
             self._adds_taken = self._num_queued_adds
             return commands
-
-
-class RequestStream:
-    """One request's outputs, in order, as an async iterator (asyncio side only).
-
-    Always close it (`close()` or `aclose()`, safe to repeat) when done with
-    it: closing before the request finished is what aborts it. Unlike an
-    async generator, a stream that was never iterated can still be closed.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self._queue = queue
-        self._done = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        self._done = item.finished
-        return item
-
-    def close(self) -> None:
-        self._done = True
-        self.engine.release(self.request_id)
-
-    async def aclose(self) -> None:
-        self.close()
 
 
 def _shut_down_unclaimed(handed: concurrent.futures.Future) -> None:

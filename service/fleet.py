@@ -170,6 +170,10 @@ class Fleet:
             await self._publish()
             await asyncio.sleep(self.config.heartbeat_seconds)
 
+    def announce(self) -> None:
+        """Publish this replica's state now (it just started draining, say)."""
+        self._spawn(self._publish())
+
     async def _publish(self, warming: bool | None = None) -> None:
         """Write this replica's presence now. The lock keeps a beat that read the
         state earlier from landing after, and overwriting, a newer one."""

@@ -134,6 +134,8 @@ class ServiceState:
         [DONE]). /health answers 503 "draining" meanwhile, as the listener
         stays open until this returns."""
         self.draining = True
+        if self.fleet is not None:
+            self.fleet.announce()  # routers reading Redis hear it now, not a heartbeat later
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_seconds
         while self.engine.num_open and loop.time() < deadline:

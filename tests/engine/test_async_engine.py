@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from engine.request_stream import RequestStream
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams

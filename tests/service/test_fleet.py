@@ -105,6 +105,17 @@ def test_the_fleet_hears_ok_before_health_does(tiny_llama_path, redis_server):
         assert info.warm_prefixes == [p.id for p in b.state.fleet.warm.prefixes]
 
 
+def test_a_draining_replica_is_listed_as_draining_at_once(tiny_llama_path, redis_server):
+    slow = FleetConfig(redis_url=redis_server.url, replica_id="A", heartbeat_seconds=60)
+    with run_server(tiny_config(tiny_llama_path, fleet=slow)) as a:
+        assert wait_until(lambda: httpx.get(f"{a.url}/health").status_code == 200, 30)
+        # What SIGTERM starts (tests/service/test_shutdown.py sends the real signal).
+        asyncio.run_coroutine_threadsafe(a.state.drain(0.0), a.state.engine._loop).result(30)
+        assert httpx.get(f"{a.url}/health").status_code == 503
+        assert wait_until(lambda: [r.status for r in asyncio.run(_replicas(redis_server.url))]
+                          == ["draining"], 5)
+
+
 async def _replicas(url: str):
     client = connect(url)
     try:
