@@ -1,4 +1,7 @@
-"""Keep freed activation memory in the heap on CPU, so it is not faulted in again.
+"""Where CPU tensors get their memory: freed activations stay in the heap, and
+the KV cache is backed by huge pages.
+
+Freed activations, so they are not faulted in again.
 
 glibc serves every allocation above its mmap threshold (128 KiB, rising
 dynamically up to 32 MiB) with a fresh mmap and unmaps it on free. A prefill
@@ -14,6 +17,15 @@ reason; this does the glibc equivalent in-process, once, at engine start:
 Measured on the 2-core CPU, SmolLM2 bf16, one 8,000-token prefill step:
 7.7-8.2 s -> 5.8-7.0 s. Decode steps (small tensors) are unchanged.
 It changes only where glibc finds memory, never what a tensor holds.
+
+The KV cache, on 2 MiB pages. Decode attention reads each sequence's blocks
+where the block table says, all over a cache of a GiB or more; with 4 KiB
+pages nearly every 6 KB block read also misses the TLB. Linux gives a
+mapping transparent huge pages when it is madvise()d MADV_HUGEPAGE (the
+default "madvise" mode of /sys/kernel/mm/transparent_hugepage/enabled), if
+that happens before the pages are first touched. Measured on the 2-core
+CPU, SmolLM2's decode attention over 128 sequences x ~320 tokens in a 1 GiB
+cache: 17.5 -> 19.3 GB/s.
 """
 
 from __future__ import annotations
@@ -21,6 +33,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
+MADV_HUGEPAGE = 14  # Linux
+HUGE_PAGE_BYTES = 2 << 20
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20
@@ -37,3 +51,22 @@ def keep_freed_memory() -> bool:
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def advise_huge_pages(tensor) -> bool:
+    """Ask Linux to back the whole 2 MiB pages inside `tensor` with huge pages
+    (before anything touches them); False where it cannot or will not."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name, use_errno=True)
+    if not hasattr(libc, "madvise"):
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if last <= first:
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(first, last - first, MADV_HUGEPAGE) == 0

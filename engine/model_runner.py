@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_allocator import keep_freed_memory
+from engine.cpu_allocator import advise_huge_pages, keep_freed_memory
 from engine.distributed.partition import Partition
 from engine.models.llama import LlamaArgs, LlamaForCausalLM
 from engine.models.loader import iter_safetensors
@@ -186,10 +186,13 @@ class ModelRunner:
             config.kernel_backend, config.block_size, args.head_dim, self.dtype, self.device
         )
         self.num_blocks = self._num_kv_blocks()
-        self.kv_cache = torch.zeros(
+        self.kv_cache = torch.empty(
             2, args.num_layers, self.num_blocks, self.block_size, self.partition.num_kv_heads,
             args.head_dim, dtype=self.dtype, device=self.device,
         )
+        if self.device.type == "cpu":
+            advise_huge_pages(self.kv_cache)  # before zero_() touches the pages
+        self.kv_cache.zero_()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(args.vocab_size, seed=config.seed)
 

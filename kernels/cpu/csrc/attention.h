@@ -57,6 +57,57 @@ struct KvView {
   int head0, heads, head_dim;
 };
 
+// One software prefetch into L2.  Volatile asm on x86 because GCC counts
+// __builtin_prefetch as free of side effects: a function that only
+// prefetches is then "const", and its calls are deleted (C++ loops are
+// assumed to finish): that is how this file's first prefetches compiled
+// to nothing.
+inline void prefetch_l2(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+  asm volatile("" : : "r"(p));
+#endif
+}
+
+// The next tile's K and V, fetched a cache line at a time while this tile
+// computes.  Its blocks sit where no hardware prefetcher can guess, and a
+// burst of a few hundred prefetches fills the core's miss queue and stalls
+// it; so P.V issues two per token it reads (as many lines as a tile of one
+// row block holds: head_dim / 16 per token and kv head) and the tile's end
+// issues whatever is left.  On a 2-core EPYC, 128 sequences x ~320 tokens
+// of SmolLM2 K/V: 9.7 GB/s with no prefetch, 17.5 with this.
+struct Prefetcher {
+  const char* rows[2 * kTile];  // each token's K run, then its V run
+  int64_t bytes = 0;            // bytes per run
+  int count = 0, next = 0;      // runs, and the one being fetched
+  int64_t offset = 0;           // next line within it
+
+  template <typename T>
+  void reset(const KvView<T>& kv, const int64_t* slots, int n) {
+    bytes = int64_t(sizeof(T)) * kv.heads * kv.head_dim;
+    count = next = 0;
+    offset = 0;
+    for (int i = 0; i < n; ++i) {
+      rows[count++] = reinterpret_cast<const char*>(kv.k + slots[i]);
+      rows[count++] = reinterpret_cast<const char*>(kv.v + slots[i]);
+    }
+  }
+  inline void step() {
+    if (next == count) return;
+    prefetch_l2(rows[next] + offset);
+    offset += 64;
+    if (offset >= bytes) {
+      offset = 0;
+      ++next;
+    }
+  }
+  void finish() {
+    while (next < count) step();
+  }
+};
+
 // Per-thread buffers, sized once per op call.  T is the cache type, QT what
 // Q.K multiplies: float (queries converted) or T itself (dpbf16 path).
 // Rows are numbered head-major: row = head * rows_per_head + r.
@@ -76,6 +127,7 @@ struct Scratch {
   std::vector<T> zero_t;
   std::vector<int64_t> visible;      // per row of a head: context tokens it may see
   int64_t slots[2][kTile];           // element offsets of this tile's and the next tile's tokens
+  Prefetcher ahead;                  // the next tile's lines, issued during P.V
 };
 
 // Element offset of each token's first head, tokens t0 .. t0 + n - 1.
@@ -90,19 +142,6 @@ void tile_slots(const KvView<T>& kv, int64_t t0, int n, int64_t* out) {
       ++block;
     }
   }
-}
-
-// The next tile's tokens sit in blocks the hardware prefetcher cannot guess;
-// ask for them (all this item's heads: one contiguous run per token) while
-// this tile computes.
-template <typename T>
-void prefetch_tile(const KvView<T>& kv, const int64_t* slots, int n) {
-  const int64_t bytes = int64_t(sizeof(T)) * kv.heads * kv.head_dim;
-  for (int i = 0; i < n; ++i)
-    for (int64_t c = 0; c < bytes; c += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(kv.k + slots[i]) + c, 0, 3);
-      __builtin_prefetch(reinterpret_cast<const char*>(kv.v + slots[i]) + c, 0, 3);
-    }
 }
 
 // Row (raw cache type) -> fp32 in the loader layout.
@@ -173,11 +212,14 @@ inline void softmax_row(float* s, float& m, float& l, float* acc, int head_dim) 
 // loaded (and converted) once per R rows.  Tokens go in ascending order for
 // every row, whatever R is, so the sums round the same way in any blocking.
 template <int R, typename VT>
-void pv_rows(const float* p, const VT* const* v, int n, float* acc, int head_dim) {
+void pv_rows(const float* p, const VT* const* v, int n, float* acc, int head_dim,
+             Prefetcher& ahead) {
   for (int d = 0; d < head_dim; d += kPair) {
     vec::F a[R], b[R];
     for (int r = 0; r < R; ++r) vec::load_pair(acc + r * head_dim + d, a[r], b[r]);
     for (int t = 0; t < n; ++t) {
+      ahead.step();
+      ahead.step();
       vec::F va, vb;
       vec::load_pair(v[t] + d, va, vb);
       for (int r = 0; r < R; ++r) {
@@ -193,17 +235,17 @@ void pv_rows(const float* p, const VT* const* v, int n, float* acc, int head_dim
 // Rows [first, rows) over V; n_for(r) = tokens row r sees in this tile.
 template <typename VT, typename Visible>
 void pv_tile(const float* scores, const VT* const* v, int first, int rows, Visible n_for,
-             float* acc, int head_dim) {
+             float* acc, int head_dim, Prefetcher& ahead) {
   for (int r = first; r < rows; r += kRowBlock) {
     int count = std::min(kRowBlock, rows - r);
     int n = n_for(r + count - 1);  // rows see non-decreasing counts: the last sees most
     const float* p = scores + size_t(r) * kTile;
     float* a = acc + size_t(r) * head_dim;
     switch (count) {
-      case 1: pv_rows<1>(p, v, n, a, head_dim); break;
-      case 2: pv_rows<2>(p, v, n, a, head_dim); break;
-      case 3: pv_rows<3>(p, v, n, a, head_dim); break;
-      default: pv_rows<4>(p, v, n, a, head_dim); break;
+      case 1: pv_rows<1>(p, v, n, a, head_dim, ahead); break;
+      case 2: pv_rows<2>(p, v, n, a, head_dim, ahead); break;
+      case 3: pv_rows<3>(p, v, n, a, head_dim, ahead); break;
+      default: pv_rows<4>(p, v, n, a, head_dim, ahead); break;
     }
   }
 }

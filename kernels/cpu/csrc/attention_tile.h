@@ -30,7 +30,8 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
     softmax_row(scores, s.part_m[base + r], s.part_l[base + r], &s.part_acc[(base + r) * head_dim],
                 head_dim);
   }
-  pv_tile(&s.scores[base * kTile], v, first, w.rows, n_for, &s.part_acc[base * head_dim], head_dim);
+  pv_tile(&s.scores[base * kTile], v, first, w.rows, n_for, &s.part_acc[base * head_dim], head_dim,
+          s.ahead);
 }
 
 // One head of one tile.  Picks where K/V get converted to fp32: a few rows
@@ -85,14 +86,13 @@ void attend(Scratch<T, QT>& s, const Work<T>& w, int64_t begin, int64_t end, boo
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int n = int(std::min<int64_t>(kTile, end - t0));
     const int64_t next = t0 + kTile;
-    if (next < end) {
-      const int n_next = int(std::min<int64_t>(kTile, end - next));
-      tile_slots(w.kv, next, n_next, s.slots[cur ^ 1]);
-      prefetch_tile(w.kv, s.slots[cur ^ 1], n_next);
-    }
+    const int n_next = next < end ? int(std::min<int64_t>(kTile, end - next)) : 0;
+    tile_slots(w.kv, next, n_next, s.slots[cur ^ 1]);
+    s.ahead.reset(w.kv, s.slots[cur ^ 1], n_next);
     while (w.visible[first] <= t0) ++first;  // rows that end before this tile are done
     for (int head = 0; head < w.kv.heads; ++head)
       run_tile(s, w, head, s.slots[cur], n, t0, first, convert);
+    s.ahead.finish();
     if (next % kPartition == 0 || next >= end) fold_partition(s, all_rows, head_dim);
     cur ^= 1;
   }
