@@ -41,13 +41,19 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
 
 
-def keep_freed_memory() -> bool:
-    """Tune glibc's malloc as above; False (and nothing done) without glibc."""
+def _libc_with(function: str):
+    """The C library, if it has `function`; None otherwise (not glibc, not Linux)."""
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     libc = ctypes.CDLL(name)
-    if not hasattr(libc, "mallopt"):
+    return libc if hasattr(libc, function) else None
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc's malloc as above; False (and nothing done) without glibc."""
+    libc = _libc_with("mallopt")
+    if libc is None:
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
@@ -56,11 +62,8 @@ def keep_freed_memory() -> bool:
 def advise_huge_pages(tensor) -> bool:
     """Ask Linux to back the whole 2 MiB pages inside `tensor` with huge pages
     (before anything touches them); False where it cannot or will not."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name, use_errno=True)
-    if not hasattr(libc, "madvise"):
+    libc = _libc_with("madvise")
+    if libc is None:
         return False
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
