@@ -211,6 +211,7 @@ class ModelRunner:
             if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
                 raise ValueError(f"quantization='int4' needs torch >= 2.6, this is {torch.__version__}")
             model.quantize_int4()
+        model.pack_linear_weights()  # after int4: the layers it replaced stay as they are
         return model
 
     def bytes_per_block(self) -> int:

@@ -41,10 +41,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.reference import (
+    keep_layout,
     linear_reference,
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
@@ -57,12 +59,15 @@ __all__ = [
     "KernelBackend",
     "check_backend_support",
     "compiled_bf16_linear",
+    "embedding",
     "get_backend",
     "linear",
+    "pack_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
     "store_kvcache",
+    "unpack_linear",
 ]
 
 BACKEND_NAMES = ("auto", "torch", "triton", "cpu")
@@ -81,6 +86,8 @@ class KernelBackend:
     paged_prefill_attention: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor] = linear_reference
     rms_norm: Callable[..., torch.Tensor] = rms_norm_reference
+    pack_linear: Callable[[torch.Tensor], torch.Tensor] = keep_layout
+    embedding: Callable[..., torch.Tensor] = F.embedding
 
 
 def _triton_modules():
@@ -142,6 +149,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     would make near-ties exact ties); everything else is the reference, F.linear."""
     # Called ~120 times per decode step: every check here is on the hot path
     # (a 2-D x skips the reshape and view, ~6 us a call on this machine).
+    if weight.dim() == PACKED_DIMS:
+        return _packed_linear(x, weight, bias, float_out)
     if weight.dtype == torch.bfloat16 and x.is_cpu:
         ops = cpu_ops.ops_for(weight.shape[1])
         if ops is not None:
@@ -151,6 +160,61 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = ops.linear_bf16(rows, weight, bias, float_out)
             return out.view(*x.shape[:-1], weight.shape[0])
     return linear_reference(x, weight, bias, float_out)
+
+
+# -- weights packed for the bf16 dot product ------------------------------------------
+#
+#   W [out, in]  ->  packed [out / 16, in / 2, 16, 2]:  W[n][2p + j] = packed[n // 16][p][n % 16][j]
+#
+# One 64-byte vector of the packed weight is one input pair of 16 output
+# features, what AVX512-BF16's dot product multiplies by a broadcast pair of
+# x (kernels/cpu/csrc/linear_packed.h draws it).
+
+PACKED_DIMS = 4
+PACK_LANES = 16
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in the layout ``linear`` multiplies fastest: packed
+    as above where the compiled ops have the packed linear (bf16 weights, a CPU
+    with AVX512-BF16, out a multiple of 16), else ``weight`` itself.  ``linear``,
+    ``unpack_linear`` and ``embedding`` take either."""
+    if weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.dim() != 2:
+        return weight
+    out_features, in_features = weight.shape
+    ops = cpu_ops.ops_for(in_features)
+    if ops is None or not hasattr(ops, "linear_bf16_packed") or out_features % PACK_LANES:
+        return weight
+    blocks = weight.reshape(out_features // PACK_LANES, PACK_LANES, in_features // 2, 2)
+    return blocks.transpose(1, 2).contiguous()
+
+
+def unpack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's [out, in] layout back (a copy) from ``pack_linear``'s; any other weight as it is."""
+    if weight.dim() != PACKED_DIMS:
+        return weight
+    return weight.transpose(1, 2).reshape(-1, 2 * weight.shape[1])
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding over a weight in either layout: a tied LM head is packed,
+    and the embedding reads its rows from there rather than keep a second copy."""
+    if weight.dim() != PACKED_DIMS:
+        return F.embedding(ids, weight)
+    flat = ids.reshape(-1)
+    rows = weight[flat // PACK_LANES, :, flat % PACK_LANES, :]  # [tokens, in / 2, 2]
+    return rows.reshape(*ids.shape, 2 * weight.shape[1])
+
+
+def _packed_linear(x, weight, bias, float_out):
+    in_features = 2 * weight.shape[1]
+    ops = cpu_ops.ops_for(in_features)
+    if ops is None:  # the ops were turned off after the weights were packed
+        return linear_reference(x, unpack_linear(weight), bias, float_out)
+    if x.dim() == 2:
+        return ops.linear_bf16_packed(x, weight, bias, float_out)
+    out = ops.linear_bf16_packed(x.reshape(-1, in_features), weight, bias, float_out)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -188,7 +252,7 @@ def get_backend(name: str) -> KernelBackend:
     """Return the ``auto``, ``torch`` or ``triton`` backend (a new frozen object)."""
     if name == "auto":
         return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
-                             linear, rms_norm)
+                             linear, rms_norm, pack_linear, embedding)
     if name == "torch":
         return KernelBackend(
             "torch",
@@ -200,7 +264,7 @@ def get_backend(name: str) -> KernelBackend:
         return _triton_backend()
     if name == "cpu":
         return KernelBackend("cpu", store_kvcache_reference, _compiled("paged_decode_attention"),
-                             _compiled("paged_prefill_attention"), linear, rms_norm)
+                             _compiled("paged_prefill_attention"), linear, rms_norm, pack_linear, embedding)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

@@ -217,6 +217,11 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * x32.to(x.dtype)
 
 
+def keep_layout(weight: torch.Tensor) -> torch.Tensor:
+    """A backend's ``pack_linear`` where ``linear`` takes nn.Linear's layout as it is."""
+    return weight
+
+
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      float_out: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias``: torch's own matmul, the ground truth of

@@ -30,6 +30,7 @@ from torch import nn
 
 from engine.distributed.partition import Partition
 from engine.models.quantization import Int4Linear
+from engine.models.rope import RotaryEmbedding, apply_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -113,53 +114,6 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, built once from HF's own RoPE maths.
-
-    The inverse frequencies and the attention scaling come from transformers'
-    rotary-embedding class for this config, so every RoPE variant it knows
-    (default, linear, llama3, yarn, ...) is computed the way the model was trained.
-    """
-
-    def __init__(self, hf_config, max_positions: int) -> None:
-        super().__init__()
-        inv_freq, scaling = _rope_parameters(hf_config)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and sin for the step's positions, [tokens, 1, head_dim]: looked up once
-        per step and shared by every layer."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [tokens, heads, head_dim]; q and k go through together (one call per layer)."""
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope_parameters(hf_config) -> tuple[torch.Tensor, float]:
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
-    rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
-    if rope_type in ("dynamic", "longrope"):
-        raise ValueError(
-            f"RoPE type {rope_type!r} depends on the sequence length and is not supported; "
-            f"supported: default, linear, llama3, yarn"
-        )
-    rotary = LlamaRotaryEmbedding(config=hf_config)
-    return rotary.inv_freq, float(rotary.attention_scaling)
-
-
 class Linear(nn.Linear):
     """nn.Linear whose product is the kernel backend's: on the CPU, bf16
     weights go through the compiled op (kernels.linear)."""
@@ -233,6 +187,10 @@ class MLP(nn.Module):
         return _all_reduce(self.down_proj(F.silu(gate) * up), self.group)
 
 
+def _packed(kernels_backend, weight: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(kernels_backend.pack_linear(weight.detach()), requires_grad=False)
+
+
 def _all_reduce(partial: torch.Tensor, group) -> torch.Tensor:
     """The sum of every rank's partial output (itself without tensor parallelism)."""
     if group is not None:
@@ -245,18 +203,21 @@ class VocabParallelEmbedding(nn.Module):
     slice embeds to zeros here, so the all-reduce leaves each token the one
     row that holds it (a sum with zeros: exact in any dtype)."""
 
-    def __init__(self, part: Partition, hidden_size: int, group) -> None:
+    def __init__(self, part: Partition, hidden_size: int, kernels, group) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(part.vocab_rows, hidden_size))
         self.start = part.vocab_start
+        self.rows = part.vocab_rows
+        self.kernels = kernels
         self.group = group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The backend's embedding: the weight may be packed as the tied LM head.
         if self.group is None:
-            return F.embedding(input_ids, self.weight)
+            return self.kernels.embedding(input_ids, self.weight)
         local = input_ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.rows)
+        rows = self.kernels.embedding(local.masked_fill(outside, 0), self.weight)
         return _all_reduce(rows.masked_fill_(outside.unsqueeze(-1), 0), self.group)
 
 
@@ -304,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
         self.args = args = LlamaArgs.from_hf_config(hf_config)
         self.partition = part = partition or Partition.of(args)
         self.group = group
-        self.embed_tokens = VocabParallelEmbedding(part, args.hidden_size, group)
+        self.embed_tokens = VocabParallelEmbedding(part, args.hidden_size, kernels, group)
         self.layers = nn.ModuleList(
             DecoderLayer(args, part, i, kernels, group) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
@@ -338,6 +299,17 @@ class LlamaForCausalLM(nn.Module):
         if slices is None:
             return None
         return torch.cat(slices, dim=-1)[:, : self.args.vocab_size]
+
+    def pack_linear_weights(self) -> None:
+        """Every projection's weight, and the LM head's, into the layout the
+        kernel backend multiplies fastest (kernels.pack_linear; unchanged where
+        it has none).  A tied head is the embedding's weight: packed, it serves
+        both (kernels.embedding reads rows from it), never two copies."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.weight = _packed(self.kernels, module.weight)
+        if self.lm_head is None:
+            self.embed_tokens.weight = _packed(self.kernels, self.embed_tokens.weight)
 
     def quantize_int4(self) -> None:
         """Every decoder layer's linear layers to int4 (engine/models/quantization.py).

@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "prefetch.h"
 #include "vec.h"
 
 namespace pagedserve {
@@ -56,20 +57,6 @@ struct KvView {
   int64_t slot_stride;   // kv_heads * head_dim
   int head0, heads, head_dim;
 };
-
-// One software prefetch into L2.  Volatile asm on x86 because GCC counts
-// __builtin_prefetch as free of side effects: a function that only
-// prefetches is then "const", and its calls are deleted (C++ loops are
-// assumed to finish): that is how this file's first prefetches compiled
-// to nothing.
-inline void prefetch_l2(const char* p) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht1 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 2);
-  asm volatile("" : : "r"(p));
-#endif
-}
 
 // The next tile's K and V, fetched a cache line at a time while this tile
 // computes.  Its blocks sit where no hardware prefetcher can guess, and a

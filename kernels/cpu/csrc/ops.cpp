@@ -1,6 +1,7 @@
 // Torch ops: paged decode and prefill attention over the paged KV cache, read
 // in place (same contract as kernels/reference.py), linear layers over bf16
-// weights (linear.h), and RMSNorm with its residual add (rms_norm.h).
+// weights (linear.h; packed for the bf16 dot product: linear_packed.h), and
+// RMSNorm with its residual add (rms_norm.h).
 //
 // Work items are (sequence, kv head) for decode, (sequence, kv head, tile of
 // query tokens) for prefill: the query heads of a kv group share every K/V
@@ -20,6 +21,7 @@
 
 #include "decode.h"
 #include "linear.h"
+#include "linear_packed.h"
 #include "rms_norm.h"
 #include "prefill.h"
 
@@ -45,4 +47,10 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor",
         &pagedserve::rms_norm);
   m.def("isa() -> str", &pagedserve::isa_name);
+#if defined(PAGEDSERVE_HAS_DPBF16)
+  // Only where the dot-product instruction is: kernels.pack_linear asks for
+  // it by name and keeps nn.Linear's layout in builds without it.
+  m.def("linear_bf16_packed(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor",
+        &pagedserve::linear_bf16_packed);
+#endif
 }

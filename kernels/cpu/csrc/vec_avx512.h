@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "exp2_poly.h"
 #include "reduce8_avx.h"
@@ -112,6 +113,20 @@ struct BH {
 };
 inline BH load_bf16(const bf16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
 inline F dot_acc(F acc, BH a, BH b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
+
+// One pair of bf16 (x[2p], x[2p + 1], read as one 32-bit word) in every
+// lane: the token's side of dot_acc in the packed linear (linear_packed.h).
+inline BH broadcast_pair(const bf16_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return {(__m512bh)_mm512_set1_epi32(word)};
+}
+
+// W fp32 lanes -> W bf16, rounded to nearest even; NaN stays NaN.
+inline void store_bf16(bf16_t* p, F a) {
+  __m512i high = _mm512_srli_epi32(round_to_bf16_high(a.v), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
+}
 
 // Eight bf16 dot products of one query row (raw bf16, natural order) with
 // eight K rows, head_dim a multiple of 32: no conversion, one instruction
