@@ -154,12 +154,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.dtype == torch.bfloat16 and x.is_cpu:
         ops = cpu_ops.ops_for(weight.shape[1])
         if ops is not None:
-            if x.dim() == 2:
-                return ops.linear_bf16(x, weight, bias, float_out)
-            rows = x.reshape(-1, weight.shape[1])
-            out = ops.linear_bf16(rows, weight, bias, float_out)
-            return out.view(*x.shape[:-1], weight.shape[0])
+            return _over_rows(ops.linear_bf16, x, weight.shape[1], weight, bias, float_out)
     return linear_reference(x, weight, bias, float_out)
+
+
+def _over_rows(op, x, in_features, weight, bias, float_out):
+    """A compiled linear, which takes x as [tokens, in], over x of any leading shape."""
+    if x.dim() == 2:
+        return op(x, weight, bias, float_out)
+    out = op(x.reshape(-1, in_features), weight, bias, float_out)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 # -- weights packed for the bf16 dot product ------------------------------------------
@@ -211,10 +215,7 @@ def _packed_linear(x, weight, bias, float_out):
     ops = cpu_ops.ops_for(in_features)
     if ops is None:  # the ops were turned off after the weights were packed
         return linear_reference(x, unpack_linear(weight), bias, float_out)
-    if x.dim() == 2:
-        return ops.linear_bf16_packed(x, weight, bias, float_out)
-    out = ops.linear_bf16_packed(x.reshape(-1, in_features), weight, bias, float_out)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return _over_rows(ops.linear_bf16_packed, x, in_features, weight, bias, float_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
