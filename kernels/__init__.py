@@ -9,7 +9,8 @@ Three implementations share one contract (see ``kernels/reference.py``):
   ``kernels/paged_attention.py``),
 * ``cpu``    - compiled C++ ops for the CPU (``kernels/cpu/csrc/``, built on
   first use by ``kernels/cpu/ops.py``): attention reading the paged cache in
-  place, and the bf16-weight linear.
+  place, the K/V store, the bf16-weight linear, and a layer's element-wise
+  ops (RMSNorm, RoPE, SiLU(gate) * up), one pass each.
 
 ``auto`` is Triton on CUDA. On the CPU its attention is the compiled op when
 it builds and takes the head_dim; otherwise ``kernels/cpu_attention.py``
@@ -17,7 +18,9 @@ it builds and takes the head_dim; otherwise ``kernels/cpu_attention.py``
 reference (float32, bit for bit HF's arithmetic), after one logged warning.
 Its ``linear`` multiplies bf16 weights with the compiled op (fp32 FMAs over
 bf16 reads: half of fp32's bytes where torch's bf16 matmul is slow); every
-other case, and every other backend, is the reference (``F.linear``).
+other case, and every other backend, is the reference (``F.linear``).  The
+element-wise ops and the store take the compiled op on the CPU where it
+rounds as torch does (each function below says when).
 
 The store module is *not* called ``kernels/store_kvcache.py``: importing it
 would make Python bind the submodule to ``kernels.store_kvcache``, replacing
@@ -51,6 +54,8 @@ from kernels.reference import (
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
     rms_norm_reference,
+    rope_reference,
+    silu_and_mul_reference,
     store_kvcache_reference,
 )
 
@@ -66,6 +71,8 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
+    "rope",
+    "silu_and_mul",
     "store_kvcache",
     "unpack_linear",
 ]
@@ -88,6 +95,8 @@ class KernelBackend:
     rms_norm: Callable[..., torch.Tensor] = rms_norm_reference
     pack_linear: Callable[[torch.Tensor], torch.Tensor] = keep_layout
     embedding: Callable[..., torch.Tensor] = F.embedding
+    rope: Callable[..., torch.Tensor] = rope_reference
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_reference
 
 
 def _triton_modules():
@@ -109,11 +118,25 @@ def _triton_backend() -> KernelBackend:
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Write K/V of each token into ``slot_mapping`` slots (-1 = skip), in place."""
+    """Write K/V of each token into ``slot_mapping`` slots (-1 = skip), in place.
+    On the CPU the compiled op copies the rows when nothing needs converting
+    (same dtype, int64 slots, rows of packed heads); else the reference."""
     if key.is_cuda:
         _triton_modules()[0].store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        store_kvcache_reference(key, value, k_cache, v_cache, slot_mapping)
+        return
+    if (key.dtype == k_cache.dtype == value.dtype == v_cache.dtype and slot_mapping.dtype == torch.int64
+            and _heads_packed(key) and _heads_packed(value)):
+        ops = cpu_ops.current_ops()
+        if ops is not None:
+            ops.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+            return
+    store_kvcache_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _heads_packed(x: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] with heads and head_dim packed (any token stride:
+    q, k and v are slices of the fused qkv projection), as the compiled ops take it."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
@@ -231,6 +254,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return rms_norm_reference(x, weight, eps, residual)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x [tokens, heads, head_dim] by cos / sin [tokens, head_dim]
+    (kernels.reference.rope_reference); returns the rotated tensor, which may
+    be x itself, rotated in place.  On the CPU the compiled op rounds where
+    torch's five ops do, so float32 and bf16 both match the reference bit for bit."""
+    if (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == x.dtype
+            and _heads_packed(x) and cos.is_contiguous() and sin.is_contiguous()):
+        ops = cpu_ops.current_ops()
+        if ops is not None:
+            ops.rotary_embedding(x, cos, sin)
+            return x
+    return rope_reference(x, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up over x = [gate | up] (kernels.reference.silu_and_mul_reference).
+    bf16 on the CPU runs the compiled op, one pass instead of two ops; float32
+    keeps the reference (the op's exp is not torch's: bit-exact HF parity)."""
+    if x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.is_contiguous():
+        ops = cpu_ops.current_ops()
+        if ops is not None:
+            return ops.silu_and_mul(x)
+    return silu_and_mul_reference(x)
+
+
 def compiled_bf16_linear(in_features: int) -> bool:
     """Whether ``linear`` multiplies bf16 weights of this width with the compiled op."""
     return cpu_ops.ops_for(in_features) is not None
@@ -253,7 +301,7 @@ def get_backend(name: str) -> KernelBackend:
     """Return the ``auto``, ``torch`` or ``triton`` backend (a new frozen object)."""
     if name == "auto":
         return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
-                             linear, rms_norm, pack_linear, embedding)
+                             linear, rms_norm, pack_linear, embedding, rope, silu_and_mul)
     if name == "torch":
         return KernelBackend(
             "torch",
@@ -264,8 +312,9 @@ def get_backend(name: str) -> KernelBackend:
     if name == "triton":
         return _triton_backend()
     if name == "cpu":
-        return KernelBackend("cpu", store_kvcache_reference, _compiled("paged_decode_attention"),
-                             _compiled("paged_prefill_attention"), linear, rms_norm, pack_linear, embedding)
+        return KernelBackend("cpu", store_kvcache, _compiled("paged_decode_attention"),
+                             _compiled("paged_prefill_attention"), linear, rms_norm, pack_linear, embedding,
+                             rope, silu_and_mul)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

@@ -1,6 +1,7 @@
 """Pure-PyTorch reference implementations of the paged KV-cache kernels (and
 of the model ops the compiled CPU ops replace: RMSNorm with its residual
-add, and the linear layers' matmul, at the end of this file).
+add, RoPE, SiLU(gate) * up, and the linear layers' matmul, at the end of
+this file).
 
 These are the ground truth for the Triton kernels and the CPU engine's
 attention path, so they favour being obviously right, then fast:
@@ -215,6 +216,22 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF Llama's rotary embedding (rotate-half form) of x [tokens, heads,
+    head_dim] by its tokens' cos / sin rows [tokens, head_dim]; a new tensor."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation over the fused gate_up output [tokens, 2 * width]:
+    silu(gate) * up, [tokens, width]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def keep_layout(weight: torch.Tensor) -> torch.Tensor:

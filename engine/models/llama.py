@@ -25,12 +25,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.partition import Partition
 from engine.models.quantization import Int4Linear
-from engine.models.rope import RotaryEmbedding, apply_rope
+from engine.models.rope import RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -148,12 +147,13 @@ class Attention(nn.Module):
     def forward(self, rope_tables, hidden, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
         tokens = qkv.shape[0]
-        # q and k are adjacent in the fused output: rotate them as one tensor.
+        # q and k are adjacent in the fused output: rotate them as one tensor
+        # (the compiled op in place, inside qkv).
         #   qkv row: [ q: num_heads x head_dim | k: kv_heads x head_dim | v ]
-        qk = qkv[:, : self.q_size + self.kv_size].reshape(
+        qk = qkv[:, : self.q_size + self.kv_size].view(
             tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        qk = apply_rope(qk, *rope_tables)
+        qk = self.kernels.rope(qk, *rope_tables)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].reshape(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0][self.layer_index], kv_cache[1][self.layer_index]
@@ -177,14 +177,15 @@ class MLP(nn.Module):
 
     def __init__(self, args: LlamaArgs, part: Partition, kernels, group) -> None:
         super().__init__()
-        self.intermediate_size = width = part.intermediate_size
+        width = part.intermediate_size
+        self.kernels = kernels
         self.group = group
         self.gate_up_proj = Linear(args.hidden_size, 2 * width, args.mlp_bias, kernels)
         self.down_proj = Linear(width, args.hidden_size, args.mlp_bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return _all_reduce(self.down_proj(F.silu(gate) * up), self.group)
+        #   gate_up row: [ gate: width | up: width ]  ->  silu(gate) * up
+        return _all_reduce(self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x))), self.group)
 
 
 def _packed(kernels_backend, weight: nn.Parameter) -> nn.Parameter:

@@ -1,6 +1,7 @@
 """Rotary position embeddings (RoPE) as HF's Llama applies them: cos/sin
-tables built once from transformers' own maths for the config, looked up per
-step, and the rotate-half rotation of q and k."""
+tables built once from transformers' own maths for the config and looked up
+per step.  The rotation itself (rotate-half, of q and k together) is the
+kernel backend's ``rope`` (kernels.reference.rope_reference)."""
 
 from __future__ import annotations
 
@@ -26,19 +27,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and sin for the step's positions, [tokens, 1, head_dim]: looked up once
-        per step and shared by every layer."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [tokens, heads, head_dim]; q and k go through together (one call per layer)."""
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """cos and sin for the step's positions, [tokens, head_dim] in the model's
+        dtype (as HF rounds them): looked up once per step, shared by every layer."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def _rope_parameters(hf_config) -> tuple[torch.Tensor, float]:

@@ -1,7 +1,9 @@
 // Torch ops: paged decode and prefill attention over the paged KV cache, read
-// in place (same contract as kernels/reference.py), linear layers over bf16
-// weights (linear.h; packed for the bf16 dot product: linear_packed.h), and
-// RMSNorm with its residual add (rms_norm.h).
+// in place (same contract as kernels/reference.py), and the new tokens' K/V
+// written into it (kv_store.h); linear layers over bf16 weights (linear.h;
+// packed for the bf16 dot product: linear_packed.h); and the element-wise
+// ops of a Llama layer, one pass each: RMSNorm with its residual add
+// (rms_norm.h), RoPE (rope.h), SiLU(gate) * up (activation.h).
 //
 // Work items are (sequence, kv head) for decode, (sequence, kv head, tile of
 // query tokens) for prefill: the query heads of a kv group share every K/V
@@ -19,11 +21,14 @@
 #error "build with -DPAGEDSERVE_OPS_NS=<op namespace>"
 #endif
 
+#include "activation.h"
 #include "decode.h"
+#include "kv_store.h"
 #include "linear.h"
 #include "linear_packed.h"
-#include "rms_norm.h"
 #include "prefill.h"
+#include "rms_norm.h"
+#include "rope.h"
 
 namespace pagedserve {
 namespace {
@@ -46,6 +51,11 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         &pagedserve::linear_bf16);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor",
         &pagedserve::rms_norm);
+  m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &pagedserve::rotary_embedding);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &pagedserve::silu_and_mul);
+  m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> ()",
+        &pagedserve::store_kvcache);
   m.def("isa() -> str", &pagedserve::isa_name);
 #if defined(PAGEDSERVE_HAS_DPBF16)
   // Only where the dot-product instruction is: kernels.pack_linear asks for

@@ -19,40 +19,67 @@
 #include <optional>
 
 #include "types.h"
+#include "vec.h"
 
 namespace pagedserve {
 namespace norm {
 
+// residual <- dtype(residual + x) when there is a residual; the sum of the
+// squares of what is normalized (the new residual, else x).  Two vector
+// accumulators, then the tail: a fixed order for a given build.
 template <typename T>
-inline float rounded(float v) {  // v as the dtype would hold it
-  T t;
-  store_scalar(&t, v);
-  return to_float(t);
+float add_and_square(const T* x, T* residual, int64_t dim) {
+  constexpr int kPair = 2 * vec::W;
+  vec::F acc[2] = {vec::zero(), vec::zero()};
+  int64_t i = 0;
+  for (; i + kPair <= dim; i += kPair) {
+    vec::F v[2];
+    vec::load_pair(x + i, v[0], v[1]);
+    if (residual) {
+      vec::F r[2];
+      vec::load_pair(residual + i, r[0], r[1]);
+      for (int j = 0; j < 2; ++j) v[j] = vec::round_to<T>(vec::add(v[j], r[j]));
+      vec::store_pair(residual + i, v[0], v[1]);
+    }
+    for (int j = 0; j < 2; ++j) acc[j] = vec::fma(v[j], v[j], acc[j]);
+  }
+  float sum = vec::reduce_add(vec::add(acc[0], acc[1]));
+  for (; i < dim; ++i) {  // widths that are not a multiple of the pair
+    float v = to_float(x[i]);
+    if (residual) {
+      v = rounded<T>(v + to_float(residual[i]));
+      store_scalar(residual + i, v);
+    }
+    sum += v * v;
+  }
+  return sum;
+}
+
+// out <- weight * dtype(src * inv): HF casts the normalized row back to the
+// dtype before the weight multiplies it.
+template <typename T>
+void scale(const T* src, const T* weight, T* out, int64_t dim, float inv) {
+  constexpr int kPair = 2 * vec::W;
+  const vec::F factor = vec::set1(inv);
+  int64_t i = 0;
+  for (; i + kPair <= dim; i += kPair) {
+    vec::F v[2], w[2];
+    vec::load_pair(src + i, v[0], v[1]);
+    vec::load_pair(weight + i, w[0], w[1]);
+    for (int j = 0; j < 2; ++j) v[j] = vec::mul(w[j], vec::round_to<T>(vec::mul(v[j], factor)));
+    vec::store_pair(out + i, v[0], v[1]);
+  }
+  for (; i < dim; ++i) store_scalar(out + i, to_float(weight[i]) * rounded<T>(to_float(src[i]) * inv));
 }
 
 template <typename T>
 void rows(const T* x, T* residual, const T* weight, T* out, int64_t r0, int64_t r1, int64_t dim,
           float eps) {
-  constexpr int kLanes = 8;  // independent partial sums: vectorisable, and a fixed order
   for (int64_t r = r0; r < r1; ++r) {
-    const T* xr = x + r * dim;
     T* rr = residual ? residual + r * dim : nullptr;
-    float partial[kLanes] = {};
-    for (int64_t i = 0; i < dim; ++i) {
-      float v = to_float(xr[i]);
-      if (rr) {
-        v = rounded<T>(v + to_float(rr[i]));
-        store_scalar(rr + i, v);
-      }
-      partial[i % kLanes] += v * v;
-    }
-    float sum = 0.0f;
-    for (float p : partial) sum += p;
+    const float sum = add_and_square(x + r * dim, rr, dim);
     const float inv = 1.0f / std::sqrt(sum / float(dim) + eps);
-    const T* src = rr ? rr : xr;
-    T* o = out + r * dim;
-    for (int64_t i = 0; i < dim; ++i)
-      store_scalar(o + i, to_float(weight[i]) * rounded<T>(to_float(src[i]) * inv));
+    scale(rr ? rr : x + r * dim, weight, out + r * dim, dim, inv);
   }
 }
 

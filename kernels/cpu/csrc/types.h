@@ -32,4 +32,12 @@ inline void store_scalar(bf16_t* p, float v) {  // round to nearest even; NaN st
   p->bits = v != v ? uint16_t(0x7fc0) : uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+// v as the storage type T would hold it (torch rounds every op's result so).
+template <typename T>
+inline float rounded(float v) {
+  T t;
+  store_scalar(&t, v);
+  return to_float(t);
+}
+
 }  // namespace pagedserve

@@ -13,3 +13,19 @@
 #include "vec_portable.h"
 #define PAGEDSERVE_ISA_NAME "portable"
 #endif
+
+namespace pagedserve::vec {
+
+// A vector rounded as a tensor of storage type T holds it: bf16 loses all
+// but 8 significant bits, float32 nothing.  Element-wise ops that mirror a
+// chain of torch ops round where torch stores an intermediate.
+template <typename T>
+inline F round_to(F a) {
+  return a;
+}
+template <>
+inline F round_to<bf16_t>(F a) {
+  return round_bf16(a);
+}
+
+}  // namespace pagedserve::vec

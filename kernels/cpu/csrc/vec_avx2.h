@@ -37,6 +37,8 @@ inline F add(F a, F b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline F sub(F a, F b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline F mul(F a, F b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline F max(F a, F b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline F min(F a, F b) { return {_mm256_min_ps(a.v, b.v)}; }
+inline F div(F a, F b) { return {_mm256_div_ps(a.v, b.v)}; }
 inline F fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
 
 inline float reduce_max(F a) {
@@ -102,6 +104,11 @@ inline __m256i round_to_bf16_high(__m256 x) {
   __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
   __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+}
+
+// a rounded to bf16's 8 significant bits (nearest even), kept in fp32.
+inline F round_bf16(F a) {
+  return {_mm256_castsi256_ps(_mm256_and_si256(round_to_bf16_high(a.v), _mm256_set1_epi32(int32_t(0xffff0000u))))};
 }
 
 inline void store_pair(bf16_t* p, F a, F b) {

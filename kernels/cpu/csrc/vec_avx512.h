@@ -33,6 +33,8 @@ inline F add(F a, F b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline F sub(F a, F b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline F mul(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline F max(F a, F b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline F min(F a, F b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline F div(F a, F b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline F fma(F a, F b, F c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
 
 inline __m256 fold_halves(__m512 a) {
@@ -92,6 +94,11 @@ inline __m512i round_to_bf16_high(__m512 x) {
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
   __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+}
+
+// a rounded to bf16's 8 significant bits (nearest even), kept in fp32.
+inline F round_bf16(F a) {
+  return {_mm512_castsi512_ps(_mm512_and_si512(round_to_bf16_high(a.v), _mm512_set1_epi32(int32_t(0xffff0000u))))};
 }
 
 inline void store_pair(bf16_t* p, F a, F b) {

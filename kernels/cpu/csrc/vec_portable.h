@@ -32,8 +32,12 @@ inline F add(F a, F b) { PAGEDSERVE_LANES(a.v[i] + b.v[i]); }
 inline F sub(F a, F b) { PAGEDSERVE_LANES(a.v[i] - b.v[i]); }
 inline F mul(F a, F b) { PAGEDSERVE_LANES(a.v[i] * b.v[i]); }
 inline F max(F a, F b) { PAGEDSERVE_LANES(std::max(a.v[i], b.v[i])); }
+inline F min(F a, F b) { PAGEDSERVE_LANES(std::min(a.v[i], b.v[i])); }
+inline F div(F a, F b) { PAGEDSERVE_LANES(a.v[i] / b.v[i]); }
+inline F round_bf16(F a) { PAGEDSERVE_LANES(rounded<bf16_t>(a.v[i])); }
 inline F fma(F a, F b, F c) { PAGEDSERVE_LANES(std::fma(a.v[i], b.v[i], c.v[i])); }
-inline F exp2(F x) { PAGEDSERVE_LANES(std::exp2(std::max(x.v[i], -127.0f))); }
+// 2^x as the AVX builds give it: exactly 0 below -126.5, for -inf, and for NaN.
+inline F exp2(F x) { PAGEDSERVE_LANES(x.v[i] >= -126.5f ? std::exp2(x.v[i]) : 0.0f); }
 
 #undef PAGEDSERVE_LANES
 
