@@ -216,7 +216,8 @@ def matmul_rate(hf_config, dtype: torch.dtype, device: torch.device,
                 token_counts=(64, 256, 1024), repeats: int = 5, min_seconds: float = 0.05) -> dict:
     """GFLOP/s of the best matmul over one decoder layer's linear shapes,
     `token_counts` rows: F.linear, or the kernels' linear where it differs (the
-    compiled bf16-weight op on the CPU).
+    compiled bf16-weight op on the CPU), over nn.Linear's layout and over the
+    layout the engine loads its weights in (``kernels.pack_linear``).
 
     Each repeat times enough passes over the 7 linears to last `min_seconds`;
     the best repeat counts. The best rate over the token counts and matmuls is
@@ -226,20 +227,23 @@ def matmul_rate(hf_config, dtype: torch.dtype, device: torch.device,
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(o, i, generator=gen) * i ** -0.5).to(device=device, dtype=dtype)
                for i, o in s["linears"].values()]
+    # (matmul, [(in_features, weight)]): the engine multiplies its weights packed.
+    matmuls = [(F.linear, [(w.shape[1], w) for w in weights]),
+               (kernels.linear, [(w.shape[1], w) for w in weights]),
+               (kernels.linear, [(w.shape[1], kernels.pack_linear(w)) for w in weights])]
     per_tokens = {}
-    matmuls = {"F.linear": F.linear, "kernels.linear": kernels.linear}
     for tokens in token_counts:
         inputs = {i: torch.randn(tokens, i, generator=gen).to(device=device, dtype=dtype)
                   for i, _ in s["linears"].values()}
         flops = 2 * tokens * s["layer_linear_params"]
 
-        best = min(_best_pass_seconds(matmul, weights, inputs, device, repeats, min_seconds)
-                   for matmul in matmuls.values())
+        best = min(_best_pass_seconds(matmul, layer, inputs, device, repeats, min_seconds)
+                   for matmul, layer in matmuls)
         per_tokens[tokens] = flops / best / 1e9
     best_tokens = max(per_tokens, key=per_tokens.get)
     return {
-        "what": "F.linear or kernels.linear (the faster) on one decoder layer's "
-                "q,k,v,o,gate,up,down shapes; best of "
+        "what": "F.linear or kernels.linear over nn.Linear's or the packed layout (the fastest) "
+                "on one decoder layer's q,k,v,o,gate,up,down shapes; best of "
                 f"{repeats} repeats, each >= {min_seconds} s",
         "dtype": str(dtype),
         "shapes_in_out": {k: list(v) for k, v in s["linears"].items()},
@@ -249,10 +253,10 @@ def matmul_rate(hf_config, dtype: torch.dtype, device: torch.device,
     }
 
 
-def _best_pass_seconds(matmul, weights, inputs, device, repeats: int, min_seconds: float) -> float:
+def _best_pass_seconds(matmul, layer, inputs, device, repeats: int, min_seconds: float) -> float:
     def one_pass():
-        for w in weights:
-            matmul(inputs[w.shape[1]], w)
+        for in_features, weight in layer:
+            matmul(inputs[in_features], weight)
 
     one_pass()  # warm-up (and oneDNN primitive creation)
     _sync(device)
