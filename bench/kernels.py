@@ -26,8 +26,10 @@ reference), against the same SDPA baseline and the machine's copy bandwidth.
 
 ``linear`` times one Llama layer's four projections (qkv, o, gate_up, down;
 hidden = heads x head_dim, ``--intermediate-size``) per batch of tokens
-through the backend's ``linear``: with bf16 weights on the CPU that is the
-compiled bf16-weight op, against F.linear over float32 copies of the same
+through the backend's ``linear``, over the weights laid out as the engine
+loads them (the backend's ``pack_linear``): with bf16 weights on the CPU that
+is the compiled bf16-weight op (over packed weights where the CPU has
+AVX512-BF16's dot product), against F.linear over float32 copies of the same
 weights (what the CPU would run otherwise). GB/s counts the weights' bytes,
 each side its own dtype: at small batches the layer is bound by reading them.
 """
@@ -186,7 +188,8 @@ def bench_linear(shape: Shape, backend, timer, batch: int, intermediate: int) ->
     weights = layer_weights(shape, intermediate)
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=shape.device).to(shape.dtype)
               for w in weights}
-    ms = timer(lambda: [backend.linear(inputs[w.shape[1]], w) for w in weights])
+    loaded = [(w.shape[1], backend.pack_linear(w)) for w in weights]  # as the engine holds them
+    ms = timer(lambda: [backend.linear(inputs[width], w) for width, w in loaded])
     weights32 = [w.float() for w in weights]
     inputs32 = {width: x.float() for width, x in inputs.items()}
     base_ms = time_or_none(timer, lambda: [F.linear(inputs32[w.shape[1]], w) for w in weights32])
