@@ -228,9 +228,9 @@ def matmul_rate(hf_config, dtype: torch.dtype, device: torch.device,
     weights = [(torch.randn(o, i, generator=gen) * i ** -0.5).to(device=device, dtype=dtype)
                for i, o in s["linears"].values()]
     # (matmul, [(in_features, weight)]): the engine multiplies its weights packed.
-    matmuls = [(F.linear, [(w.shape[1], w) for w in weights]),
-               (kernels.linear, [(w.shape[1], w) for w in weights]),
-               (kernels.linear, [(w.shape[1], kernels.pack_linear(w)) for w in weights])]
+    plain = [(w.shape[1], w) for w in weights]
+    matmuls = [(F.linear, plain), (kernels.linear, plain),
+               (kernels.linear, [(width, kernels.pack_linear(w)) for width, w in plain])]
     per_tokens = {}
     for tokens in token_counts:
         inputs = {i: torch.randn(tokens, i, generator=gen).to(device=device, dtype=dtype)

@@ -31,8 +31,6 @@
 namespace pagedserve {
 namespace activation {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 inline vec::F silu(vec::F g) {
   const vec::F zero = vec::zero(), log2e = vec::set1(kLog2e);
   const vec::F down = vec::exp2(vec::mul(vec::min(g, zero), log2e));                       // e^min(g, 0)

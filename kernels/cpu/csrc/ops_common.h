@@ -20,7 +20,6 @@ using QueryOf = float;
 #endif
 
 constexpr int kPrefillRows = 48;  // query rows (tokens x group) per prefill item
-constexpr float kLog2e = 1.4426950408889634f;
 
 struct Layer {
   int64_t heads, kv_heads, group, head_dim, num_blocks, block_size, max_blocks;

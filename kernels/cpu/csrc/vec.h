@@ -3,6 +3,8 @@
 // F and the same small set of operations, so the kernels are written once.
 #pragma once
 
+#include "exp2_poly.h"  // kLog2e for every build
+
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
 #include "vec_avx512.h"
 #define PAGEDSERVE_ISA_NAME "avx512bf16"

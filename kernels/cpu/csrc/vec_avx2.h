@@ -113,7 +113,7 @@ inline F round_bf16(F a) {
 
 inline void store_pair(bf16_t* p, F a, F b) {
   __m256i even = _mm256_srli_epi32(round_to_bf16_high(a.v), 16);
-  __m256i odd = _mm256_and_si256(round_to_bf16_high(b.v), _mm256_set1_epi32(int32_t(0xffff0000u)));
+  __m256i odd = _mm256_castps_si256(round_bf16(b).v);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_or_si256(even, odd));
 }
 

@@ -103,7 +103,7 @@ inline F round_bf16(F a) {
 
 inline void store_pair(bf16_t* p, F a, F b) {
   __m512i even = _mm512_srli_epi32(round_to_bf16_high(a.v), 16);
-  __m512i odd = _mm512_and_si512(round_to_bf16_high(b.v), _mm512_set1_epi32(int32_t(0xffff0000u)));
+  __m512i odd = _mm512_castps_si512(round_bf16(b).v);
   _mm512_storeu_si512(p, _mm512_or_si512(even, odd));
 }
 
