@@ -22,13 +22,13 @@ from tqdm.auto import tqdm
 
 from bench.workload import Workload
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_info import load_model
-from engine.model_runner import Runner, resolve_device, resolve_dtype
-from engine.models.loader import load_hf_config, resolve_model_path
+from engine.frontend.llm_engine import LLMEngine
+from engine.model.model_info import load_model
+from engine.model.model_runner import Runner, resolve_device, resolve_dtype
+from engine.model.models.loader import load_hf_config, resolve_model_path
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.core.scheduler import SchedulerOutput
 
 
 @dataclass

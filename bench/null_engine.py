@@ -3,7 +3,7 @@
     SchedulerDriver(config)   Scheduler.schedule() + update() with fake tokens
     EngineDriver(config)      LLMEngine.step() around the NullRunner
 
-The NullRunner satisfies engine.model_runner.Runner, so the engine is built
+The NullRunner satisfies engine.model.model_runner.Runner, so the engine is built
 through its seam (LLMEngine(config, runner=..., model_info=...)): no weights,
 no tokenizer. It "samples" a fake token for every sequence that samples, keeps
 the step's SchedulerOutput for the driver to count, and adds up its own time,
@@ -16,15 +16,15 @@ import itertools
 import time
 
 from bench.workload import FIRST_TOKEN
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_info import ModelInfo
-from engine.model_runner import ModelRunnerOutput
-from engine.sampler import SamplerOutput
+from engine.frontend.llm_engine import LLMEngine
+from engine.model.model_info import ModelInfo
+from engine.model.model_runner import ModelRunnerOutput
+from engine.sampling.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence
 
 VOCAB_SIZE = 32_000
 # The model as the engine sees it: a fixed fingerprint stands in for the weights

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from bench.fleet import Replica, questions, sequential, start_redis, system_prompts
 from bench.report import print_table, write_json
 from engine.args import add_engine_args, config_from_args
-from engine.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 @dataclass

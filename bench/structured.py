@@ -19,12 +19,12 @@ import statistics
 import time
 from pathlib import Path
 
-import engine.sampler as sampler_module
+import engine.sampling.sampler as sampler_module
 from bench.report import print_table, write_json
 from engine.args import add_engine_args, config_from_args
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.structured_outputs import StructuredOutputs, StructuredOutputsParams
+from engine.sampling.structured_outputs import StructuredOutputs, StructuredOutputsParams
 
 SCHEMAS = {
     "person": {"type": "object", "required": ["name", "age"],

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from bench.driver import Step, drive, warm_up
 from bench.measure import PeakMemory, release_memory
 from bench.workload import Workload
-from engine.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 
 KV_DEFINITION = ("time-weighted mean over steps of tokens whose K/V are held by running "
                  "sequences / slots: paged = blocks in their tables x block_size, "

@@ -44,7 +44,7 @@ class EngineConfig:
     field that only the Python API sets."""
 
     model: str = field(default=DEFAULT_MODEL, metadata={
-        "help": "a model name (see engine/models/loader.py), an HF folder or a .gguf file"})
+        "help": "a model name (see engine/model/models/loader.py), an HF folder or a .gguf file"})
     tokenizer: str | None = field(default=None, metadata={
         "help": "tokenizer folder or name (default: the model's own)"})
     dtype: str = field(default="auto", metadata={
@@ -91,7 +91,7 @@ class EngineConfig:
         "help": "auto, cpu or cuda[:N]; auto: cuda when available, else cpu"})
     num_threads: int = field(default=0, metadata={
         "help": "CPU: torch threads for the model; 0: torch's default, one per core"})
-    # KV cache events for a KV-cache-aware router (engine/kv_events.py).
+    # KV cache events for a KV-cache-aware router (engine/core/kv_events.py).
     kv_events_endpoint: str | None = field(default=None, metadata={
         "help": "publish KV cache events (vLLM's schema, for llm-d's KV-cache-aware "
                 "router) on this ZMQ endpoint: tcp://*:5557 or ipc:// binds it, "
@@ -99,7 +99,7 @@ class EngineConfig:
     kv_events_topic: str = field(default="", metadata={
         "help": "the topic frame of every KV event message (llm-d reads the pod and "
                 "model names from it)"})
-    # Offload tiers under the prefix cache (engine/kv_offload/).
+    # Offload tiers under the prefix cache (engine/core/kv_offload/).
     kv_offload_host_bytes: int = field(default=0, metadata={
         "help": "bytes of the host-memory KV tier (pinned on CUDA, a RAM pool on CPU); "
                 "0: no host tier"})

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine.structured_outputs import StructuredOutputsParams
+from engine.sampling.structured_outputs import StructuredOutputsParams
 
 # Below this temperature the softmax is numerically a one-hot, so sampling
 # would only add noise (and risk overflow when dividing by it): take argmax.
@@ -53,7 +53,7 @@ class SamplingParams:
     # logit before sampling (greedy included); -100 all but bans a token.
     logit_bias: dict[int, float] | None = None
     # A JSON schema, regex, choice or grammar the output must match
-    # (engine/structured_outputs.py); a dict of its fields is taken too.
+    # (engine/sampling/structured_outputs.py); a dict of its fields is taken too.
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:

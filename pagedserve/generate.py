@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from engine.args import add_engine_args, config_from_args
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.structured_outputs import StructuredOutputsParams
+from engine.sampling.structured_outputs import StructuredOutputsParams
 
 DEFAULT_PROMPT = "Give me three tips for writing clear code."
 

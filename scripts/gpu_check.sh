@@ -8,7 +8,7 @@
 #   2. kernel-tests  tests/kernels on CUDA (native Triton, not the interpreter);
 #                    without pytest, the same cases through the standalone runner
 #   3. kernel-bench  bench/kernels.py sweep -> OUTDIR/kernels.json
-#   4. e2e           python -m engine.gpu_check --output OUTDIR/e2e.json (if present)
+#   4. e2e           python -m bench.gpu_check --output OUTDIR/e2e.json (if present)
 # Every step runs even if an earlier one fails; OUTDIR/summary.txt lists the
 # exit codes and the script exits non-zero if any step failed.
 set -u -o pipefail
@@ -71,10 +71,10 @@ kernel_tests() {
 }
 
 e2e() {
-    if [ -f engine/gpu_check.py ]; then
-        "$PY" -m engine.gpu_check --output "$OUT/e2e.json"
+    if [ -f bench/gpu_check.py ]; then
+        "$PY" -m bench.gpu_check --output "$OUT/e2e.json"
     else
-        echo "engine/gpu_check.py not present: end-to-end check not run"
+        echo "bench/gpu_check.py not present: end-to-end check not run"
         return 3
     fi
 }

@@ -57,7 +57,7 @@ install() {
 model_folder() {
     # The converted SmolLM2 folder (converted on first use by pagedserve itself).
     "$REPO/.venv/bin/python" -c \
-        "from engine.config import EngineConfig as C; from engine.models.loader import resolve_model_path as r; c = C(); print(r(c.model, c.cache_dir))"
+        "from engine.config import EngineConfig as C; from engine.model.models.loader import resolve_model_path as r; c = C(); print(r(c.model, c.cache_dir))"
 }
 
 serve() {

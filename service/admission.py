@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from engine.async_engine import EngineDeadError
+from engine.frontend.async_engine import EngineDeadError
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request_stream import RequestStream
+from engine.frontend.request_stream import RequestStream
 from service.errors import APIError
 from service.metrics import RequestTimer
 

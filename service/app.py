@@ -25,10 +25,10 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
-from engine.async_engine import AsyncEngine
-from engine.chat_template import chat_template_source, renders_tools
-from engine.llm_engine import LLMEngine
-from engine.models.loader import load_sampling_defaults, load_tokenizer
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.chat_template import chat_template_source, renders_tools
+from engine.frontend.llm_engine import LLMEngine
+from engine.model.models.loader import load_sampling_defaults, load_tokenizer
 from service.auth import Guard
 from service.config import ServiceConfig
 from service.errors import EXCEPTION_HANDLERS

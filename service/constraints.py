@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.structured_outputs import ConstraintError, StructuredOutputsParams
+from engine.sampling.structured_outputs import ConstraintError, StructuredOutputsParams
 from service.errors import bad_request
 
 

@@ -24,9 +24,9 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from engine.async_engine import EngineDeadError
-from engine.block_hash import prefix_hashes, salt_digest
-from engine.chat_template import ChatTemplateError, render_chat_text
+from engine.frontend.async_engine import EngineDeadError
+from engine.core.block_hash import prefix_hashes, salt_digest
+from engine.frontend.chat_template import ChatTemplateError, render_chat_text
 from service.auth import cache_salt
 from service.config import FleetConfig
 from service.prefix_registry import REDIS_ERRORS, Namespace, PrefixRegistry, connect, salt_id

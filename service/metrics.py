@@ -19,7 +19,7 @@ import time
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 
 PREFIX = "pagedserve:"
 

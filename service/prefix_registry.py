@@ -47,7 +47,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from engine.block_hash import HASH_SCHEME_VERSION, cache_namespace
+from engine.core.block_hash import HASH_SCHEME_VERSION, cache_namespace
 
 logger = logging.getLogger(__name__)
 

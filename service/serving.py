@@ -26,9 +26,9 @@ import anyio
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from engine.frontend.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
-from engine.structured_outputs import StructuredOutputsParams
+from engine.sampling.structured_outputs import StructuredOutputsParams
 from service.admission import Admission, TimedStream
 from service.auth import cache_salt
 from service.config import ServiceConfig

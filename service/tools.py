@@ -8,14 +8,14 @@
     {"function": f}  tools (see below)           f's arguments                 ArgumentsParser
 
 "required" and a named function constrain the output with a grammar
-(engine/structured_outputs.py), so the calls always parse and the arguments
+(engine/sampling/structured_outputs.py), so the calls always parse and the arguments
 always validate against the function's parameters, whatever the model; the
 first finishes with "tool_calls", the second with "stop", as OpenAI does.
 "auto" leaves the model free and reads its own tool-call format, which only
 a template that shows the model its tools and a known format can give: with
 neither (SmolLM2) it is refused with a 400 that says what to use instead.
 
-A template that never reads `tools` (engine/chat_template.py renders_tools)
+A template that never reads `tools` (engine/frontend/chat_template.py renders_tools)
 would hide them from the model; for "required" and named functions the
 tools are then described in the system turn instead, in plain words plus
 each parameters schema, and earlier calls in the history are written out in
@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.structured_outputs import StructuredOutputsParams
+from engine.sampling.structured_outputs import StructuredOutputsParams
 from service.errors import bad_request
 from service.protocol import ChatCompletionRequest, ChatMessage, Tool
 from service.tool_parsers import ArgumentsParser, CallListParser, ToolCallParser, auto_parser

@@ -26,8 +26,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.async_engine import AsyncEngine
-from engine.block_hash import prefix_hashes, salt_digest
+from engine.frontend.async_engine import AsyncEngine
+from engine.core.block_hash import prefix_hashes, salt_digest
 from engine.sampling_params import SamplingParams
 from service.prefix_registry import Namespace, Prefix, PrefixRegistry
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.config import DEFAULT_MODEL, default_cache_dir
-from engine.models.loader import resolve_model_path
+from engine.model.models.loader import resolve_model_path
 from need import need
 from tiny_models import make_tiny_model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from engine.kv_offload import record
+from engine.core.kv_offload import record
 
 NS = "model-a:16:bfloat16:h1"
 PAYLOAD = 1000

@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.async_engine import EngineDeadError
+from engine.frontend.async_engine import EngineDeadError
 from service.errors import APIError
 from service.protocol import encoder
 

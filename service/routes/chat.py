@@ -7,7 +7,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.chat_template import ChatTemplateError, render_chat_text
+from engine.frontend.chat_template import ChatTemplateError, render_chat_text
 from service.admission import Admission
 from service.constraints import check_constraint, constraint_of
 from service.errors import bad_request

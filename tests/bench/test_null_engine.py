@@ -8,7 +8,7 @@ import pytest
 from bench.null_engine import NULL_MODEL, EngineDriver, NullRunner, fake_token, make_scheduler
 from bench.report import percentile, print_table
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 

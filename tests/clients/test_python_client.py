@@ -15,7 +15,7 @@ from clients.python import (
     AsyncClient, AuthenticationError, BadRequestError, Client, ConnectionError, NotFoundError,
     RateLimitError,
 )
-from engine.async_engine import Command
+from engine.frontend.async_engine import Command
 from engine.config import EngineConfig
 from live_server import free_port, run_server, tiny_config, wait_until
 from service.config import ServiceConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import Command
+from engine.frontend.async_engine import Command
 from live_server import run_server, tiny_config, wait_until
 from need import need
 

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from engine.request_stream import RequestStream
+from engine.frontend.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from engine.frontend.request_stream import RequestStream
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]

@@ -1,4 +1,4 @@
-"""Content hashes of KV blocks (engine/block_hash.py) and the chains that
+"""Content hashes of KV blocks (engine/core/block_hash.py) and the chains that
 Sequence.update_block_hashes builds from them: the same in every process,
 different whenever anything that decides a block's K/V differs."""
 
@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_hash import ROOT_HASH, hash_block, prefix_hashes, salt_digest
+from engine.core.block_hash import ROOT_HASH, hash_block, prefix_hashes, salt_digest
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 FINGERPRINT = hashlib.sha256(b"model A").digest()
@@ -81,9 +81,9 @@ def test_hash_block_byte_layout():
 # -- determinism across processes ----------------------------------------------------------------
 _CHILD = r"""
 import json, sys
-from engine.block_hash import ROOT_HASH, hash_block, prefix_hashes, salt_digest
+from engine.core.block_hash import ROOT_HASH, hash_block, prefix_hashes, salt_digest
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 spec = json.loads(sys.argv[1])
 out = {"root": ROOT_HASH.hex(), "chains": []}
 for case in spec:

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import NULL_BLOCK, BlockManager
+from engine.core.block_manager import NULL_BLOCK, BlockManager
 
 
 def fresh(num_blocks: int = 8, block_size: int = 4) -> BlockManager:

@@ -1,4 +1,4 @@
-"""The glibc malloc tuning the CPU runner applies at start (engine/cpu_allocator.py)."""
+"""The glibc malloc tuning the CPU runner applies at start (engine/model/cpu_allocator.py)."""
 
 import ctypes.util
 import platform
@@ -6,7 +6,7 @@ import platform
 import pytest
 import torch
 
-from engine.cpu_allocator import advise_huge_pages, keep_freed_memory
+from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory
 
 
 def test_tuning_applies_on_glibc_and_tensors_still_work():

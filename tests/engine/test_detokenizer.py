@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling.detokenizer import IncrementalDetokenizer
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.gpu_check import TOP_K, compare, hf_greedy
+from hf_compare import TOP_K, compare, hf_greedy
 
 NUM_NEW_TOKENS = 32
 

@@ -1,4 +1,4 @@
-"""KV cache events (engine/kv_events.py): the block manager's event log with
+"""KV cache events (engine/core/kv_events.py): the block manager's event log with
 exact block ids and exact events (stored runs and their parents, evictions,
 resets, events off), a scheduler fuzz that replays the events into an index
 and holds it equal to the cache, the publisher's frames and sequence numbers,
@@ -15,10 +15,10 @@ import msgspec
 import pytest
 import zmq
 
-from engine.block_hash import ROOT_HASH, hash_block
-from engine.block_manager import BlockManager
+from engine.core.block_hash import ROOT_HASH, hash_block
+from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.kv_events import (
+from engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -26,10 +26,10 @@ from engine.kv_events import (
     binds,
     stored_events,
 )
-from engine.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
 
 FP = b"fingerprint"
 BS = 4

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv_offload import record
-from engine.kv_offload.disk import DiskTier
+from engine.core.kv_offload import record
+from engine.core.kv_offload.disk import DiskTier
 from kv_records import NS, PAYLOAD, h, payload, rec
 
 SIZE = record.record_size(NS, PAYLOAD)  # bytes of one record file
@@ -32,7 +32,7 @@ def stats(tier: DiskTier) -> dict[str, int]:
 
 def warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and r.name == "engine.kv_offload.disk"]
+            if r.levelno == logging.WARNING and r.name == "engine.core.kv_offload.disk"]
 
 
 def test_files_live_under_the_namespace_folder(tmp_path):

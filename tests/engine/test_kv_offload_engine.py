@@ -19,9 +19,9 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.block_hash import ROOT_HASH, block_extra, hash_block
-from engine.kv_offload.disk import DiskTier
-from engine.kv_offload.host import HostTier
+from engine.core.block_hash import ROOT_HASH, block_extra, hash_block
+from engine.core.kv_offload.disk import DiskTier
+from engine.core.kv_offload.host import HostTier
 from need import need
 from redis_server import RedisServer, redis_binary
 
@@ -246,12 +246,12 @@ def test_corrupt_disk_records_are_recomputed(baseline, tiny_llama_path, tmp_path
 def test_unwritable_disk_tier_is_disabled_once(baseline, tiny_llama_path, tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    caplog.set_level(logging.WARNING, logger="engine.kv_offload")
+    caplog.set_level(logging.WARNING, logger="engine.core.kv_offload")
     outputs, _, offload, _ = run(tiny_llama_path, workload(),
                                  kv_offload_disk_dir=str(blocker / "kv"))
     assert outputs == baseline[0]
     assert offload["tiers"]["disk"]["up"] == 0
-    warnings = [r for r in caplog.records if r.name.startswith("engine.kv_offload")
+    warnings = [r for r in caplog.records if r.name.startswith("engine.core.kv_offload")
                 and r.levelno == logging.WARNING]
     assert len(warnings) == 1
 
@@ -266,7 +266,7 @@ def test_full_disk_tier_is_disabled_once(baseline, tiny_llama_path, tmp_path, ca
     h0 = hash_block(ROOT_HASH, prompts[0][:BS], block_extra(0, llm.engine.fingerprint, b""))
     folder = next(p for p in (tmp_path / "kv").iterdir() if p.is_dir())
     (folder / f"{h0.hex()}.{os.getpid()}.tmp").symlink_to("/dev/full")
-    caplog.set_level(logging.WARNING, logger="engine.kv_offload")
+    caplog.set_level(logging.WARNING, logger="engine.core.kv_offload")
     try:
         outputs = []
         for i in range(0, len(prompts), 2):
@@ -277,6 +277,6 @@ def test_full_disk_tier_is_disabled_once(baseline, tiny_llama_path, tmp_path, ca
         llm.engine.close()
     assert outputs == baseline[0]
     assert stats["tiers"]["disk"]["up"] == 0
-    warnings = [r for r in caplog.records if r.name.startswith("engine.kv_offload")
+    warnings = [r for r in caplog.records if r.name.startswith("engine.core.kv_offload")
                 and r.levelno == logging.WARNING]
     assert len(warnings) == 1

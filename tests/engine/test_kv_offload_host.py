@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_offload import record
-from engine.kv_offload.host import HostTier
+from engine.core.kv_offload import record
+from engine.core.kv_offload.host import HostTier
 from kv_records import NS, PAYLOAD, h, payload, rec
 
 RECORD = record.record_size(NS, PAYLOAD)

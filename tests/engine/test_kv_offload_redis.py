@@ -10,15 +10,15 @@ import time
 import pytest
 import redis
 
-from engine.kv_offload import record
-from engine.kv_offload.redis_tier import RedisTier
+from engine.core.kv_offload import record
+from engine.core.kv_offload.redis_tier import RedisTier
 from kv_records import NS, PAYLOAD, h, payload, rec
 from live_server import free_port
 from need import need
 from redis_server import RedisServer, redis_binary, start_redis
 
 TTL = 60
-LOGGER = "engine.kv_offload.redis_tier"
+LOGGER = "engine.core.kv_offload.redis_tier"
 
 
 def key(name: str, namespace: str = NS) -> str:

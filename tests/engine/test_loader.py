@@ -1,4 +1,4 @@
-"""engine/models/loader.py: the default model's conversion and a model's sampling defaults."""
+"""engine/model/models/loader.py: the default model's conversion and a model's sampling defaults."""
 
 import json
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.models.loader import (SAMPLING_KEYS, SMOLLM2_SAMPLING, convert_gguf,
+from engine.model.models.loader import (SAMPLING_KEYS, SMOLLM2_SAMPLING, convert_gguf,
                                   default_gguf_path, load_sampling_defaults)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def test_sampling_defaults_read_only_sampling_keys(tmp_path):
 def test_two_processes_converting_at_once_both_get_the_folder(tmp_path, smollm2_path):
     """Two servers starting together on a fresh cache must not fail on each other's output."""
     code = ("import sys; from pathlib import Path; "
-            "from engine.models.loader import convert_gguf, default_gguf_path; "
+            "from engine.model.models.loader import convert_gguf, default_gguf_path; "
             "print(convert_gguf(default_gguf_path(), Path(sys.argv[1])))")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     children = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env,

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.sampler import Sampler, SamplingRequest, apply_logit_bias, apply_penalties
+from engine.sampling.sampler import Sampler, SamplingRequest, apply_logit_bias, apply_penalties
 from engine.sampling_params import FLOAT32_TINY, SamplingParams
 
 

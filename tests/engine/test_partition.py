@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.distributed.partition import (
+from engine.model.distributed.partition import (
     Partition,
     check_tensor_parallel_size,
     valid_tensor_parallel_sizes,

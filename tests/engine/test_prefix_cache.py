@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_hash import ROOT_HASH, hash_block
-from engine.block_manager import NULL_BLOCK, BlockManager
+from engine.core.block_hash import ROOT_HASH, hash_block
+from engine.core.block_manager import NULL_BLOCK, BlockManager
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 
 FP = b"fingerprint"
 

@@ -1,4 +1,4 @@
-"""Weight-only int4 (engine/models/quantization.py): the quantizer's grid, both
+"""Weight-only int4 (engine/model/layers/quantization.py): the quantizer's grid, both
 multiply paths against the dequantized weights, and the engine with it on."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
-from engine.models.quantization import GROUP_SIZE, INT4_KERNEL_MAX_ROWS, Int4Linear, quantize_int4
+from engine.model.layers.quantization import GROUP_SIZE, INT4_KERNEL_MAX_ROWS, Int4Linear, quantize_int4
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

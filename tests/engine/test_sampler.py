@@ -3,7 +3,7 @@ import zlib
 import pytest
 import torch
 
-from engine.sampler import (
+from engine.sampling.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRequest,
@@ -15,9 +15,9 @@ from engine.sampler import (
     make_generator,
     token_counts,
 )
-from engine.model_runner import build_sampling_batch
+from engine.model.model_runner import build_sampling_batch
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence
+from engine.core.scheduler import ScheduledSequence
 
 EOS = 2
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 
 
 # -- helpers ----------------------------------------------------------------------------

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.scheduler import ScheduledSequence
-from engine.step_inputs import HEADER_LEN, Op, decode_step, encode_step, payload_length
+from engine.core.scheduler import ScheduledSequence
+from engine.model.step_inputs import HEADER_LEN, Op, decode_step, encode_step, payload_length
 
 
 def seq(seq_id: int, tokens: list[int], start: int, table: list[int]) -> ScheduledSequence:

@@ -1,5 +1,5 @@
 """Stopping: EOS, stop token ids, stop strings, max_tokens, max_model_len and
-min_tokens, decided in one place (engine/stopping.py) -- exact cases on a toy
+min_tokens, decided in one place (engine/sampling/stopping.py) -- exact cases on a toy
 tokenizer, stop strings on the real one, a brute-force check of stop-string
 matching and streaming hold-back, and min_tokens through the sampler's batch."""
 
@@ -8,12 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import build_sampling_batch
-from engine.sampler import Sampler, apply_banned_tokens
+from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.model.model_runner import build_sampling_batch
+from engine.sampling.sampler import Sampler, apply_banned_tokens
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence
-from engine.stopping import Stop, StopChecker, banned_token_ids, may_stop
+from engine.core.scheduler import ScheduledSequence
+from engine.sampling.stopping import Stop, StopChecker, banned_token_ids, may_stop
 from test_detokenizer import PieceTokenizer
 from test_sampler import eos_favoured_logits
 

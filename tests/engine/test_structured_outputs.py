@@ -15,7 +15,7 @@ import re
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.structured_outputs import StructuredOutputsParams
+from engine.sampling.structured_outputs import StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")
 

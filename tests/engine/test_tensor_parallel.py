@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.distributed.executor import WorkerFailedError
+from engine.model.distributed.executor import WorkerFailedError
 from live_server import wait_until
 from processes import alive, all_gone
 from tiny_models import make_tiny_model

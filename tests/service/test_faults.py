@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from engine.async_engine import Command
+from engine.frontend.async_engine import Command
 from live_server import LiveServer, run_server, tiny_config, wait_until
 
 CHAT = "/v1/chat/completions"

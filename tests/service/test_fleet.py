@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from engine.async_engine import Command
+from engine.frontend.async_engine import Command
 from live_server import LiveServer, run_server, tiny_config, wait_until
 from redis_server import start_redis
 from service.config import FleetConfig

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from engine.block_hash import ROOT_HASH, hash_block
+from engine.core.block_hash import ROOT_HASH, hash_block
 from live_server import LiveServer, run_server, tiny_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -536,7 +536,7 @@ def test_raw_sse_ends_with_done(served, endpoint):
 
 # -- the server's greedy output against independent references ------------------------
 def test_tiny_greedy_matches_hf_transformers(tiny):
-    from engine.gpu_check import hf_greedy
+    from hf_compare import hf_greedy
 
     num_tokens = 24
     ids = tiny.tokenizer.encode(LONG_TEXT * 2, add_special_tokens=False)

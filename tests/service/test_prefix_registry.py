@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.block_hash import prefix_hashes
+from engine.core.block_hash import prefix_hashes
 from redis_server import start_redis
 from service.prefix_registry import Namespace, PrefixRegistry, connect, salt_id
 

@@ -11,7 +11,7 @@ import json
 import msgspec
 import pytest
 
-from engine.chat_template import render_chat_text, renders_tools
+from engine.frontend.chat_template import render_chat_text, renders_tools
 from service.errors import APIError
 from service.protocol import ChatCompletionRequest
 from service.tools import plan_tools, template_messages, template_tools

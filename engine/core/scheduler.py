@@ -1,0 +1,336 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step has a token budget (`max_num_batched_tokens`) and a cap on running
+sequences (`max_num_seqs`). The scheduler spends the budget in two passes:
+
+    1. running sequences, oldest first: a decode costs 1 token, an unfinished
+       prefill the rest of its prompt (or as much as the budget allows: a
+       *chunk*). Decodes therefore keep flowing while a long prompt is
+       prefilled a chunk per step.
+    2. waiting sequences, in arrival order, while budget, seats and blocks last
+       -- and while the blocks left over cover the growth the running
+       sequences are expected to still need (below).
+
+When a running sequence needs a block and none is free, the newest running
+sequence is preempted: its blocks are freed and it goes back to the front of
+the waiting queue with `num_computed_tokens = 0`. When it is admitted again it
+recomputes its prompt *and* the tokens it already generated (recompute, not
+swap), then carries on exactly where it stopped. Nothing new is admitted in a
+step that preempted, so the freed memory goes to the sequences that needed it.
+
+Recomputation is wasted work, so admission keeps headroom. Every sequence
+may still grow to min(prompt + max_tokens, max_model_len), max_tokens counted
+up to GROWTH_CAP_TOKENS; admission leaves free at least
+
+    conservativeness x ratio x (blocks the running sequences and the
+                                newcomer still lack to get there)
+
+where `ratio` guesses how much of that growth will be needed, as the smaller
+of two estimates. `growth_ratio` starts at 0.7, sinks by 0.002 each step that
+preempts nobody, down to 0.1, and rises by 0.3 on a step that had to preempt:
+sequences finish and give blocks back before the others need them all.
+`observed_ratio` starts at 0.3 and follows the share of their counted
+max_tokens that finished requests actually generated: requests without
+max_tokens mostly stop at EOS long before it. Preemption stays the safety
+net when the guess is wrong.
+
+Prefix caching enters at admission: a new sequence first looks up the longest
+chain of cached blocks matching its prompt and starts with
+`num_computed_tokens` at the cached length, so only the rest is computed.
+With offload tiers (engine/core/kv_offload/), the lookup goes on into the tiers:
+a sequence with blocks to load waits aside in `loading`, holding up nobody,
+and comes back to the head of the queue when they have landed as cached blocks.
+Blocks are registered in the cache in the step that fills them, so a request
+can hit a prefix that another one is still generating from, or is computing
+in this very step (each layer stores the whole batch's K/V before attending).
+
+Parallel samples (n > 1) compute their shared prompt once: the first sample
+prefills it, the others wait, then *fork* its blocks (ref counts + 1) and each
+recomputes only the last prompt token to draw its own first token. Whoever
+first writes into a block that is still shared gets a private copy of it
+(copy on write; the runner copies the K/V before the forward pass).
+
+The result is a `SchedulerOutput`: plain data, the only thing the model
+runner sees. It says which sequences run and which of their tokens; for a
+sequence whose logits are sampled it also carries what sampling reads (its
+settings, generator and tokens), but the sampler's batch is the runner's to
+build.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.kv_offload.offload import KVOffload
+from engine.core.sched_output import ScheduledSequence, SchedulerOutput
+from engine.core.sequence import Sequence, SequenceStatus
+
+
+# Admission headroom (see the module docstring): the share of the running
+# sequences' remaining growth to keep free is the smaller of two guesses.
+#   growth_ratio    how much of it tends to be needed at once: relaxes every
+#                   step that preempts nobody, jumps back up on a preemption
+#   observed_ratio  the share of their counted max_tokens that finished
+#                   requests generated (a moving average; most stop at EOS)
+GROWTH_RATIO_START, GROWTH_RATIO_FLOOR, GROWTH_RATIO_CEILING = 0.7, 0.1, 1.0
+GROWTH_RATIO_DECAY, GROWTH_RATIO_STEP_UP = 0.002, 0.3
+OBSERVED_START, OBSERVED_WEIGHT = 0.3, 0.1
+# A request without max_tokens may run to max_model_len (thousands of tokens)
+# but rarely does: at most this many of a sequence's max_tokens are counted.
+GROWTH_CAP_TOKENS = 2048
+
+LOADING = -1  # what _admit returns for a sequence that waits aside for its loads
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 offload: KVOffload | None = None) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_size = config.block_size
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []  # waiting for blocks from the offload tiers
+        self.offload = offload
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prefill work done, recomputation included
+        self.max_model_len = config.max_model_len
+        self.conservativeness = config.schedule_conservativeness
+        self.growth_ratio = GROWTH_RATIO_START
+        self.observed_ratio = OBSERVED_START
+
+    # -- queue management ----------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        if self.block_manager.enable_caching:
+            seq.update_block_hashes(self.block_size)
+            if self.offload is not None and seq.fork_parent is None:
+                self.offload.note_arrival(seq.block_hashes)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence (stop, length or abort) and give its blocks back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.loading:
+            self.loading.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        if self.offload is not None:
+            self.offload.forget(seq)
+        self.block_manager.free(seq.seq_id)
+        if reason != "abort":  # what it generated of what admission counted on
+            counted = min(seq.params.max_tokens, GROWTH_CAP_TOKENS)
+            share = min(1.0, len(seq.output_token_ids) / counted)
+            self.observed_ratio += OBSERVED_WEIGHT * (share - self.observed_ratio)
+        seq.finish(reason, stop_reason)
+
+    # -- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.max_num_batched_tokens)
+        if output.preempted_seq_ids:
+            self.growth_ratio = min(GROWTH_RATIO_CEILING, self.growth_ratio + GROWTH_RATIO_STEP_UP)
+        else:
+            self.growth_ratio = max(GROWTH_RATIO_FLOOR, self.growth_ratio - GROWTH_RATIO_DECAY)
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, num_new, output):
+                break  # `seq` itself was preempted: everything after it is gone too
+            output.sequences.append(self._scheduled(seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _reserve(self, seq: Sequence, num_new: int, output: SchedulerOutput) -> bool:
+        """Find blocks for `seq`'s next tokens, preempting the newest sequences if needed."""
+        start = seq.num_computed_tokens
+        while not (
+            self.block_manager.append_slots(seq.seq_id, start + num_new) is not None
+            and self._unshare(seq, start, start + num_new, output)
+        ):
+            victim = self.running[-1]
+            self._preempt(victim)
+            output.preempted_seq_ids.append(victim.seq_id)
+            if victim is seq:
+                return False
+        return True
+
+    def _unshare(self, seq: Sequence, start: int, end: int, output: SchedulerOutput) -> bool:
+        """Copy on write: private copies of the shared blocks that tokens [start, end) land in."""
+        manager = self.block_manager
+        for index in range(start // self.block_size, (end - 1) // self.block_size + 1):
+            if manager.is_shared(seq.seq_id, index):
+                copy = manager.copy_on_write(seq.seq_id, index)
+                if copy is None:
+                    return False
+                output.blocks_to_copy.append(copy)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        if self.loading:
+            self._return_loaded()
+        growth = self._running_growth() if self.waiting and self.conservativeness else 0
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = self._admit(seq, budget, output, growth)
+            if num_new is None:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if num_new == LOADING:
+                self.loading.append(seq)  # aside until its blocks land; the next one may go
+                continue
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            output.sequences.append(self._scheduled(seq, num_new))
+            growth += self._growth(seq, len(self.block_manager.block_table(seq.seq_id)))
+            budget -= num_new
+
+    def _growth(self, seq: Sequence, num_blocks: int) -> int:
+        """Blocks `seq` may still take beyond the `num_blocks` it has, if it runs
+        to max_tokens (counting at most GROWTH_CAP_TOKENS of them)."""
+        return max(0, self._final_blocks(seq) - num_blocks)
+
+    def _final_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` holds if it runs to its expected end (fixed for its life)."""
+        final = len(seq.prompt_token_ids) + min(seq.params.max_tokens, GROWTH_CAP_TOKENS)
+        if self.max_model_len:
+            final = min(final, self.max_model_len)
+        # the last token is sampled but never fed back: its K/V is never stored
+        return self.block_manager.blocks_for(final - 1)
+
+    def _running_growth(self) -> int:
+        """_growth of every running sequence beyond its block table (which
+        already holds this step's blocks). Once per step with someone waiting."""
+        tables = self.block_manager.block_tables
+        return sum(self._growth(seq, len(tables[seq.seq_id])) for seq in self.running)
+
+    def _has_headroom(self, seq: Sequence, num_tokens: int, num_hits: int, growth: int) -> bool:
+        """Would admitting `seq` with `num_tokens` covered leave enough free blocks
+        for the expected growth of everyone running, `seq` included?
+
+        Without this check admission fills the cache with prompts, and decodes
+        then preempt the newest sequences, whose recomputation is wasted work
+        (the chat benchmark at 1 GiB recomputed 63 % more prompt tokens).
+        The head of the queue is always admitted into an empty batch.
+        """
+        if not self.running or not self.conservativeness:
+            return True
+        manager = self.block_manager
+        num_blocks = manager.blocks_for(num_tokens)
+        ratio = min(self.growth_ratio, self.observed_ratio)
+        expected = ratio * (growth + self._growth(seq, num_blocks))
+        return manager.num_free_blocks - (num_blocks - num_hits) >= self.conservativeness * expected
+
+    def _return_loaded(self) -> None:
+        """Sequences whose loads have landed go back to the head of the queue, in order."""
+        ready = [seq for seq in self.loading if self.offload.ready(seq)]
+        for seq in reversed(ready):
+            self.loading.remove(seq)
+            self.waiting.appendleft(seq)
+
+    def _admit(self, seq: Sequence, budget: int, output: SchedulerOutput, growth: int) -> int | None:
+        """Give a waiting sequence its blocks; returns its token count, None to wait,
+        or LOADING when it must first wait aside for blocks from the offload tiers."""
+        parent = seq.fork_parent
+        if parent is not None and parent.status is SequenceStatus.RUNNING:
+            if parent.num_computed_tokens < parent.num_prompt_tokens:
+                return None  # the first sample is still computing the shared prompt
+            shared = self.block_manager.blocks_for(seq.num_prompt_tokens) - 1  # + 1 copied
+            if not self._has_headroom(seq, seq.num_prompt_tokens, shared, growth):
+                return None
+            return self._admit_fork(seq, parent, output)
+        manager = self.block_manager
+        hits = manager.find_cached_prefix(seq.block_hashes, seq.num_tokens)
+        if self.offload is not None and manager.enable_caching and self.offload.start_loads(
+                seq, hits, (seq.num_tokens - 1) // self.block_size):
+            return LOADING
+        cached = len(hits) * self.block_size
+        num_new = min(seq.num_tokens - cached, budget)
+        if not self._has_headroom(seq, cached + num_new, len(hits), growth):
+            return None
+        if manager.allocate(seq.seq_id, cached + num_new, hits) is None:
+            return None
+        if self.offload is not None:
+            self.offload.forget(seq)  # the blocks it loaded are its own hits now
+        if manager.enable_caching:
+            manager.record_lookup(seq.num_tokens, cached)
+        seq.num_computed_tokens = cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+        return num_new
+
+    def _admit_fork(self, seq: Sequence, parent: Sequence, output: SchedulerOutput) -> int | None:
+        """Share the parent's prompt blocks; recompute only the last prompt token."""
+        last = seq.num_prompt_tokens - 1
+        self.block_manager.fork(parent.seq_id, seq.seq_id, seq.num_prompt_tokens)
+        if not self._unshare(seq, last, last + 1, output):
+            self.block_manager.free(seq.seq_id)
+            return None
+        seq.num_computed_tokens = last
+        seq.num_cached_tokens = parent.num_cached_tokens
+        return 1
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        reaches_end = start + num_new == seq.num_tokens
+        decodes = reaches_end and start >= seq.num_prompt_tokens  # one new output token
+        # Register the blocks this step fills *now*, not after the step: a request
+        # admitted later in this same step can then hit them. That is safe because
+        # every layer writes the K/V of the whole batch before any attention reads.
+        self.block_manager.cache_full_blocks(seq.seq_id, seq.block_hashes, start + num_new,
+                                             token_slice=seq.token_slice)
+        self.num_prompt_tokens_computed += num_new - (1 if decodes else 0)
+        return ScheduledSequence(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_slice(start, start + num_new),
+            start_position=start,
+            block_table=self.block_manager.block_table(seq.seq_id),
+            sampling=seq.params if reaches_end else None,
+            generator=seq.generator,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            grammar=seq.grammar,
+        )
+
+    # -- after the model ran -----------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance computed counts; append sampled tokens; hash newly full blocks.
+
+        Returns the sequences that grew.
+        """
+        grew = []
+        by_id = {seq.seq_id: seq for seq in self.running}
+        manager = self.block_manager
+        for scheduled in output.sequences:
+            seq = by_id.get(scheduled.seq_id)
+            if seq is None:  # finished or aborted while the step ran
+                continue
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            token_id = sampled.get(scheduled.seq_id)
+            if token_id is not None:
+                seq.append_token(token_id)
+                grew.append(seq)
+            if manager.enable_caching:  # hash blocks the new token completed
+                seq.update_block_hashes(self.block_size)
+        return grew

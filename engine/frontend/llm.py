@@ -1,0 +1,136 @@
+"""LLM: the offline API — generate() and chat() over a batch of prompts.
+
+    from engine import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct", block_size=16)
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, max_tokens=64))
+    print(outputs[0].outputs[0].text)
+
+Every prompt is queued at once and the engine steps until all are done; the
+continuous-batching scheduler decides what runs together. Outputs come back in
+prompt order whatever order they finished in.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from engine.frontend.chat_template import render_chat_text
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.frontend.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+# A prompt is text, token ids, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
+        self._start(EngineConfig(model=model, **engine_args))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self._request_ids = itertools.count()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; one SamplingParams for all, or one per prompt."""
+        prompts = _as_prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        items = [(_unwrap(p), sp, True) for p, sp in zip(prompts, params)]
+        return self._run(items, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation or a list of them, using the model's chat template.
+
+        `tools` (OpenAI's function objects) go to the template's `tools`
+        variable; reading calls out of the text is the HTTP service's part.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        params = _params_per_prompt(sampling_params, len(conversations))
+        tokenizer = self.get_tokenizer()
+        items = []
+        for conversation, sp in zip(conversations, params):
+            text = render_chat_text(tokenizer, conversation, add_generation_prompt, tools)
+            items.append((text, sp, False))  # the template already placed special tokens
+        return self._run(items, use_tqdm)
+
+    def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, params, add_special in items:
+                request_id = str(next(self._request_ids))
+                engine.add_request(request_id, prompt, params, add_special_tokens=add_special)
+                ids.append(request_id)
+            finished: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            return [finished[i] for i in ids]
+        except BaseException:
+            for request_id in ids:  # a bad prompt or Ctrl-C must not leave blocks held
+                engine.abort_request(request_id)
+            raise
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # a single prompt given as token ids
+    return list(prompts)
+
+
+def _unwrap(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    return prompt
+
+
+def _params_per_prompt(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params

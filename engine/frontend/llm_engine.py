@@ -1,0 +1,371 @@
+"""LLMEngine: add_request / step / abort_request — the synchronous core.
+
+    add_request ──> Scheduler.waiting
+    step():  Scheduler.schedule() ─> SchedulerOutput
+             ModelRunner.execute() ─> sampled tokens
+             Scheduler.update()     ─> tokens appended
+             StopChecker.check()    ─> finished or not; detokenized text
+             RequestOutput for every request that moved
+
+One engine is driven by one thread at a time (the offline LLM, or the service's
+engine thread); it holds no locks of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.core.block_hash import salt_digest
+from engine.core.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.core.kv_events import KVEventPublisher
+from engine.core.kv_offload import KVOffload, build_offload
+from engine.model.model_info import ModelInfo, load_model
+from engine.model.model_runner import Runner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling.sampler import make_generator
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
+from engine.sampling.stopping import StopChecker
+from engine.sampling.structured_outputs import StructuredOutputs
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    stop_checkers: list[StopChecker]  # per seq; each feeds its detokenizer
+    reported: list[int] = field(default_factory=list)  # tokens already handed out, per seq
+    finish_reported: list[bool] = field(default_factory=list)  # per seq
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        runner: Runner | None = None,
+        model_info: ModelInfo | None = None,
+        scheduler: Scheduler | None = None,
+    ) -> None:
+        """`LLMEngine(config)` loads the model that `config` names.
+
+        `runner` and `model_info` (both or neither) replace the model with any
+        object that satisfies the Runner protocol; nothing is loaded, and
+        `config.max_model_len` must then be set. `scheduler` replaces the
+        scheduler the engine would build, its block manager with it.
+        """
+        if (runner is None) != (model_info is None):
+            raise ValueError("pass runner and model_info together, or neither")
+        if runner is None:
+            config, model_info, runner = load_model(config)
+        elif not config.max_model_len:
+            raise ValueError("an engine around a given runner needs config.max_model_len")
+        self.config = config
+        self.runner = runner
+        self.model_path = model_info.path
+        self.tokenizer = model_info.tokenizer
+        self.eos_token_ids = model_info.eos_token_ids
+        self.vocab_size = model_info.vocab_size
+        self.fingerprint = model_info.fingerprint
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size,
+                                                    self.eos_token_ids)
+        if scheduler is None:
+            block_manager = self._block_manager()
+            scheduler = Scheduler(config, block_manager, self._kv_offload(block_manager))
+        self.scheduler = scheduler
+        self.offload = scheduler.offload
+        self.block_manager = scheduler.block_manager
+        if self.block_manager.num_blocks > runner.num_blocks:
+            raise ValueError(
+                f"the scheduler's {self.block_manager.num_blocks} KV blocks exceed the "
+                f"runner's {runner.num_blocks}"
+            )
+        self.kv_events = self._kv_event_publisher()
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_prompt_tokens = 0  # prompt tokens of every request added
+        self.num_generation_tokens = 0  # tokens sampled, over all requests
+
+    def _block_manager(self) -> BlockManager:
+        return BlockManager(
+            self.runner.num_blocks,
+            self.config.block_size,
+            enable_caching=self.config.enable_prefix_caching,
+            record_events=self.config.kv_events_endpoint is not None,
+        )
+
+    def _kv_offload(self, block_manager: BlockManager) -> KVOffload | None:
+        """The offload tiers' manager, when the config names a tier."""
+        if not self.config.kv_offload_enabled:
+            return None
+        runner = self.runner
+        if not all(hasattr(runner, name) for name in ("read_blocks", "write_blocks")):
+            raise ValueError("KV offload needs a runner with read_blocks and write_blocks")
+        return build_offload(
+            self.config, block_manager, runner, fingerprint=self.fingerprint,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            payload_bytes=runner.block_record_bytes(),
+            pin_memory=torch.device(runner.device).type == "cuda")
+
+    def _kv_event_publisher(self) -> KVEventPublisher | None:
+        """The publisher of the block manager's events, when an endpoint is set."""
+        endpoint = self.config.kv_events_endpoint
+        if endpoint is None:
+            return None
+        if self.block_manager.events is None:
+            raise ValueError("kv_events_endpoint is set but the given scheduler's block "
+                             "manager records no events (record_events=True)")
+        return KVEventPublisher(endpoint, self.config.kv_events_topic)
+
+    def close(self) -> None:
+        """Stop the KV event publisher, the offload threads and the runner's
+        worker processes, if any (safe to repeat)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+        if self.offload is not None:
+            self.offload.close()
+        close_runner = getattr(self.runner, "close", None)
+        if close_runner is not None:
+            close_runner()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot step any more even while idle (a tensor-parallel
+        worker died), or None."""
+        return getattr(self.runner, "failure", None)
+
+    def _publish_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_manager.take_events())
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request: a text prompt (tokenized here) or prompt token ids.
+
+        `add_special_tokens=False` is for text that already has them, such as a
+        rendered chat template. `cache_salt` separates tenants in the prefix
+        cache: requests share cached blocks only when their salts are equal. The
+        service derives it from the authenticated caller, never from the client.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt, add_special_tokens)
+        self.check_prompt(token_ids)
+        self.check_params(params)
+        salt = salt_digest(cache_salt)
+        seqs, detokenizers, stop_checkers = [], [], []
+        constraint = params.structured_outputs
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            grammar = None if constraint is None else self.structured_outputs.matcher(constraint)
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                index=index,
+                prompt_token_ids=token_ids,
+                params=params,
+                generator=None if seed is None else make_generator(seed, self.runner.device),
+                hash_extra=self.fingerprint,
+                cache_salt=salt,
+                fork_parent=seqs[0] if seqs else None,
+                grammar=grammar,
+            )
+            seqs.append(seq)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens
+            )
+            detokenizers.append(detokenizer)
+            stop_checkers.append(StopChecker(params, self.eos_token_ids, self.config.max_model_len,
+                                             len(token_ids), detokenizer, grammar))
+        self.requests[request_id] = Request(
+            request_id, text, token_ids, seqs, detokenizers, stop_checkers,
+            [0] * params.n, [False] * params.n,
+        )
+        self.num_prompt_tokens += len(token_ids)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and give its blocks back. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _tokenize(self, prompt: str | list[int], add_special_tokens: bool):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt token ids")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return None, [_token_id(t) for t in prompt]
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """Refuse a prompt the engine cannot run (reads only fixed settings: thread-safe)."""
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, which leaves no room for output "
+                f"within max_model_len={limit}"
+            )
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuse a logit_bias for a token id outside the vocabulary, and a
+        structured-output constraint that does not compile (thread-safe)."""
+        bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1})")
+        if params.structured_outputs is not None:
+            self.structured_outputs.compile(params.structured_outputs)
+
+    # -- stepping -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step and the model; report every request that moved."""
+        if self.offload is not None:
+            self.offload.poll()  # blocks that landed from the tiers join the prefix cache
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            if self.offload is not None:
+                self.offload.wait_for_loads(timeout=0.01)  # only loads are left to wait for
+            self._publish_events()
+            return []
+        result = self.runner.execute(scheduled)
+        sampled = result.sampled
+        tokens = dict(zip(result.seq_ids, sampled.token_ids))
+        row_of = {seq_id: row for row, seq_id in enumerate(result.seq_ids)}
+        moved: dict[str, Request] = {}
+        grew = self.scheduler.update(scheduled, tokens)
+        self.num_generation_tokens += len(grew)
+        for seq in grew:
+            request = self.requests[seq.request_id]
+            row = row_of[seq.seq_id]
+            if seq.params.logprobs is not None:
+                seq.output_logprobs.append(sampled.logprobs[row])
+                seq.output_top_logprobs.append(sampled.top_logprobs[row])
+            stop = request.stop_checkers[seq.index].check(
+                seq.output_token_ids[-1], len(seq.output_token_ids)
+            )
+            if stop is not None:
+                self.scheduler.finish(seq, stop.finish_reason, stop.stop_reason)
+            moved[request.request_id] = request
+        if self.offload is not None:
+            self.offload.after_step()  # copy out the blocks to store while they still exist
+        outputs = [self._output(request) for request in moved.values()]
+        for request in moved.values():
+            if request.finished:
+                del self.requests[request.request_id]
+        self._publish_events()  # the blocks this step cached, now computed
+        return outputs
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for i, (seq, detok) in enumerate(zip(request.seqs, request.detokenizers)):
+            # A stream holds back text that may still turn out to be a stop string.
+            hold_back = request.stop_checkers[i].held_back_length()
+            start = request.reported[i]
+            request.reported[i] = len(seq.output_token_ids)
+            # A choice changed if it grew or finished in this step; sibling choices
+            # that finished earlier ride along unchanged (n > 1).
+            changed = start < len(seq.output_token_ids) or (
+                seq.is_finished and not request.finish_reported[i]
+            )
+            request.finish_reported[i] = seq.is_finished
+            wants_logprobs = seq.params.logprobs is not None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=detok.output_text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.output_logprobs) if wants_logprobs else None,
+                    top_logprobs=list(seq.output_top_logprobs) if wants_logprobs else None,
+                    delta_text=detok.get_delta(seq.is_finished, hold_back),
+                    delta_token_ids=seq.output_token_ids[start:],
+                    changed=changed,
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            num_cached_tokens=min(seq.num_cached_tokens for seq in request.seqs),
+        )
+
+    # -- prefix cache and statistics -------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block that no running sequence holds."""
+        self.block_manager.reset_prefix_cache()
+        self._publish_events()
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges for monitoring (cumulative counters never go down)."""
+        cache = self.block_manager.stats
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "prefix_cache_queries": cache.queries,
+            "prefix_cache_hits": cache.hits,
+            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
+            "evictions": cache.evictions,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_free": self.block_manager.num_free_blocks,
+            "kv_blocks_total": self.block_manager.num_usable_blocks,
+            "kv_blocks_cached": self.block_manager.num_cached_blocks,
+            "prefix_warm_blocks": self.block_manager.num_popular_cached,
+        }
+
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        """Bytes of weights and of KV cache held by each tensor-parallel rank
+        (one entry without tensor parallelism; none for a runner that doesn't say)."""
+        report = getattr(self.runner, "memory_per_rank", None)
+        return report() if report is not None else []
+
+    def offload_stats(self) -> dict | None:
+        """Per tier hits, stores, bytes and usage, and the load/store counters (None: no tiers)."""
+        return None if self.offload is None else self.offload.snapshot()
+
+
+def _token_id(value) -> int:
+    """An int token id (numpy integers welcome); anything else is a ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"token id {value!r} is not an integer")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"token id {value!r} is not an integer") from None

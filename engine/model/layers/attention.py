@@ -1,0 +1,81 @@
+"""Self-attention over the paged KV cache.
+
+`PagedAttention` is the part every family shares: store this step's K/V into
+the cache slots, then attend, decodes and prefill chunks each through their
+own kernel (the batch layout is in model/attention_metadata.py).
+`Attention` is the Llama-style block around it: one fused qkv projection,
+rotary embedding on q and k, and the output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.attention_metadata import AttentionMetadata
+from engine.model.distributed.partition import Partition
+from engine.model.layers.linear import Linear, all_reduce
+
+
+class PagedAttention(nn.Module):
+    """softmax(q k^T * scale) v for this rank's heads, K/V read from the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 layer_index: int, kernels) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.layer_index = layer_index
+        self.kernels = kernels
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
+        k_cache, v_cache = kv_cache[0][self.layer_index], kv_cache[1][self.layer_index]
+        self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        d = meta.num_decode_tokens
+        if d:
+            out[:d] = self.kernels.paged_decode_attention(
+                q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        if d < q.shape[0]:
+            out[d:] = self.kernels.paged_prefill_attention(
+                q[d:], k_cache, v_cache, meta.prefill_block_tables,
+                meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale,
+            )
+        return out
+
+
+class Attention(nn.Module):
+    """This rank's heads (all of them without tensor parallelism): qkv_proj is
+    column-parallel, o_proj row-parallel, and the all-reduce after it sums
+    the ranks' partial outputs (model/distributed/partition.py)."""
+
+    def __init__(self, args, part: Partition, layer_index: int, kernels, group) -> None:
+        super().__init__()
+        self.num_heads = part.num_heads
+        self.num_kv_heads = part.num_kv_heads
+        self.head_dim = args.head_dim
+        self.q_size = part.num_heads * args.head_dim
+        self.kv_size = part.num_kv_heads * args.head_dim
+        self.kernels = kernels
+        self.group = group
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias, kernels)
+        self.o_proj = Linear(self.q_size, args.hidden_size, False, kernels)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, args.head_dim,
+                                   args.head_dim**-0.5, layer_index, kernels)
+
+    def forward(self, rope_tables, hidden, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(hidden)
+        tokens = qkv.shape[0]
+        # q and k are adjacent in the fused output: rotate them as one tensor
+        # (the compiled op in place, inside qkv).
+        #   qkv row: [ q: num_heads x head_dim | k: kv_heads x head_dim | v ]
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        qk = self.kernels.rope(qk, *rope_tables)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return all_reduce(self.o_proj(out.view(-1, self.q_size)), self.group)

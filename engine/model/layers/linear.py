@@ -1,0 +1,32 @@
+"""Linear layers whose product is the kernel backend's, and the all-reduce
+that closes a row-parallel one under tensor parallelism."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product is the kernel backend's: on the CPU, bf16
+    weights go through the compiled op (kernels.linear), and after
+    `pack_linear_weights` the weight is in the layout that op reads fastest."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, kernels) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.weight, self.bias)
+
+
+def packed(kernels, weight: nn.Parameter) -> nn.Parameter:
+    """`weight` in the layout the backend multiplies fastest (kernels.pack_linear)."""
+    return nn.Parameter(kernels.pack_linear(weight.detach()), requires_grad=False)
+
+
+def all_reduce(partial: torch.Tensor, group) -> torch.Tensor:
+    """The sum of every rank's partial output (itself without tensor parallelism)."""
+    if group is not None:
+        group.all_reduce(partial)
+    return partial

@@ -1,0 +1,25 @@
+"""RMSNorm through the kernel backend (kernels.rms_norm)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: x / rms(x) * weight, computed in float32 and cast back.
+    With a residual it first adds x into it in place, the skip connection fused in:
+
+        out = norm(x)                       (the first layer's input norm)
+        out, residual = norm(x, residual)   (residual <- residual + x; out = norm(residual))
+    """
+
+    def __init__(self, dim: int, eps: float, kernels) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out = self.kernels.rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, residual)

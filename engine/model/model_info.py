@@ -1,0 +1,95 @@
+"""What the engine must know of a model besides running it, and reading it from a checkpoint.
+
+`load_model(config)` reads the checkpoint a config names and returns the
+runner (weights and KV cache) with the ModelInfo beside it: vocabulary, EOS
+ids, tokenizer, and the fingerprint that keys every prefix-cache block hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.model.distributed.executor import TensorParallelRunner
+from engine.model.model_runner import ModelRunner
+from engine.model.models.loader import load_hf_config, load_tokenizer, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine must know of a model besides running it.
+
+    load_model() reads it from a checkpoint; an engine built around a given
+    runner (LLMEngine(config, runner=..., model_info=...)) takes it as is.
+    """
+
+    vocab_size: int  # prompt token ids are checked against it
+    eos_token_ids: frozenset[int] = frozenset()
+    # Keys every prefix-cache block hash: equal fingerprints promise equal K/V.
+    fingerprint: bytes = bytes(32)
+    tokenizer: object | None = None  # None: prompts are token ids, outputs carry no text
+    path: Path | None = None  # the checkpoint folder, when there is one
+
+
+def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunner]:
+    """Read the checkpoint that `config` names: the config with the model's own
+    max_model_len filled in, what the engine must know of the model, and the
+    runner holding its weights and KV cache."""
+    model_path = resolve_model_path(config.model, config.cache_dir)
+    hf_config = load_hf_config(model_path)
+    config = config.resolve_max_model_len(hf_config.max_position_embeddings)
+    tokenizer = (
+        load_tokenizer(config.tokenizer, required=True)
+        if config.tokenizer
+        else load_tokenizer(model_path)
+    )
+    eos_token_ids = _eos_token_ids(hf_config, tokenizer)
+    if config.tensor_parallel_size > 1:
+        runner = TensorParallelRunner(config, hf_config, model_path, eos_token_ids)
+    else:
+        runner = ModelRunner(config, hf_config, model_path, eos_token_ids)
+    info = ModelInfo(
+        vocab_size=runner.model.args.vocab_size,
+        eos_token_ids=eos_token_ids,
+        fingerprint=model_fingerprint(model_path, runner.dtype, config),
+        tokenizer=tokenizer,
+        path=model_path,
+    )
+    logger.info(
+        "model ready: %s on %s (%s), %d KV blocks of %d tokens",
+        model_path.name, runner.device, runner.dtype, runner.num_blocks, config.block_size,
+    )
+    for rank, memory in enumerate(runner.memory_per_rank()):
+        logger.info("rank %d of %d holds %.1f MiB of weights and %.1f MiB of KV cache",
+                    rank, config.tensor_parallel_size, memory["weights_bytes"] / 2**20,
+                    memory["kv_cache_bytes"] / 2**20)
+    return config, info, runner
+
+
+def model_fingerprint(model_path, dtype, config: EngineConfig) -> bytes:
+    """What besides the tokens decides a block's K/V: weights, dtype, quantization,
+    parallelism.
+
+    The weights are named by their config and their files' names and sizes, so
+    every replica that loads the same checkpoint agrees on it.
+    """
+    parts = [(model_path / "config.json").read_text()]
+    parts += [f"{f.name}:{f.stat().st_size}" for f in sorted(model_path.glob("*.safetensors"))]
+    parts += [str(dtype), f"quantization={config.quantization}", f"tp={config.tensor_parallel_size}"]
+    return hashlib.sha256("\n".join(parts).encode()).digest()
+
+
+def _eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (hf_config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)

