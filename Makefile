@@ -3,6 +3,7 @@
 #   make test        the whole test suite
 #   make bench       offline throughput: this engine vs HF generate (chat + prefill-heavy)
 #   make gpu-check   on a GPU machine: kernels on CUDA, kernel benchmark, end-to-end check
+#   make gpu-bench   on a GPU machine: real model shapes (8B, MoE) with random weights
 
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
@@ -12,7 +13,7 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8000
 ARGS    ?=
 
-.PHONY: install serve test bench gpu-check clean
+.PHONY: install serve test bench gpu-check gpu-bench clean
 
 install: $(STAMP)
 
@@ -48,6 +49,10 @@ bench: $(STAMP)
 # Meant for the GPU machine: runs on its own torch/triton/transformers, no install.
 gpu-check:
 	bash scripts/gpu_check.sh $(OUT)
+
+# The same, no install: Llama-3.1-8B, Qwen3-8B and a Qwen3-MoE shape, --load-format dummy.
+gpu-bench:
+	bash scripts/gpu_bench.sh $(OUT)/bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

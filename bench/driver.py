@@ -24,8 +24,9 @@ from bench.workload import Workload
 from engine.config import EngineConfig
 from engine.frontend.llm_engine import LLMEngine
 from engine.model.model_info import load_model
-from engine.model.model_runner import Runner, resolve_device, resolve_dtype
+from engine.model.model_runner import resolve_device, resolve_dtype
 from engine.model.models.loader import load_hf_config, resolve_model_path
+from engine.model.runner import Runner
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput
@@ -57,12 +58,15 @@ def model_under_test(config: EngineConfig) -> ModelUnderTest:
 
 class TimingRunner:
     """A Runner around another that adds up the wall seconds of its execute()
-    (batch preparation, forward, sampling); the rest of a step is the engine's."""
+    (batch preparation, forward, sampling); the rest of a step is the engine's.
+    Everything else is the inner runner's."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.num_blocks = runner.num_blocks
         self.device = runner.device
+        self.dtype = runner.dtype
+        self.sliding_window = runner.sliding_window
         self.seconds = 0.0
 
     def execute(self, output: SchedulerOutput):
@@ -72,11 +76,25 @@ class TimingRunner:
         finally:
             self.seconds += time.perf_counter() - start
 
+    @property
+    def failure(self) -> str | None:
+        return self.runner.failure
+
     def close(self) -> None:
         """Close the runner inside (a tensor-parallel one stops its workers)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
+
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        return self.runner.memory_per_rank()
+
+    def block_record_bytes(self) -> int:
+        return self.runner.block_record_bytes()
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.runner.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.runner.write_blocks(block_ids, data)
 
 
 def timed_engine(config: EngineConfig) -> LLMEngine:

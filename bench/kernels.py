@@ -32,6 +32,9 @@ is the compiled bf16-weight op (over packed weights where the CPU has
 AVX512-BF16's dot product), against F.linear over float32 copies of the same
 weights (what the CPU would run otherwise). GB/s counts the weights' bytes,
 each side its own dtype: at small batches the layer is bound by reading them.
+
+``window`` and ``softcap`` add one decode row each, with a sliding window or
+a logits soft cap against the same decode without (bench/kernel_features.py).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from bench.kernel_features import FEATURE_KERNELS, add_feature_args, bench_feature, feature_plan
 from bench.kernel_timing import copy_bandwidth_gbps, make_timer, time_or_none
 from bench.report import print_table, write_json
 from kernels import BACKEND_NAMES, get_backend
@@ -54,7 +58,7 @@ GPU_CONTEXTS = (128, 1024, 4096, 16384, 32768)
 CPU_BATCHES = (1, 16, 64)
 CPU_CONTEXTS = (128, 1024)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-KERNELS = ("decode", "prefill", "store", "linear")
+KERNELS = ("decode", "prefill", "store", "linear") + FEATURE_KERNELS
 
 
 @dataclass(frozen=True)
@@ -266,14 +270,18 @@ def run_sweep(shape: Shape, backend, timer, kernels, batches, contexts, args):
     bench = {"decode": bench_decode, "prefill": bench_prefill, "store": bench_store,
              "linear": bench_linear}
     # linear has no context: its second number is the layer's intermediate size.
-    plan = [(k, b, c) for k in kernels if k != "linear" for b in batches for c in contexts]
+    plan = [(k, b, c) for k in kernels if k in bench for b in batches for c in contexts if k != "linear"]
     plan += [("linear", b, args.intermediate_size) for b in batches if "linear" in kernels]
+    plan += feature_plan(kernels, args)
     rows, skipped = [], []
     for kernel, batch, context in tqdm(plan, desc="kernel sweep", unit="case"):
         reason = skip_reason(shape, kernel, batch, context, args)
         if reason is None:
             try:
-                rows.append(bench[kernel](shape, backend, timer, batch, context))
+                if kernel in FEATURE_KERNELS:
+                    rows.append(bench_feature(kernel, shape, backend, timer, batch, context, args))
+                else:
+                    rows.append(bench[kernel](shape, backend, timer, batch, context))
             except torch.cuda.OutOfMemoryError:
                 reason = "out of memory"
         if reason is not None:
@@ -304,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     parser.add_argument("--kernels", default=",".join(KERNELS),
-                        help="comma list of decode,prefill,store,linear")
+                        help="comma list of " + ",".join(KERNELS))
     parser.add_argument("--batches", type=_int_list, help="comma list (default: by device)")
     parser.add_argument("--contexts", type=_int_list, help="comma list (default: by device)")
     parser.add_argument("--num-heads", type=int, default=32)
@@ -322,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-store-tokens", type=int, default=1 << 20)
     parser.add_argument("--copy-bytes", type=int, default=1 << 30,
                         help="tensor size for the copy-bandwidth measurement")
+    add_feature_args(parser)
     return parser
 
 

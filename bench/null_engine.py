@@ -15,12 +15,14 @@ from __future__ import annotations
 import itertools
 import time
 
+import torch
+
 from bench.workload import FIRST_TOKEN
 from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.frontend.llm_engine import LLMEngine
 from engine.model.model_info import ModelInfo
-from engine.model.model_runner import ModelRunnerOutput
+from engine.model.runner import ModelRunnerOutput
 from engine.sampling.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
@@ -49,11 +51,30 @@ class NullRunner:
     schedule's order and spends as little as it can."""
 
     device = "cpu"
+    dtype = torch.float32  # nominal: there are no weights and no K/V
+    failure = None  # no workers to lose
+    sliding_window = None  # full attention: every block stays needed
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.elapsed_ns = 0  # time spent in here
         self.last: SchedulerOutput | None = None  # the last step it ran
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        return [{"weights_bytes": 0, "kv_cache_bytes": 0}]
+
+    # No K/V: a block's record for the offload tiers is empty.
+    def block_record_bytes(self) -> int:
+        return 0
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.empty(len(block_ids), 0, dtype=torch.uint8)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        pass
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter_ns()

@@ -21,6 +21,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # no torch; tests/kernels/test_kernels_api.py holds the two equal.
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
 QUANTIZATIONS = (None, "int4")
+# vLLM's names: "dummy" fills the weights at random from config.json alone (benchmarks).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")  # ZMQ transports a publisher can use
 MAX_BLOCK_SIZE = 128
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -54,6 +56,10 @@ class EngineConfig:
     quantization: str | None = field(default=None, metadata={
         "help": "weight-only int4 (CPU, bfloat16): faster small-batch decode",
         "choices": QUANTIZATIONS})
+    load_format: str = field(default="auto", metadata={
+        "help": "auto/safetensors: the checkpoint's weights; dummy: random weights from "
+                "config.json alone, to benchmark a model's shape without its weights",
+        "choices": LOAD_FORMATS})
     seed: int = field(default=0, metadata={
         "help": "seed of the sampler's draws for unseeded requests"})
     # Paged KV cache.
@@ -184,6 +190,9 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported: choose one of {QUANTIZATIONS}"
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format={self.load_format!r} is not supported: choose one of {LOAD_FORMATS}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(
                 f"kernel_backend={self.kernel_backend!r} is not supported: "

@@ -1,15 +1,33 @@
 """What the engine hands back for a request (vLLM-compatible names).
 
-Each step produces a `RequestOutput` for every request that made progress.
-`text` and `token_ids` are cumulative; `delta_text` and `delta_token_ids`
-hold only what this step added, which is what a streaming client sends on.
-`changed` says whether a choice grew or finished in this step: a request with
-n > 1 reports every choice, and a streaming client sends on only the changed.
+A request's `SamplingParams.output_kind` says what it gets, as in vLLM:
+
+    CUMULATIVE  every step that moved it; `text`, `token_ids` and logprobs are
+                everything so far (copied each step: O(n^2) over a stream)
+    DELTA       every step that moved it; `text`, `token_ids` and logprobs are
+                only what this step added, and only the choices that changed
+    FINAL_ONLY  one output, when the whole request (every choice) finished
+
+In every kind `delta_text` and `delta_token_ids` hold what the consumer has not
+seen yet: this step's part (DELTA: the same as `text` and `token_ids`), or the
+whole choice in a FINAL_ONLY output. `changed` says whether a choice grew or
+finished in this step: with CUMULATIVE and n > 1 every choice rides along, and a
+streaming client sends on only the changed. `RequestOutput.add` folds DELTA
+outputs into a whole one (vLLM's name), for a consumer that wants the answer
+at the end but sees every step, as the service does to time each token.
 """
 
 from __future__ import annotations
 
+import copy
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # each output holds everything so far
+    DELTA = 1  # each output holds only what is new
+    FINAL_ONLY = 2  # one output, when the request finished
 
 
 @dataclass
@@ -38,3 +56,23 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def add(self, delta: "RequestOutput") -> None:
+        """Fold a later DELTA output of the same request into this one, in place:
+        each choice it carries grows by its new text, tokens and logprobs."""
+        choices = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            whole = choices.get(new.index)
+            if whole is None:
+                whole = choices[new.index] = copy.deepcopy(new)
+                self.outputs.append(whole)
+                continue
+            whole.text += new.text
+            whole.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                whole.logprobs = (whole.logprobs or []) + new.logprobs
+                whole.top_logprobs = (whole.top_logprobs or []) + new.top_logprobs
+            whole.finish_reason, whole.stop_reason = new.finish_reason, new.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = delta.finished
+        self.num_cached_tokens = delta.num_cached_tokens

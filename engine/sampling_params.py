@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.errors import ValidationError
+from engine.outputs import RequestOutputKind
 from engine.sampling.structured_outputs import StructuredOutputsParams
 
 # Below this temperature the softmax is numerically a one-hot, so sampling
@@ -55,6 +57,9 @@ class SamplingParams:
     # A JSON schema, regex, choice or grammar the output must match
     # (engine/sampling/structured_outputs.py); a dict of its fields is taken too.
     structured_outputs: StructuredOutputsParams | None = None
+    # What each output carries (engine/outputs.py): everything so far, only
+    # what is new (streaming), or nothing until the end (whole answers).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # The dataclass is frozen so that a request's settings cannot change
@@ -67,7 +72,7 @@ class SamplingParams:
             try:
                 constraint = StructuredOutputsParams(**self.structured_outputs)
             except TypeError as exc:
-                raise ValueError(f"structured_outputs: {exc}") from None
+                raise ValidationError(f"structured_outputs: {exc}", "structured_outputs") from None
             object.__setattr__(self, "structured_outputs", constraint)
         if self.top_k == -1:
             # vLLM and HF both use -1 for "disabled"; keep one spelling inside.
@@ -113,11 +118,14 @@ class SamplingParams:
             )
         constraint = self.structured_outputs
         if constraint is not None and not isinstance(constraint, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
-                             f"{constraint!r}")
+            raise ValidationError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                  f"{constraint!r}", "structured_outputs")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValidationError(f"output_kind must be a RequestOutputKind, got "
+                                  f"{self.output_kind!r}", "output_kind")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise ValidationError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
 
 
 def _is_int(value: Any) -> bool:
@@ -130,7 +138,7 @@ def _check_int(
 ) -> None:
     in_range = _is_int(value) and value >= minimum and (maximum is None or value <= maximum)
     if not in_range:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValidationError(f"{name} must be {allowed}, got {value!r}", name)
 
 
 def _check_float(
@@ -140,7 +148,7 @@ def _check_float(
     # rather than a TypeError from the comparison; isfinite rejects NaN and inf.
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (is_number and math.isfinite(value) and in_range(value)):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValidationError(f"{name} must be {allowed}, got {value!r}", name)
 
 
 def _normalise_stop(stop: Any) -> list[str]:
@@ -148,12 +156,13 @@ def _normalise_stop(stop: Any) -> list[str]:
         return []
     strings = [stop] if isinstance(stop, str) else stop
     if not isinstance(strings, (list, tuple)):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise ValidationError(f"stop must be a string or a list of strings, got {stop!r}", "stop")
     for item in strings:
         # An empty stop string would match at every position and end every
         # request immediately, which is never what a caller meant.
         if not isinstance(item, str) or not item:
-            raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
+            raise ValidationError(f"stop must contain only non-empty strings, got {item!r}",
+                                  "stop")
     return list(strings)
 
 
@@ -165,13 +174,15 @@ def _normalise_logit_bias(bias: Any) -> dict[int, float]:
     if bias is None:
         return {}
     if not isinstance(bias, dict):
-        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        raise ValidationError(f"logit_bias must map token ids to numbers, got {bias!r}",
+                              "logit_bias")
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} token ids, "
-                         f"got {len(bias)}")
+        raise ValidationError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} token ids, "
+                              f"got {len(bias)}", "logit_bias")
     for token_id, value in bias.items():
         if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            raise ValidationError(f"logit_bias keys must be token ids (integers >= 0), got "
+                                  f"{token_id!r}", "logit_bias")
         _check_float("logit_bias", value, lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
                      f"a map of token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
     return {int(t): float(v) for t, v in bias.items()}
@@ -181,8 +192,10 @@ def _normalise_stop_token_ids(ids: Any) -> list[int]:
     if ids is None:
         return []
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
+        raise ValidationError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}",
+                              "stop_token_ids")
     for item in ids:
         if not _is_int(item) or item < 0:
-            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {item!r}")
+            raise ValidationError(f"stop_token_ids must be a list of integers >= 0, got "
+                                  f"{item!r}", "stop_token_ids")
     return list(ids)

@@ -1,5 +1,5 @@
-"""Paged KV-cache kernels (store, decode attention, prefill/extend attention)
-and the linear layers' matmul.
+"""Paged KV-cache kernels (store, decode attention, prefill/extend attention),
+the linear layers' matmul and the MoE experts' (fused_moe: kernels/moe.py).
 
 Three implementations share one contract (see ``kernels/reference.py``):
 
@@ -48,7 +48,10 @@ import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
+from kernels.moe import fused_moe, fused_moe_cpu, fused_moe_reference
 from kernels.reference import (
+    attention_features,
+    gelu_tanh_and_mul_reference,
     keep_layout,
     linear_reference,
     paged_decode_attention_reference,
@@ -65,6 +68,7 @@ __all__ = [
     "check_backend_support",
     "compiled_bf16_linear",
     "embedding",
+    "fused_moe",
     "get_backend",
     "linear",
     "pack_linear",
@@ -97,6 +101,8 @@ class KernelBackend:
     embedding: Callable[..., torch.Tensor] = F.embedding
     rope: Callable[..., torch.Tensor] = rope_reference
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_reference
+    fused_moe: Callable[..., torch.Tensor] = fused_moe_reference
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul_reference
 
 
 def _triton_modules():
@@ -109,12 +115,9 @@ def _triton_modules():
 
 def _triton_backend() -> KernelBackend:
     store, decode, prefill = _triton_modules()
-    return KernelBackend(
-        name="triton",
-        store_kvcache=store.store_kvcache,
-        paged_decode_attention=decode.paged_decode_attention,
-        paged_prefill_attention=prefill.paged_prefill_attention,
-    )
+    moe = importlib.import_module("kernels.fused_moe_triton")
+    return KernelBackend("triton", store.store_kvcache, decode.paged_decode_attention,
+                         prefill.paged_prefill_attention, fused_moe=moe.fused_moe)
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -139,29 +142,36 @@ def _heads_packed(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
-    """Decode attention over the paged cache; see kernels.reference for the contract."""
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, *,
+                           sliding_window=None, logits_soft_cap=None):
+    """Decode attention over the paged cache; see kernels.reference for the contract
+    (``sliding_window``: only the last W keys; ``logits_soft_cap``: Gemma 2's cap on
+    the scores; every implementation takes both)."""
+    features = attention_features(sliding_window, logits_soft_cap)  # only those set
     if query.is_cuda:
         return _triton_modules()[1].paged_decode_attention(
-            query, k_cache, v_cache, block_tables, context_lens, scale)
+            query, k_cache, v_cache, block_tables, context_lens, scale, **features)
     ops = cpu_ops.ops_for(query.shape[-1])
     if ops is not None:
         return ops.paged_decode_attention(
-            query.contiguous(), k_cache, v_cache, block_tables, context_lens, scale)
-    return paged_decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, scale)
+            query.contiguous(), k_cache, v_cache, block_tables, context_lens, scale, **features)
+    return paged_decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                      **features)
 
 
-def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                            *, sliding_window=None, logits_soft_cap=None):
     """Causal prefill/extend attention over the paged cache; see kernels.reference."""
+    features = attention_features(sliding_window, logits_soft_cap)
     if query.is_cuda:
         return _triton_modules()[2].paged_prefill_attention(
-            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **features)
     ops = cpu_ops.ops_for(query.shape[-1])
     if ops is not None:
-        return ops.paged_prefill_attention(
-            query.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+        return ops.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_tables,
+                                           cu_seqlens_q, context_lens, scale, **features)
     return paged_prefill_attention_cpu(
-        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **features)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -287,11 +297,11 @@ def compiled_bf16_linear(in_features: int) -> bool:
 def _compiled(name: str) -> Callable[..., torch.Tensor]:
     """One op of the ``cpu`` backend: the compiled build, contiguous query."""
 
-    def op(query, *args):
+    def op(query, *args, **features):
         ops = cpu_ops.ops_for(query.shape[-1])
         if ops is None:  # check_backend_support refuses this config up front
             raise RuntimeError(f"cpu backend: {cpu_ops.unavailable_reason(query.shape[-1])}")
-        return getattr(ops, name)(query.contiguous(), *args)
+        return getattr(ops, name)(query.contiguous(), *args, **attention_features(**features))
 
     op.__name__ = name
     return op
@@ -301,7 +311,7 @@ def get_backend(name: str) -> KernelBackend:
     """Return the ``auto``, ``torch`` or ``triton`` backend (a new frozen object)."""
     if name == "auto":
         return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
-                             linear, rms_norm, pack_linear, embedding, rope, silu_and_mul)
+                             linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe)
     if name == "torch":
         return KernelBackend(
             "torch",
@@ -314,7 +324,7 @@ def get_backend(name: str) -> KernelBackend:
     if name == "cpu":
         return KernelBackend("cpu", store_kvcache, _compiled("paged_decode_attention"),
                              _compiled("paged_prefill_attention"), linear, rms_norm, pack_linear, embedding,
-                             rope, silu_and_mul)
+                             rope, silu_and_mul, fused_moe=fused_moe_cpu)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

@@ -79,11 +79,12 @@ _GATHER_BUDGET = 1 << 21
 
 
 def paged_prefill_attention_cpu(query, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                context_lens, scale):
-    """Same contract as ``paged_prefill_attention_reference``; float32 is it exactly."""
+                                context_lens, scale, **features):
+    """Same contract as ``paged_prefill_attention_reference`` (``features``: its
+    sliding_window and logits_soft_cap); float32 is it exactly."""
     return paged_prefill_attention_reference(
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-        compute_dtype=k_cache.dtype)
+        compute_dtype=k_cache.dtype, **features)
 
 
 def paged_decode_attention_cpu(
@@ -93,12 +94,18 @@ def paged_decode_attention_cpu(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``paged_decode_attention_reference``; fp32 goes to it."""
+    """Same contract as ``paged_decode_attention_reference``; fp32 goes to it, and
+    so does a call with a sliding window or a soft cap (this path has neither)."""
     # float32 stays bit-exact with HF.
-    if k_cache.dtype == torch.float32 or query.shape[0] == 0:
+    if (k_cache.dtype == torch.float32 or query.shape[0] == 0 or sliding_window is not None
+            or logits_soft_cap is not None):
         return paged_decode_attention_reference(
-            query, k_cache, v_cache, block_tables, context_lens, scale)
+            query, k_cache, v_cache, block_tables, context_lens, scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     _, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     _check_heads(num_heads, kv_heads)

@@ -34,6 +34,17 @@ by ``scale * log2(e)`` so ``exp2`` can be used.  Running maxima start at a
 large finite negative number instead of -inf so rows that see no key at all
 (padding) stay NaN-free and finish as 0 / 0 -> guarded to 0.
 
+Two optional features, each a constexpr flag so that plain attention
+compiles exactly as without them:
+
+* ``WINDOW`` (sliding window W): a row at position p sees keys k with
+  p - W < k <= p.  The kernels start their KV loop at the tile holding the
+  first row's first key, so tiles wholly before the window are never read,
+  and mask the rest.
+* ``SOFT_CAP`` (Gemma 2): each score s = q.k * scale becomes c * tanh(s / c),
+  in fp32, before the mask (``soft_cap_tanh``: the interpreter has no libdevice,
+  and the compiled CPU ops evaluate the same rational function).
+
 Precision: fp32 inputs use ``input_precision="ieee"`` (no TF32), since the
 engine must match HF transformers token-for-token in float32.  fp16/bf16 use
 tensor cores with fp32 accumulation.  Under the Triton interpreter (CPU
@@ -46,6 +57,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.reference import attention_features
 
 LOG2E = 1.4426950408889634
 
@@ -72,6 +85,25 @@ def kv_tile_offsets(table_row_ptr, token_start, context_len, kv_head,
 
 
 @triton.jit
+def soft_cap_tanh(x):
+    """tanh in fp32: the odd rational minimax approximation of degrees 13/6
+    (Eigen's; kernels/cpu/csrc/attention.h, tanh_rational), clamped where tanh
+    rounds to +-1.  Branch-free, ~2e-7 absolute error, full relative accuracy near 0."""
+    x = tl.minimum(tl.maximum(x, -7.90531110763549805), 7.90531110763549805)
+    x2 = x * x
+    p = x2 * -2.76076847742355e-16 + 2.00018790482477e-13
+    p = p * x2 + -8.60467152213735e-11
+    p = p * x2 + 5.12229709037114e-08
+    p = p * x2 + 1.48572235717979e-05
+    p = p * x2 + 6.37261928875436e-04
+    p = p * x2 + 4.89352455891786e-03
+    q = x2 * 1.19825839466702e-06 + 1.18534705686654e-04
+    q = q * x2 + 2.26843463243900e-03
+    q = q * x2 + 4.89352518554385e-03
+    return p * x / q
+
+
+@triton.jit
 def online_softmax_step(acc, m_i, l_i, scores, v):
     """Fold one tile of base-2 scores [M, N] and values [N, D] into the state."""
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -84,12 +116,14 @@ def online_softmax_step(acc, m_i, l_i, scores, v):
 
 @triton.jit
 def attend_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_ptr,
-                  kv_start, kv_end, context_len, kv_head, qk_scale,
+                  kv_start, kv_end, context_len, kv_head, qk_scale, window, soft_cap,
                   stride_block, stride_slot, stride_head, stride_dim,
                   CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
-    """Attend rows of ``q`` to context tokens [kv_start, kv_end)."""
+                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                  WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr):
+    """Attend rows of ``q`` (at positions ``q_pos``) to context tokens [kv_start, kv_end);
+    ``soft_cap`` is the cap times log2(e), as the scores are in base 2."""
     for token_start in range(kv_start, kv_end, BLOCK_N):
         tokens, offsets, mask = kv_tile_offsets(
             table_row_ptr, token_start, context_len, kv_head,
@@ -101,9 +135,13 @@ def attend_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_pt
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if SOFT_CAP:
+            scores = soft_cap * soft_cap_tanh(scores / soft_cap)
         visible = (tokens < kv_end)[None, :]
         if CAUSAL:
             visible = visible & (tokens[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (tokens[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v)
     return acc, m_i, l_i
@@ -127,6 +165,14 @@ def check_inputs(query, k_cache, v_cache, block_tables, context_lens):
         raise ValueError("block_tables and context_lens must be int32")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
+
+
+def feature_args(sliding_window, logits_soft_cap) -> dict:
+    """The kernels' feature arguments: the values, and the constexpr flags that
+    compile the features in (neither set: the plain kernels)."""
+    attention_features(sliding_window, logits_soft_cap)  # a bad value is a ValueError
+    return dict(window=sliding_window or 0, soft_cap=(logits_soft_cap or 1.0) * LOG2E,
+                WINDOW=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None)
 
 
 def output_like(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

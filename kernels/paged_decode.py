@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import LOG2E, attend_range, check_inputs, output_like
+from kernels.paged_attention import LOG2E, attend_range, check_inputs, feature_args, output_like
 
 # Context tokens per split-KV partition (a multiple of every BLOCK_N we use).
 DEFAULT_PARTITION_SIZE = 512
@@ -33,7 +33,7 @@ MIN_ROWS_PER_GROUP_TILE = 16
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, partition_size,
+    qk_scale, partition_size, window, soft_cap,
     stride_qs, stride_qh, stride_qd,
     stride_os, stride_oh, stride_od,
     stride_block, stride_slot, stride_head, stride_dim,
@@ -41,13 +41,15 @@ def _decode_kernel(
     GROUP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     """One program = (sequence, kv head, context partition).
 
     Unsplit: partition_size covers the whole context and the result goes to
     ``out``.  Split: the normalised partial output and its (max, sum) go to
     the part_* buffers [seqs, heads, parts(, dim)] for _decode_reduce_kernel.
+    With a window the loop starts at the tile of the window's first token
+    (partitions wholly before it do nothing and write l = 0).
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,11 +71,14 @@ def _decode_kernel(
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     kv_start = part * partition_size
     kv_end = tl.minimum(kv_start + partition_size, context_len)
+    if WINDOW:
+        kv_start = tl.maximum(kv_start, tl.maximum(context_len - window, 0) // BLOCK_N * BLOCK_N)
+    q_pos = tl.zeros([ROWS], dtype=tl.int32) + (context_len - 1)  # the query is the last token
     acc, m_i, l_i = attend_range(
-        acc, m_i, l_i, q, rows, k_cache_ptr, v_cache_ptr, table_ptr + seq.to(tl.int64) * stride_table,
-        kv_start, kv_end, context_len, kv_head, qk_scale,
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr + seq.to(tl.int64) * stride_table,
+        kv_start, kv_end, context_len, kv_head, qk_scale, window, soft_cap,
         stride_block, stride_slot, stride_head, stride_dim,
-        False, UPCAST, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD)
+        False, UPCAST, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
     if SPLIT:
@@ -144,9 +149,11 @@ def _decode_config(head_dim: int, group: int) -> dict:
 
 def decode_attention_partitioned(query, k_cache, v_cache, block_tables, context_lens, scale,
                                  num_partitions: int, partition_size: int,
-                                 out: torch.Tensor | None = None) -> torch.Tensor:
+                                 out: torch.Tensor | None = None, *, sliding_window=None,
+                                 logits_soft_cap=None) -> torch.Tensor:
     """Decode with an explicit split (num_partitions == 1 runs the plain kernel)."""
     check_inputs(query, k_cache, v_cache, block_tables, context_lens)
+    features = feature_args(sliding_window, logits_soft_cap)
     num_seqs, heads, head_dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -168,13 +175,13 @@ def decode_attention_partitioned(query, k_cache, v_cache, block_tables, context_
     _decode_kernel[(num_seqs, kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_m, part_l,
-        scale * LOG2E, partition_size,
+        scale * LOG2E, partition_size, features.pop("window"), features.pop("soft_cap"),
         query.stride(0), query.stride(1), query.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        SPLIT=split, UPCAST=not query.is_cuda, **config,
+        SPLIT=split, UPCAST=not query.is_cuda, **features, **config,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, heads)](
@@ -193,8 +200,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, *,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention (see kernels.reference for the contract); picks the split.
+                           out: torch.Tensor | None = None, sliding_window=None,
+                           logits_soft_cap=None) -> torch.Tensor:
+    """Decode attention (see kernels.reference for the contract, and its
+    ``sliding_window`` and ``logits_soft_cap``); picks the split.
 
     ``out`` (optional, [num_seqs, num_heads, head_dim], query dtype) is filled
     in place instead of allocating, e.g. for CUDA graphs or preallocation.
@@ -202,4 +211,5 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     max_context = block_tables.shape[1] * k_cache.shape[1]
     parts = choose_decode_partitions(query.shape[0], k_cache.shape[2], max_context, _num_sms(query.device))
     return decode_attention_partitioned(query, k_cache, v_cache, block_tables, context_lens, scale,
-                                        parts, DEFAULT_PARTITION_SIZE, out=out)
+                                        parts, DEFAULT_PARTITION_SIZE, out=out,
+                                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import LOG2E, attend_range, check_inputs, output_like
+from kernels.paged_attention import LOG2E, attend_range, check_inputs, feature_args, output_like
 
 
 @triton.jit
@@ -39,9 +39,24 @@ def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _key_range(context_len, q_len, first_token, window,
+               BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """Keys [start, end) a tile of q tokens from ``first_token`` needs: up to its
+    last valid token's position; from 0, or with a window W from the tile
+    holding its first token's first key (L - nq + first_token - W + 1)."""
+    last_token = tl.minimum(first_token + BLOCK_Q, q_len)
+    kv_end = tl.where(first_token < q_len, context_len - q_len + last_token, 0)
+    kv_start = 0
+    if WINDOW:
+        first_key = context_len - q_len + first_token - window + 1
+        kv_start = tl.maximum(first_key, 0) // BLOCK_N * BLOCK_N
+    return kv_start, kv_end
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
-    qk_scale, num_seqs,
+    qk_scale, num_seqs, window, soft_cap,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_block, stride_slot, stride_head, stride_dim,
@@ -49,6 +64,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, UPCAST: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     """One program = (tile of BLOCK_M // GROUP_PAD query tokens, kv head).
 
@@ -82,18 +98,15 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     q_pos = context_len - q_len + token
 
-    # Keys needed by this tile: up to the position of its last valid token.
-    last_token = tl.minimum(first_token + BLOCK_Q, q_len)
-    kv_end = tl.where(first_token < q_len, context_len - q_len + last_token, 0)
-
+    kv_start, kv_end = _key_range(context_len, q_len, first_token, window, BLOCK_Q, BLOCK_N, WINDOW)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = attend_range(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr + seq.to(tl.int64) * stride_table,
-        0, kv_end, context_len, kv_head, qk_scale,
+        kv_start, kv_end, context_len, kv_head, qk_scale, window, soft_cap,
         stride_block, stride_slot, stride_head, stride_dim,
-        True, UPCAST, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD)
+        True, UPCAST, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_offsets = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -116,12 +129,15 @@ def _prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                            scale, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal prefill/extend attention (see kernels.reference for the contract).
+                            scale, *, out: torch.Tensor | None = None, sliding_window=None,
+                            logits_soft_cap=None) -> torch.Tensor:
+    """Causal prefill/extend attention (see kernels.reference for the contract,
+    and its ``sliding_window`` and ``logits_soft_cap``).
 
     ``out`` as in paged_decode_attention.
     """
     check_inputs(query, k_cache, v_cache, block_tables, context_lens)
+    features = feature_args(sliding_window, logits_soft_cap)
     if cu_seqlens_q.dtype != torch.int32:
         raise ValueError("cu_seqlens_q must be int32")
     total_q, heads, head_dim = query.shape
@@ -137,12 +153,12 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     num_tiles = total_q // block_q + num_seqs
     _prefill_kernel[(num_tiles, kv_heads)](
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * LOG2E, num_seqs,
+        scale * LOG2E, num_seqs, features.pop("window"), features.pop("soft_cap"),
         query.stride(0), query.stride(1), query.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        UPCAST=not query.is_cuda, **config,
+        UPCAST=not query.is_cuda, **features, **config,
     )
     return out

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference implementations of the paged KV-cache kernels (and
 of the model ops the compiled CPU ops replace: RMSNorm with its residual
 add, RoPE, SiLU(gate) * up, and the linear layers' matmul, at the end of
-this file).
+this file, followed by the mixture-of-experts experts, fused_moe).
 
 These are the ground truth for the Triton kernels and the CPU engine's
 attention path, so they favour being obviously right, then fast:
@@ -70,20 +70,71 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+               allowed: torch.Tensor | None, scale: float,
+               logits_soft_cap: float | None = None) -> torch.Tensor:
     """Grouped attention in fp32 through torch's fused SDPA (what HF runs too).
 
     q: [rows, num_heads, nq, head_dim]; k, v: [rows, kv_heads, length, head_dim]
     allowed: bool mask broadcastable to [rows, num_heads, nq, length], or None
     for plain causal attention (nq == length). Query head h reads KV head
     h // group (HF's repeat_kv convention) without copying K/V group times.
+    With `logits_soft_cap` (Gemma 2) the scores are capped before the mask,
+    which SDPA cannot do: the product is spelled out instead.
     """
+    if logits_soft_cap is not None:
+        return _capped_attention(q, k, v, allowed, scale, logits_soft_cap)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scale, enable_gqa=True
     )
 
 
-def _decode_rows(query, k_cache, v_cache, block_tables, context_lens, scale):
+def _capped_attention(q, k, v, allowed, scale, cap):
+    """softmax(cap * tanh(q k^T * scale / cap) + mask) v, as HF's eager Gemma 2."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if allowed is None:
+        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def window_mask(q_pos: torch.Tensor, length: int, sliding_window: int | None) -> torch.Tensor:
+    """[nq, length] bool: which key positions each query position sees.
+
+    Causal, and with a window W only the last W positions up to the query's
+    own (HF's rule: key > query - W):
+
+        W = 3, query at 5:   keys 0 1 2 [3 4 5] 6 7   (6, 7: the future)
+    """
+    keys = torch.arange(length, device=q_pos.device)[None, :]
+    allowed = keys <= q_pos[:, None]
+    if sliding_window is not None:
+        allowed &= keys > q_pos[:, None] - sliding_window
+    return allowed
+
+
+def attention_features(sliding_window: int | None = None,
+                       logits_soft_cap: float | None = None) -> dict:
+    """The features that are on, as the keyword arguments every backend's
+    attention takes ({} for plain attention: the compiled ops' defaults, 0,
+    mean off); a window under one token or a cap <= 0 is a ValueError."""
+    features = {}
+    if sliding_window is not None:
+        if int(sliding_window) < 1:
+            raise ValueError(f"sliding_window must be a positive token count, got {sliding_window!r}")
+        features["sliding_window"] = int(sliding_window)
+    if logits_soft_cap is not None:
+        if not float(logits_soft_cap) > 0.0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap!r}")
+        features["logits_soft_cap"] = float(logits_soft_cap)
+    return features
+
+
+def _decode_rows(query, k_cache, v_cache, block_tables, context_lens, scale,
+                 sliding_window=None, logits_soft_cap=None):
     rows, num_heads, head_dim = query.shape
     length = int(context_lens.max().item()) if rows else 0
     if length == 0:
@@ -92,12 +143,18 @@ def _decode_rows(query, k_cache, v_cache, block_tables, context_lens, scale):
     positions = torch.arange(length, device=k_cache.device)
     allowed = positions[None, :] < lengths[:, None]  # [rows, L]
     slots = _context_slots(block_tables, allowed, positions, k_cache.shape[1])
+    if sliding_window is not None:  # only the last W positions, the query's own included
+        allowed &= positions[None, :] >= lengths[:, None] - sliding_window
     k = _gather_slots(k_cache, slots)
     v = _gather_slots(v_cache, slots)
     # Rows of equal length (a single row, always) need no mask at all.
-    mask = allowed[:, None, None, :] if rows > 1 and not bool(allowed.all()) else None
+    mask = allowed[:, None, None, :] if not bool(allowed.all()) else None
     q = query.float()[:, :, None, :]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    if logits_soft_cap is not None:
+        mask = allowed[:, None, None, :]
+        out = _capped_attention(q, k, v, mask, scale, logits_soft_cap)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     # A padding row (context_len 0) has nothing to attend to: zeros, not NaN.
     out = out.masked_fill((lengths == 0)[:, None, None, None], 0.0)
     return out.reshape(rows, num_heads, head_dim)
@@ -130,8 +187,13 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence attending to its whole cached context.
+    """One query token per sequence attending to its whole cached context
+    (with ``sliding_window`` W, to its last W tokens; ``logits_soft_cap`` c
+    caps each score s as c * tanh(s / c) before the softmax).
 
     query: [num_seqs, num_heads, head_dim]; the query token is the last of the
     ``context_lens[i]`` cached tokens.  context_len 0 gives a zero row.
@@ -148,7 +210,7 @@ def paged_decode_attention_reference(
         end = min(start + chunk, num_seqs)
         out[start:end] = _decode_rows(
             query[start:end], k_cache, v_cache, block_tables[start:end],
-            context_lens[start:end], scale,
+            context_lens[start:end], scale, sliding_window, logits_soft_cap,
         ).to(query.dtype)
     return out
 
@@ -162,6 +224,9 @@ def paged_prefill_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
     compute_dtype: torch.dtype = torch.float32,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -192,10 +257,11 @@ def paged_prefill_attention_reference(
         v = _gather_context(v_cache, block_tables[i:i + 1], length, compute_dtype)[0].transpose(0, 1)
         q = query[q_start:q_end].to(compute_dtype).transpose(0, 1)[None]  # [1, H, nq, D]
         allowed = None  # a whole prompt at once: plain causal attention
-        if nq < length:  # a chunk after cached tokens: q_j sees positions <= length - nq + j
+        if nq < length or (sliding_window is not None and sliding_window < length):
+            # q_j (at position length - nq + j) sees positions <= its own, within the window
             q_pos = torch.arange(length - nq, length, device=query.device)
-            allowed = torch.arange(length, device=query.device)[None, :] <= q_pos[:, None]
-        o = _attention(q, k[None], v[None], allowed, scale)
+            allowed = window_mask(q_pos, length, sliding_window)
+        o = _attention(q, k[None], v[None], allowed, scale, logits_soft_cap)
         out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
     return out
 
@@ -234,6 +300,13 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP activation over the fused gate_up output [tokens, 2 * width]:
+    gelu(gate, tanh approximation) * up, [tokens, width]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def keep_layout(weight: torch.Tensor) -> torch.Tensor:
     """A backend's ``pack_linear`` where ``linear`` takes nn.Linear's layout as it is."""
     return weight
@@ -246,3 +319,40 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     first here: F.linear has no wider output)."""
     out = F.linear(x, weight, bias)
     return out.float() if float_out else out
+
+
+def moe_groups(topk_ids: torch.Tensor, num_experts: int):
+    """(expert, token rows, slot of each row) for each expert that has tokens, in
+    ascending expert order, as HF's MoE blocks visit them: within an expert the
+    rows are ordered slot-major ((slot, token) order, as torch.where over HF's
+    [k, T] expert mask gives them).  One host sync (the per-expert counts)."""
+    num_tokens = topk_ids.shape[0]
+    flat = topk_ids.t().reshape(-1).long()  # index j * T + t
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens, slots = order % num_tokens, order // num_tokens
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, tokens[start:start + count], slots[start:start + count]
+        start += count
+
+
+def fused_moe_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts of a mixture-of-experts layer, tokens grouped per expert:
+
+        out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = topk_ids[t, j]
+
+    hidden [T, H]; w_gate_up [E, 2I, H] (rows: gate, then up); w_down [E, H, I];
+    topk_weights [T, k] float32; topk_ids [T, k].  Returns [T, H] in hidden's dtype.
+    HF's order of operations (modeling_mixtral.py / modeling_qwen3_moe.py):
+    each expert's output times its routing weight, added into the output
+    expert by expert in ascending order; the sum is float32 here (HF's is
+    hidden's dtype), so float32 matches HF bit for bit."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert, tokens, slots in moe_groups(topk_ids, w_gate_up.shape[0]):
+        gated = silu_and_mul_reference(F.linear(hidden[tokens], w_gate_up[expert]))
+        expert_out = F.linear(gated, w_down[expert])
+        out.index_add_(0, tokens, expert_out * topk_weights[tokens, slots, None].float())
+    return out.to(hidden.dtype)

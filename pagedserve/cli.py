@@ -37,6 +37,8 @@ BENCHMARKS = MappingProxyType({
                 "from the Redis tier"),
     "structured": ("bench.structured", "JSON-schema constrained requests in a batch: "
                    "throughput, mask time per step, compile time"),
+    "output-overhead": ("bench.output_overhead", "per-token engine overhead of one long "
+                        "stream, CUMULATIVE vs DELTA outputs, with a null model"),
 })
 
 

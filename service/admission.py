@@ -9,15 +9,18 @@
                                     collect() and streaming.sse_response() call it
 
 A chat request has one prompt; a completions request may carry a batch, each
-prompt its own engine request, their outputs interleaved as they come. The
-engine already says which choices changed in a step (`CompletionOutput.changed`)
-and what each one added (`delta_text`, `delta_token_ids`), so nothing here
-counts what was sent.
+prompt its own engine request, their outputs interleaved as they come. A
+streamed request asks the engine for DELTA outputs, which hold only the choices
+that changed and only what each one added; a non-streamed one asks for
+FINAL_ONLY, one whole output per prompt (service/serving.py). So no output
+holds a stream's cumulative tokens: the completion tokens are counted here as
+they come (`num_completion_tokens`), for usage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -36,6 +39,7 @@ class TimedStream:
     def __init__(self, stream: RequestStream, timer: RequestTimer) -> None:
         self.stream = stream
         self.timer = timer
+        self.num_tokens = 0  # completion tokens received so far, over all choices
 
     def __aiter__(self) -> "TimedStream":
         return self
@@ -45,7 +49,11 @@ class TimedStream:
             output = await self.stream.__anext__()
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
-        self.timer.tokens(sum(len(c.delta_token_ids) for c in output.outputs))
+        # `delta_token_ids` is what this output adds (the service asks DELTA
+        # for every request, so each token is timed as it arrives).
+        count = sum(len(c.delta_token_ids) for c in output.outputs)
+        self.num_tokens += count
+        self.timer.tokens(count)
         if output.finished:
             self.timer.finished()
         return output
@@ -67,16 +75,26 @@ class Update:
 class Admission:
     request_id: str
     streams: list[TimedStream]
-    # The latest output of each prompt: after the last update, what usage counts.
+    # Each prompt's DELTA outputs folded into one: a non-streamed request's
+    # whole answer, and the prompt and cached tokens that usage counts.
     latest: list[RequestOutput | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.latest = [None] * len(self.streams)
 
+    @property
+    def num_completion_tokens(self) -> int:
+        """Completion tokens received so far, over every prompt and choice."""
+        return sum(stream.num_tokens for stream in self.streams)
+
     async def updates(self) -> AsyncIterator[Update]:
         """Changed choices as the engine reports them, until every prompt finished."""
         async for index, output in merge(self.streams):
-            self.latest[index] = output
+            whole = self.latest[index]
+            if whole is None:
+                self.latest[index] = copy.deepcopy(output)
+            else:
+                whole.add(output)
             changed = [c for c in output.outputs if c.changed]
             if changed:
                 yield Update(index, output, changed)

@@ -35,6 +35,7 @@ from service.errors import EXCEPTION_HANDLERS
 from service.fleet import Fleet
 from service.metrics import Metrics
 from service.openapi import build_openapi
+from service.reasoning import check_tokenizer
 from service.routes import ROUTES
 from service.serving import ServiceState
 from service.token_bytes import TokenBytes
@@ -57,6 +58,11 @@ async def start_service(config: ServiceConfig) -> ServiceState:
     metrics.watch(bridge)
     tokenizer_source = config.engine.tokenizer or engine.model_path
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, tokenizer_source)
+    try:
+        check_tokenizer(config.reasoning_parser, tokenizer)
+    except ValueError:
+        bridge.shutdown()
+        raise
     state = ServiceState(
         # From here on the engine's resolved config is the only one.
         config=replace(config, engine=bridge.config),

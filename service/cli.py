@@ -26,7 +26,9 @@ import yaml
 
 from engine.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
-from service.config import GENERATION_CONFIGS, TOOL_CALL_PARSERS, FleetConfig, ServiceConfig
+from service.config import (
+    GENERATION_CONFIGS, REASONING_PARSERS, TOOL_CALL_PARSERS, FleetConfig, ServiceConfig,
+)
 
 
 def add_service_args(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +64,10 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
                        help='the tool-call format tool_choice "auto" reads; auto: from the chat '
                             "template (hermes: <tool_call>, llama3_json: <|python_tag|>), none: "
                             'refuse "auto" ("required" and named functions always work)')
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="split a thinking model's <think>...</think> out of the content "
+                            "into reasoning_content (Qwen3: qwen3, DeepSeek-R1: deepseek_r1); "
+                            "default: none, the thought stays in the content (as in vLLM)")
     group.add_argument("--log-prompts", action="store_true",
                        help="log prompt token ids (off by default: prompts are private)")
     group.add_argument("--log-level", default="info",
@@ -166,6 +172,7 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         log_prompts=args.log_prompts,
         generation_config=args.generation_config,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

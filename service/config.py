@@ -9,12 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from service.tool_parsers import PARSERS
 
 
 GENERATION_CONFIGS = ("auto", "vllm")
 # tool_choice "auto" reads the model's own tool-call format (service/tool_parsers.py):
 # "auto" picks it from the chat template, "none" refuses tool_choice "auto".
-TOOL_CALL_PARSERS = ("auto", "none", "hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("auto", "none", *PARSERS)  # the formats service/tool_parsers.py reads
+# Thinking models' <think>...</think> as reasoning_content (service/reasoning.py).
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class ServiceConfig:
     # (temperature 1.0, top_p 1.0, ...).
     generation_config: str = "auto"
     tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None  # None: a thought stays in the content, as in vLLM
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
@@ -108,6 +112,9 @@ class ServiceConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of "
                              f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} must be one of "
+                             f"{', '.join(REASONING_PARSERS)} (or None)")
         if any(not key for key in self.api_keys + self.admin_keys):
             raise ValueError("api_keys and admin_keys must not contain an empty key")
         for name in ("max_request_body_bytes", "max_waiting_requests", "retry_after_seconds"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.errors import ValidationError
 from engine.sampling.structured_outputs import ConstraintError, StructuredOutputsParams
 from service.errors import bad_request
 
@@ -53,11 +54,11 @@ def _from_response_format(response_format: dict[str, Any]
 def _params(fields, param: str) -> StructuredOutputsParams:
     if not isinstance(fields, dict):
         raise bad_request(f"{param} must be an object", param=param)
+    # The engine names "structured_outputs"; the field here is the one the
+    # constraint came from, which only the request knows.
     try:
         return StructuredOutputsParams(**fields)
-    except TypeError as exc:
-        raise bad_request(f"{param}: {exc}", param=param) from None
-    except ValueError as exc:
+    except (TypeError, ValidationError) as exc:  # TypeError: a field it does not have
         raise bad_request(f"{param}: {exc}", param=param) from None
 
 
@@ -69,5 +70,5 @@ async def check_constraint(state, constraint: StructuredOutputsParams | None, pa
         await state.off_loop(state.engine.engine.structured_outputs.compile, constraint)
     except ConstraintError as exc:
         raise bad_request(f"{param} is invalid: {exc.detail}", param=param) from None
-    except ValueError as exc:  # no tokenizer to compile against
+    except ValidationError as exc:  # no tokenizer to compile against
         raise bad_request(f"{param}: {exc}", param=param) from None

@@ -2,8 +2,9 @@
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
 
-Handlers raise `APIError`; malformed bodies surface as msgspec errors; unknown
-routes as starlette's HTTPException. All three end here, so no client ever
+Handlers raise `APIError`; malformed bodies surface as msgspec errors; what
+the engine refuses as its ValidationError, which names the field; unknown
+routes as starlette's HTTPException. All of them end here, so no client ever
 sees a starlette HTML page or a Python traceback.
 """
 
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 
 import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.errors import ValidationError
 from service.protocol import ErrorInfo, ErrorResponse, encoder
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,19 @@ def from_validation_error(exc: msgspec.ValidationError) -> APIError:
     return bad_request(f"{message} (at {param})" if param else message, param=param)
 
 
+def from_engine_error(exc: ValidationError, fields: Mapping[str, str] | None = None) -> APIError:
+    """The engine's refusal as a 400 whose `param` is the field the error carries.
+
+    The engine names fields as a completion request spells them; `fields` maps
+    those a route spells otherwise (chat sends its prompt as "messages"). The
+    message text is never read for the field: it may start with any word.
+    """
+    param = exc.param
+    if fields and param in fields:
+        param = fields[param]
+    return bad_request(exc.message, param=param)
+
+
 def from_decode_error(exc: Exception) -> APIError:
     """msgspec's DecodeError, or what it lets through: bad UTF-8, too deep a nesting."""
     if isinstance(exc, RecursionError):
@@ -103,6 +119,11 @@ async def handle_api_error(request: Request, exc: APIError) -> Response:
     return error_response(exc)
 
 
+async def handle_engine_error(request: Request, exc: ValidationError) -> Response:
+    # A refusal no route caught itself: still a 400 naming the engine's field.
+    return error_response(from_engine_error(exc))
+
+
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 404:
         message, code = f"no route {request.method} {request.url.path}", "not_found"
@@ -125,6 +146,7 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
     ClientGone: handle_client_gone,
+    ValidationError: handle_engine_error,
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }

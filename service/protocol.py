@@ -69,6 +69,10 @@ class ChatMessage(Struct):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call it answers
+    # An assistant turn's thought, as this server returns it (either name): the
+    # template gets it as `reasoning_content`, Qwen3's name, and shows it or not.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 # OpenAI's rule for function names (service/tools.py).
@@ -141,6 +145,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # More variables for the chat template, as vLLM's: {"enable_thinking": false}
+    # (engine/frontend/chat_template.py check_template_kwargs).
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's deprecated form of tools: decoded only to refuse it by name.
     functions: list[Any] | None = None
     function_call: Any | None = None
@@ -190,8 +197,12 @@ class ChoiceLogprobs(Struct):
 
 class AssistantMessage(Struct, omit_defaults=True):
     role: Literal["assistant"]
-    content: str | None  # null when the turn is only tool calls
+    content: str | None  # null when the turn is only tool calls, or only a thought
     tool_calls: list[ToolCall] | None = None
+    # With --reasoning-parser, the thought (service/reasoning.py) under both of
+    # its names: DeepSeek's and vLLM's first, and vLLM's newer `reasoning`.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(Struct):
@@ -230,6 +241,8 @@ class Delta(Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # as AssistantMessage's
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -26,17 +26,20 @@ import anyio
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
+from engine.errors import ValidationError
 from engine.frontend.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from engine.outputs import RequestOutputKind
 from engine.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import StructuredOutputsParams
 from service.admission import Admission, TimedStream
 from service.auth import cache_salt
 from service.config import ServiceConfig
 from service.errors import (
-    APIError, ClientGone, bad_request, from_decode_error, from_validation_error,
+    APIError, ClientGone, bad_request, from_decode_error, from_engine_error,
+    from_validation_error,
 )
 from service.metrics import Metrics
-from service.protocol import SamplingFields
+from service.protocol import ChatCompletionRequest, SamplingFields
 from service.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -169,18 +172,14 @@ class ServiceState:
     def _sampling_params(self, body, token_ids, prompt_param, max_tokens, logprobs, constraint):
         try:
             self.engine.check_prompt(token_ids)
-        except ValueError as exc:
-            raise bad_request(f"{exc}", param=prompt_param) from None
-        params = sampling_params(
-            body, prompt_len=len(token_ids), max_model_len=self.engine.config.max_model_len,
-            max_tokens=max_tokens, logprobs=logprobs, prompt_param=prompt_param,
-            defaults=self.sampling_defaults, structured_outputs=constraint,
-        )
-        try:
+            params = sampling_params(
+                body, prompt_len=len(token_ids), max_model_len=self.engine.config.max_model_len,
+                max_tokens=max_tokens, logprobs=logprobs, prompt_param=prompt_param,
+                defaults=self.sampling_defaults, structured_outputs=constraint,
+            )
             self.engine.check_params(params)  # a constraint compiled already (off the loop)
-        except ValueError as exc:
-            param = "logit_bias" if str(exc).startswith("logit_bias") else "structured_outputs"
-            raise bad_request(f"{exc}", param=param) from None
+        except ValidationError as exc:
+            raise from_engine_error(exc, request_fields(body, prompt_param)) from None
         return params
 
     def _submit(
@@ -292,6 +291,10 @@ def sampling_params(
         include_stop_str_in_output=body.include_stop_str_in_output,
         logit_bias=_logit_bias(body.logit_bias),
         structured_outputs=structured_outputs,
+        # Only what is new: the engine copies no cumulative lists step after
+        # step, and a whole answer is folded from the deltas (Admission), so
+        # every token is timed as it arrives, streamed or not.
+        output_kind=RequestOutputKind.DELTA,
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
@@ -300,10 +303,17 @@ def sampling_params(
             value = (defaults or {}).get(name)
         if value is not None:
             options[name] = value
-    try:
-        return SamplingParams(**options)
-    except ValueError as exc:
-        raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
+    return SamplingParams(**options)  # a ValidationError names the field it refuses
+
+
+def request_fields(body: SamplingFields, prompt_param: str) -> dict[str, str]:
+    """The request's own name for each engine field it spells differently."""
+    fields = {"prompt": prompt_param}
+    if isinstance(body, ChatCompletionRequest):  # chat sets these under other names
+        fields["logprobs"] = "top_logprobs"
+        if body.max_completion_tokens is not None:
+            fields["max_tokens"] = "max_completion_tokens"
+    return fields
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

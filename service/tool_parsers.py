@@ -11,7 +11,7 @@ delta) and answers what of it is plain content and what belongs to tool calls:
 The same parser reads a whole response at once (`parse_text`), so a streamed
 and an unstreamed answer cannot disagree.
 
-Four formats:
+Five formats:
   ArgumentsParser  a named tool_choice: the whole output is that function's
                    arguments (the grammar allowed nothing else).
   CallListParser   tool_choice "required": a JSON list of {"name", "arguments"}
@@ -22,6 +22,8 @@ Four formats:
   Llama3JsonParser tool_choice "auto" for Llama 3.1-3.3 templates: the whole
                    reply is {"name": ..., "parameters": {...}} (several joined by
                    ";"), optionally after <|python_tag|>; anything else is content.
+  MistralParser    tool_choice "auto" for Mistral templates: content, then
+                   [TOOL_CALLS] and a JSON list of calls (or name[ARGS]{...}).
 The "auto" formats are the model's own and unconstrained: a call whose JSON
 does not parse is returned as content, never dropped.
 """
@@ -31,67 +33,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+import string
 
-PARSERS = ("hermes", "llama3_json")
-
-
-@dataclass
-class CallPiece:
-    """Part of tool call `index`; the piece that opens a call carries its id and name."""
-
-    index: int
-    arguments: str
-    id: str | None = None
-    name: str | None = None
-
-
-@dataclass
-class Parsed:
-    content: str = ""
-    calls: list[CallPiece] = field(default_factory=list)
-
-    def add(self, other: "Parsed") -> "Parsed":
-        self.content += other.content
-        self.calls += other.calls
-        return self
-
-
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
-
-
-class ToolCallParser:
-    """Base: counts the calls it opened, and how many it may open (parallel_tool_calls)."""
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        self.max_calls = max_calls
-        self.calls = 0
-
-    def feed(self, text: str) -> Parsed:
-        raise NotImplementedError
-
-    def finish(self) -> Parsed:
-        return Parsed()
-
-    def _open(self, name: str, arguments: str) -> CallPiece | None:
-        """A new call, or None once max_calls are open (the rest are dropped)."""
-        if self.max_calls is not None and self.calls >= self.max_calls:
-            return None
-        self.calls += 1
-        return CallPiece(self.calls - 1, arguments, new_call_id(), name)
-
-
-def parse_text(parser: ToolCallParser, text: str) -> tuple[str, list[CallPiece]]:
-    """A whole output: its content and its calls, each call's pieces joined."""
-    parsed = parser.feed(text).add(parser.finish())
-    calls: list[CallPiece] = []
-    for piece in parsed.calls:
-        if piece.name is not None:
-            calls.append(CallPiece(piece.index, piece.arguments, piece.id, piece.name))
-        else:
-            calls[piece.index].arguments += piece.arguments
-    return parsed.content, calls
+from service.tool_call_base import (  # noqa: F401 (parse_text: its users import it from here)
+    CallPiece, Parsed, ToolCallParser, call_of, json_call, json_calls, parse_text, partial_suffix,
+)
 
 
 class ArgumentsParser(ToolCallParser):
@@ -192,14 +138,47 @@ class CallListParser(ToolCallParser):
         return None
 
 
-class HermesParser(ToolCallParser):
+class MarkedCalls(ToolCallParser):
+    """Content with calls after a marker (Hermes, Mistral): the content side of both.
+
+    Content goes out as it comes, less a tail that may begin the marker and,
+    after a call, spaces that may be all there is before the next call or the
+    end: the format's, not content (held until a character shows which).
+    """
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        super().__init__(max_calls)
+        self.pending = ""
+        self.blank = False  # nothing but spaces since the last call
+
+    def _content_until(self, marker: str) -> tuple[str, bool]:
+        """Consume `pending` up to and past `marker`: the content before it, and whether it came."""
+        start = self.pending.find(marker)
+        end = start if start >= 0 else len(self.pending) - partial_suffix(self.pending, marker)
+        if start < 0 and self.blank and not self.pending[:end].strip():
+            return "", False
+        text = self.pending[:end]
+        self.pending = self.pending[end + len(marker):] if start >= 0 else self.pending[end:]
+        return self._content(text), start >= 0
+
+    def _content(self, text: str) -> str:
+        if text.strip():
+            self.blank = False
+        return "" if self.blank else text
+
+    def _called(self, call: tuple[str, str]) -> Parsed:
+        piece = self._open(*call)
+        self.blank = True
+        return Parsed(calls=[piece] if piece else [])
+
+
+class HermesParser(MarkedCalls):
     """Content, with calls as <tool_call>{json}</tool_call> anywhere in it."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
-        self.pending = ""
         self.inside = False
 
     def feed(self, text: str) -> Parsed:
@@ -214,16 +193,10 @@ class HermesParser(ToolCallParser):
                 self.pending = self.pending[end + len(self.CLOSE):]
                 self.inside = False
                 continue
-            start = self.pending.find(self.OPEN)
-            if start < 0:
-                # Hold back a tail that may be the start of "<tool_call>".
-                keep = _partial_suffix(self.pending, self.OPEN)
-                parsed.content += self._content(self.pending[:len(self.pending) - keep])
-                self.pending = self.pending[len(self.pending) - keep:]
+            content, self.inside = self._content_until(self.OPEN)
+            parsed.content += content
+            if not self.inside:
                 return parsed
-            parsed.content += self._content(self.pending[:start])
-            self.pending = self.pending[start + len(self.OPEN):]
-            self.inside = True
 
     def finish(self) -> Parsed:
         text, self.pending = self.pending, ""
@@ -231,16 +204,11 @@ class HermesParser(ToolCallParser):
             return self._call(text)
         return Parsed(content=self._content(text))
 
-    def _content(self, text: str) -> str:
-        # Between and after calls, the newlines the format puts around them are not content.
-        return text if self.calls == 0 or text.strip() else ""
-
     def _call(self, body: str) -> Parsed:
-        call = _json_call(body)
+        call = json_call(body)
         if call is None:
-            return Parsed(content=f"{self.OPEN}{body}{self.CLOSE}")
-        piece = self._open(*call)
-        return Parsed(calls=[piece] if piece else [])
+            return Parsed(content=self._content(f"{self.OPEN}{body}{self.CLOSE}"))
+        return self._called(call)
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -269,68 +237,133 @@ class Llama3JsonParser(ToolCallParser):
 
     def finish(self) -> Parsed:
         text, self.pending = self.pending, ""
-        calls = _json_calls(text.strip().removeprefix(self.TAG)) if self.mode == "calls" else None
+        calls = json_calls(text.strip().removeprefix(self.TAG)) if self.mode == "calls" else None
         if calls is None:
             return Parsed(content=text)
         pieces = [self._open(*call) for call in calls]
         return Parsed(calls=[p for p in pieces if p is not None])
 
 
-def _json_calls(text: str) -> list[tuple[str, str]] | None:
-    """Calls written one after another, separated by ";": all of them, or None."""
-    decoder, calls, at = json.JSONDecoder(), [], 0
-    while True:
+def mistral_call_id() -> str:
+    """Mistral's templates refuse any id but 9 letters and digits (vLLM's ids for it too)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+# After "[TOOL_CALLS]": a name (newer templates), "[ARGS]" after it or not, then "{" or "[".
+NAMED = re.compile(r"\s*([A-Za-z0-9_-]*)(\[ARGS\])?")
+
+
+class MistralParser(MarkedCalls):
+    """Content, then "[TOOL_CALLS]" and calls, in either of the forms vLLM's parser reads:
+
+        [TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]    Mistral 7B v0.3, Mixtral 8x22B
+        [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g{...}              newer templates (tokenizer v11+)
+
+    A call goes out once its JSON object is complete. From where the text after
+    a marker stops fitting (or at the end, unfinished), it is content, marker too.
+    """
+
+    MARKER = "[TOOL_CALLS]"
+    new_id = staticmethod(mistral_call_id)
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        super().__init__(max_calls)
+        self.state = "content"  # past a marker: "start", then in a list "item" / "next"
+        self.raw = ""  # the text past the marker not (yet) a call: content should it fail
+        self.tried = 0  # how far into `pending` an object last failed to decode
+
+    def feed(self, text: str) -> Parsed:
+        self.pending += text
+        parsed = Parsed()
+        while True:
+            if self.state == "content":
+                content, found = self._content_until(self.MARKER)
+                parsed.content += content
+                if not found:
+                    return parsed
+                self.state, self.raw, self.tried = "start", self.MARKER, 0
+                continue
+            step = self._start() if self.state == "start" else self._in_list()
+            if step is None:
+                return parsed
+            parsed.add(step)
+
+    def finish(self) -> Parsed:
+        text, self.raw, self.pending, self.state = self.raw + self.pending, "", "", "content"
+        return Parsed(content=self._content(text))
+
+    def _start(self) -> Parsed | None:
+        """Just past a marker: a list's "[", or name[ARGS]{...}. None: wait for more."""
+        head = NAMED.match(self.pending)
+        name, rest = head.group(1), self.pending[head.end():]
+        if rest.startswith("{"):  # without a name, the object is {"name", "arguments"}
+            return self._call(head.end(), name)
+        if not name and rest.startswith("["):
+            self._take(head.end() + 1)
+            self.state = "item"
+            return Parsed()
+        if not rest or (name and not head.group(2) and "[ARGS]".startswith(rest)):
+            return None
+        return self._fail()
+
+    def _in_list(self) -> Parsed | None:
+        """In a list: a call's object ("item"), or after one, "," or the closing "]"."""
+        text = self.pending.lstrip()
+        at = len(self.pending) - len(text)
+        if not text:
+            return None
+        if self.state == "item" and text[0] == "{":
+            return self._call(at, "")
+        if self.state == "next" and text[0] in ",]":
+            self._take(at + 1)
+            if text[0] == "]":  # the list is done: what follows is content again
+                self.raw, self.state = "", "content"
+            else:
+                self.state = "item"
+            return Parsed()
+        return self._fail()
+
+    def _call(self, at: int, name: str) -> Parsed | None:
+        """The call whose JSON object begins at `at`; None: the object is not complete."""
+        if "}" not in self.pending[max(at, self.tried):]:
+            return None  # an object ends with "}": no need to try before one comes
         try:
-            value, at = decoder.raw_decode(text, at)
-        except ValueError:
+            value, end = json.JSONDecoder().raw_decode(self.pending, at)
+        except ValueError:  # incomplete (or never valid: content at the end)
+            self.tried = len(self.pending)
             return None
-        call = _call_of(value)
+        call = call_of({"name": name, "arguments": value} if name else value)
         if call is None:
-            return None
-        calls.append(call)
-        rest = text[at:].lstrip()
-        if not rest:
-            return calls
-        if not rest.startswith(";"):
-            return None
-        at = len(text) - len(rest[1:].lstrip())
+            return self._fail()
+        self._take(end)
+        self.raw, self.state = "", "next" if self.state == "item" else "content"
+        return self._called(call)
+
+    def _take(self, size: int) -> None:
+        self.raw += self.pending[:size]
+        self.pending, self.tried = self.pending[size:], 0
+
+    def _fail(self) -> Parsed:
+        """Not calls after all: the marker and what followed it are content."""
+        text, self.raw, self.state = self.raw, "", "content"
+        return Parsed(content=self._content(text))
 
 
-def _json_call(text: str) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) from '{"name": ..., "arguments"|"parameters": {...}}'."""
-    try:
-        call = json.loads(text)
-    except ValueError:
-        return None
-    return _call_of(call)
-
-
-def _call_of(call) -> tuple[str, str] | None:
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as JSON text
-        return call["name"], arguments
-    return call["name"], json.dumps(arguments, ensure_ascii=False)
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that begins `marker`."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
+# The model's own formats, for tool_choice "auto", by the names --tool-call-parser takes.
+FORMATS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+PARSERS = tuple(FORMATS)
 
 
 def auto_parser(name: str, max_calls: int | None) -> ToolCallParser:
-    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[name](max_calls)
+    return FORMATS[name](max_calls)
 
 
 def detect_parser(chat_template: str, configured: str) -> str | None:
     """The tool-call format for tool_choice "auto": the configured one, or the template's.
 
     "auto" reads the template: Hermes-style templates write "<tool_call>",
-    Llama 3's write "<|python_tag|>". None: no known format, so "auto" is refused.
+    Llama 3's "<|python_tag|>", Mistral's "[TOOL_CALLS]". None: no known format,
+    so "auto" is refused.
     """
     if configured == "none":
         return None
@@ -340,4 +373,6 @@ def detect_parser(chat_template: str, configured: str) -> str | None:
         return "hermes"
     if "<|python_tag|>" in chat_template:
         return "llama3_json"
+    if "[TOOL_CALLS]" in chat_template:
+        return "mistral"
     return None

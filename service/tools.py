@@ -2,8 +2,9 @@
 
     tool_choice      the prompt                  the output                    read by
     "none"           tools through the template  free text                     -
-    "auto"           tools through the template  free text in the model's      HermesParser or
-                                                 own tool-call format          Llama3JsonParser
+    "auto"           tools through the template  free text in the model's      HermesParser,
+                                                 own tool-call format          Llama3JsonParser or
+                                                                               MistralParser
     "required"       tools (see below)           [{"name","arguments"}, ...]   CallListParser
     {"function": f}  tools (see below)           f's arguments                 ArgumentsParser
 
@@ -20,6 +21,9 @@ would hide them from the model; for "required" and named functions the
 tools are then described in the system turn instead, in plain words plus
 each parameters schema, and earlier calls in the history are written out in
 the same JSON shape the model is held to.
+
+Call ids take the shape of the model's format whatever the tool_choice:
+Mistral's templates refuse a history whose ids are not 9 letters and digits.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from dataclasses import dataclass
 from engine.sampling.structured_outputs import StructuredOutputsParams
 from service.errors import bad_request
 from service.protocol import ChatCompletionRequest, ChatMessage, Tool
-from service.tool_parsers import ArgumentsParser, CallListParser, ToolCallParser, auto_parser
+from service.tool_parsers import (
+    FORMATS, ArgumentsParser, CallListParser, ToolCallParser, auto_parser,
+)
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -42,7 +48,7 @@ class ToolPlan:
     choice: str  # "none" | "auto" | "required" | "function"
     tools: tuple[Tool, ...]
     function: str | None = None  # the named function
-    parser: str | None = None  # "auto": the model's format (service/tool_parsers.py)
+    parser: str | None = None  # the model's format (service/tool_parsers.py): "auto" reads it
     parallel: bool = True  # parallel_tool_calls
     constraint: StructuredOutputsParams | None = None
     constraint_param: str = "tools"  # the field to name when the constraint is invalid
@@ -54,13 +60,15 @@ class ToolPlan:
     def new_parser(self) -> ToolCallParser | None:
         """A fresh parser for one choice's output (None: the output is plain content)."""
         max_calls = None if self.parallel else 1
-        if self.choice == "function":
-            return ArgumentsParser(self.function)
-        if self.choice == "required":
-            return CallListParser(max_calls)
         if self.choice == "auto":
             return auto_parser(self.parser, max_calls)
-        return None
+        if self.choice == "none":
+            return None
+        parser = (ArgumentsParser(self.function) if self.choice == "function"
+                  else CallListParser(max_calls))
+        if self.parser is not None:  # ids the model's template takes back
+            parser.new_id = FORMATS[self.parser].new_id
+        return parser
 
     def finish_reason(self, reason: str | None, calls: int) -> str | None:
         """OpenAI's: "tool_calls" once the model stopped after calling; a named function "stop"."""
@@ -88,21 +96,23 @@ def plan_tools(body: ChatCompletionRequest, parser: str | None) -> ToolPlan | No
         if parser is None:
             raise bad_request(
                 'tool_choice "auto" needs a chat template that shows the model its tools in a '
-                "tool-call format this server reads (Hermes <tool_call> or Llama 3 JSON); this "
-                'model has none. Use tool_choice "required" or name a function: those hold the '
-                "output to the tools' schemas.", param="tool_choice")
+                "tool-call format this server reads (Hermes <tool_call>, Llama 3 JSON or Mistral "
+                '[TOOL_CALLS]); this model has none. Use tool_choice "required" or name a '
+                "function: those hold the output to the tools' schemas.", param="tool_choice")
+        if parser == "mistral":  # its marker is a special token: kept in the text, as vLLM does
+            body.skip_special_tokens = False
         return ToolPlan("auto", tools, parser=parser, parallel=parallel)
     if choice == "required":
         schema = _calls_schema(tools, parallel)
-        return ToolPlan("required", tools, parallel=parallel,
+        return ToolPlan("required", tools, parser=parser, parallel=parallel,
                         constraint=StructuredOutputsParams(json=schema))
-    return _named(tools, choice.function.name, parallel)
+    return _named(tools, choice.function.name, parallel, parser)
 
 
-def _named(tools: tuple[Tool, ...], name: str, parallel: bool) -> ToolPlan:
+def _named(tools: tuple[Tool, ...], name: str, parallel: bool, parser: str | None) -> ToolPlan:
     for i, tool in enumerate(tools):
         if tool.function.name == name:
-            return ToolPlan("function", tools, function=name, parallel=parallel,
+            return ToolPlan("function", tools, function=name, parser=parser, parallel=parallel,
                             constraint=StructuredOutputsParams(json=parameters(tool)),
                             constraint_param=f"tools[{i}].function.parameters")
     raise bad_request(f"tool_choice names the function {name!r}, which is not in tools",
@@ -185,6 +195,9 @@ def _message(message: ChatMessage, index: int, renders_tools: bool) -> dict:
     rendered = {"role": role, "content": content}
     if message.role == "tool" and message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    thought = message.reasoning_content or message.reasoning
+    if thought and message.role == "assistant":  # Qwen3's templates read it by this name
+        rendered["reasoning_content"] = thought
     if message.tool_calls:
         calls = [{"id": call.id, "type": "function",
                   "function": {"name": call.function.name,

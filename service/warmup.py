@@ -80,7 +80,7 @@ async def warm(
     salts = {t.namespace.key: t.salt for t in tenants}
     chosen = _within_budget(engine, top, salts, budget, result)
     hashes = [h for prefix in chosen for h in prefix.block_hashes]
-    await engine.call(lambda e: e.block_manager.set_popular(hashes))
+    await engine.mark_popular(hashes)
     todo = [p for p, held in zip(chosen, await fully_cached(engine, chosen)) if not held]
     deadline = started + budget.timeout_seconds
     result.prefilled = len(todo)
@@ -98,13 +98,9 @@ async def warm(
 
 
 async def fully_cached(engine: AsyncEngine, prefixes: list[Prefix]) -> list[bool]:
-    """Whether each prefix's blocks are all in the prefix cache now (asked of the
-    engine thread, which owns the block manager)."""
-    def check(e) -> list[bool]:
-        return [len(e.block_manager.cached_run(p.block_hashes)) == len(p.block_hashes)
-                for p in prefixes]
-
-    return await engine.call(check)
+    """Whether each prefix's blocks are all in the prefix cache now."""
+    cached = await engine.cached_prefix_blocks([p.block_hashes for p in prefixes])
+    return [count == len(p.block_hashes) for count, p in zip(cached, prefixes)]
 
 
 def _within_budget(engine: AsyncEngine, top: list[Prefix], salts: dict[str, str | None],

@@ -3,6 +3,10 @@
 - Layers point down: pagedserve (the command) -> service -> engine -> kernels;
   bench may use everything below the command. Checked on every import
   statement, including those inside functions.
+- Inside engine/ the rooms point down too: frontend/ -> core/, sampling/,
+  model/ -> the shared top-level files (config, sampling_params, outputs,
+  errors, args). core/ and sampling/ import no other room; model/ reads the
+  scheduler's decision only through core/sched_output.py.
 - Every file reads in one sitting: no source file over 400 lines, no function
   over 60.
 - The `pagedserve` dispatcher hands each command line to the right module.
@@ -23,6 +27,7 @@ import pytest
 from pagedserve.cli import BENCHMARKS, COMMANDS, main, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
+ROOM = ROOT / "engine"
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
@@ -67,6 +72,45 @@ def test_layers_point_down(package):
     ]
     allowed = ", ".join(sorted(MAY_IMPORT[package])) or "nothing"
     assert not wrong, f"{package}/ may import only {allowed} of the project:\n" + "\n".join(wrong)
+
+
+# engine/'s top-level files: the vocabulary every room shares.
+ENGINE_SHARED = frozenset({"engine.config", "engine.args", "engine.sampling_params",
+                           "engine.outputs", "engine.errors"})
+# What each room of engine/ may import of engine/ besides itself and ENGINE_SHARED.
+ROOM_MAY_IMPORT = MappingProxyType({
+    "core": frozenset(),
+    "sampling": frozenset(),
+    "model": frozenset({"engine.sampling", "engine.core.sched_output"}),
+    "frontend": frozenset({"engine.core", "engine.sampling", "engine.model"}),
+    # SamplingParams holds a StructuredOutputsParams, the sampling room's request type.
+    "": frozenset({"engine.sampling.structured_outputs"}),
+})
+
+
+def _allowed(module: str, room: str) -> bool:
+    own = f"engine.{room}" if room else None
+    allowed = {*ROOM_MAY_IMPORT[room], *ENGINE_SHARED, *([own] if own else [])}
+    return any(module == a or module.startswith(a + ".") for a in allowed)
+
+
+@pytest.mark.parametrize("room", sorted(ROOM_MAY_IMPORT))
+def test_engine_rooms_point_down(room):
+    folder = ROOM / room if room else ROOM
+    files = python_files(folder) if room else [p for p in folder.glob("*.py")
+                                               if p.name != "__init__.py"]
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in files
+        for line, module in imported_modules(path)
+        if module.startswith("engine.") and not _allowed(module, room)
+    ]
+    assert not wrong, f"engine/{room or '(top level)'} reaches a room above or beside it:\n" + "\n".join(wrong)
+
+
+def test_engine_top_level_stays_small():
+    entries = [p for p in ROOM.iterdir() if p.name != "__pycache__"]
+    assert len(entries) <= 12, sorted(p.name for p in entries)
 
 
 def source_files():

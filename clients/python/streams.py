@@ -8,7 +8,8 @@
 httpx-sse reassembles events however the network splits them (a line cut in
 two, data over several lines) and drops comments, which the server sends as
 keep-alives during long prefills. The last chunk carries the usage; read it
-from `.usage` once the iteration ends.
+from `.usage` once the iteration ends, and a thinking model's thought
+(reasoning deltas, with the server's --reasoning-parser) from `.thought`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class _Reader:
         self.id: str | None = None
         self.usage: Usage | None = None
         self.finish_reason: str | None = None
+        self.thought = ""  # the first choice's reasoning deltas, joined
         self.done = False  # [DONE] arrived: the server ended the stream cleanly
 
     def take(self, data: str) -> str | None:
@@ -49,7 +51,11 @@ class _Reader:
         for choice in chunk.choices:
             if choice.index != 0:
                 continue
-            text = (choice.delta.content or "") if self.chat else choice.text
+            if self.chat:
+                text = choice.delta.content or ""
+                self.thought += choice.delta.reasoning_content or choice.delta.reasoning or ""
+            else:
+                text = choice.text
             self.finish_reason = choice.finish_reason or self.finish_reason
         return text
 

@@ -46,6 +46,9 @@ class Message(Struct):
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] | None = None  # with tools and tool_choice
+    # A thinking model's thought, with --reasoning-parser (vLLM now names it `reasoning`).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(Struct):
@@ -66,10 +69,18 @@ class ChatCompletion(Struct):
         """The first choice's text."""
         return self.choices[0].message.content or ""
 
+    @property
+    def thought(self) -> str:
+        """The first choice's reasoning ("" when the server split none out)."""
+        message = self.choices[0].message
+        return message.reasoning_content or message.reasoning or ""
+
 
 class Delta(Struct):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -38,6 +38,13 @@ async function send(text) {
   state.messages.push({ role: "user", content: text });
   bubble("user", text);
   const output = bubble("assistant", "");
+  // A thinking model's reasoning, greyed above the answer (hidden until there is some).
+  const thought = document.createElement("div");
+  thought.className = "thought";
+  thought.dataset.testid = "thought";
+  thought.hidden = true;
+  const answer = document.createElement("span");
+  output.append(thought, answer);
   state.controller = new AbortController();
   busy(true);
   const started = performance.now();
@@ -49,7 +56,11 @@ async function send(text) {
     for await (const piece of stream) {
       first ??= performance.now();
       pieces += 1;
-      output.textContent += piece;
+      if (stream.thought) {
+        thought.hidden = false;
+        thought.textContent = stream.thought;
+      }
+      answer.textContent += piece;
       output.scrollIntoView({ block: "end" });
     }
     report(stream, started, first, pieces);
@@ -58,11 +69,11 @@ async function send(text) {
       $("status").textContent = "Stopped.";
     } else {
       output.classList.add("error");
-      output.textContent += (output.textContent ? "\n" : "") + `Error: ${error.message}`;
+      answer.textContent += (answer.textContent ? "\n" : "") + `Error: ${error.message}`;
       $("status").textContent = "The server refused or failed.";
     }
   } finally {
-    state.messages.push({ role: "assistant", content: output.textContent });
+    state.messages.push({ role: "assistant", content: answer.textContent });  // not the thought
     state.controller = null;
     busy(false);
   }

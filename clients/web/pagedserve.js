@@ -86,11 +86,14 @@ async function errorFrom(response) {
   }
 }
 
-/** A streamed answer: iterate it for text deltas; usage and finishReason after. */
+/** A streamed answer: iterate it for text deltas; usage and finishReason after.
+ * A thinking model's reasoning (the server's --reasoning-parser) gathers in
+ * `thought`; a chunk that carries only reasoning yields "" so a page can show it. */
 export class TextStream {
   constructor(responsePromise, chat) {
     this.responsePromise = responsePromise;
     this.chat = chat;
+    this.thought = "";
     this.usage = null;
     this.finishReason = null;
     this.id = null;
@@ -111,8 +114,9 @@ export class TextStream {
             this.done = true;
             return;
           }
+          const thought = this.thought.length;
           const text = this.take(JSON.parse(data));
-          if (text) yield text;
+          if (text || this.thought.length > thought) yield text;
         }
       }
     } finally {
@@ -129,6 +133,7 @@ export class TextStream {
     for (const choice of payload.choices ?? []) {
       if (choice.index !== 0) continue;
       text = (this.chat ? choice.delta?.content : choice.text) ?? "";
+      if (this.chat) this.thought += choice.delta?.reasoning_content ?? choice.delta?.reasoning ?? "";
       this.finishReason = choice.finish_reason ?? this.finishReason;
     }
     return text;

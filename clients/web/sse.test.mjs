@@ -43,6 +43,19 @@ test("a stream yields the first choice's text, then usage", async () => {
   assert.ok(stream.done);
 });
 
+test("reasoning gathers in thought; a chunk of only reasoning yields an empty text", async () => {
+  const text = 'data: {"id":"c","choices":[{"index":0,"delta":{"reasoning_content":"Hm",' +
+    '"reasoning":"Hm"}}]}\n\n' +
+    'data: {"id":"c","choices":[{"index":0,"delta":{"reasoning":", two."}}]}\n\n' +
+    'data: {"id":"c","choices":[{"index":0,"delta":{"content":"Four."}}]}\n\n' +
+    'data: [DONE]\n\n';
+  const stream = new TextStream(responseOf(text), true);
+  const pieces = [];
+  for await (const piece of stream) pieces.push(piece);
+  assert.deepEqual(pieces, ["", "", "Four."]);
+  assert.equal(stream.thought, "Hm, two.");
+});
+
 test("an error event throws with the server's message", async () => {
   const text = 'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n' +
     'data: {"error":{"message":"the server is shutting down","code":"shutting_down"}}\n\n';

@@ -40,9 +40,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
+from engine.core.block_checks import NULL_BLOCK, check_invariants
 from engine.core.kv_events import AllBlocksCleared, add_removed, stored_events
-
-NULL_BLOCK = 0
 
 
 @dataclass
@@ -60,12 +59,16 @@ class BlockManager:
         enable_caching: bool = False,
         max_popular_share: float = 0.5,
         record_events: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: every layer of the model attends only to that many
+        most recent tokens, so blocks behind it can be released (free_outside_window)."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need the null block and at least one more")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # content hash -> block id
@@ -192,6 +195,8 @@ class BlockManager:
 
     def _register(self, block_id: int, block_hash: bytes) -> bool:
         """Put a held block in the cache under its hash; False if another block has it."""
+        if block_id == NULL_BLOCK:
+            return True  # released by the sliding window after it was computed
         if self.block_hashes[block_id] is not None:
             return True  # already registered (a hit, or an earlier step)
         if block_hash in self.cached:
@@ -292,7 +297,7 @@ class BlockManager:
             raise ValueError(f"sequence {child_id!r} already has blocks")
         table = self.block_tables[parent_id][: self.blocks_for(num_tokens)]
         for block_id in table:
-            self.ref_counts[block_id] += 1
+            self.ref_counts[block_id] += block_id != NULL_BLOCK
         self.block_tables[child_id] = list(table)
         self._registration.pop(child_id, None)
         return self.block_tables[child_id]
@@ -326,9 +331,31 @@ class BlockManager:
         if table is None:
             return
         for block_id in reversed(table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self._file_free_block(block_id)
+            self._release(block_id)
+
+    def free_outside_window(self, seq_id: Hashable, num_computed_tokens: int) -> int:
+        """Release the blocks no future query can see: with window W the token at
+        position p reads p - W + 1 .. p, so blocks ending before the next
+        token's window are dead. Their entries become the null block (the
+        kernels skip blocks before the window); cached ones stay findable."""
+        if self.sliding_window is None:
+            return 0
+        table = self.block_tables[seq_id]
+        first_live = max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+        released = 0
+        for i in range(min(first_live, len(table))):  # head first: heads are older
+            if table[i] != NULL_BLOCK:
+                self._release(table[i])
+                table[i] = NULL_BLOCK
+                released += 1
+        return released
+
+    def _release(self, block_id: int) -> None:
+        if block_id == NULL_BLOCK:  # a slot released by the sliding window
+            return
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self._file_free_block(block_id)
 
     # -- internals ---------------------------------------------------------------
     def _file_free_block(self, block_id: int) -> None:
@@ -367,33 +394,6 @@ class BlockManager:
             self.num_popular_cached -= block_hash in self.popular_hashes
         self.block_hashes[block_id] = None
 
-    # -- checking ----------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError when the bookkeeping is inconsistent (tests call this)."""
-        queues = [list(self.free_queue), list(self.cached_free), list(self.popular_free)]
-        free = [b for queue in queues for b in queue]
-        assert len(set(free)) == len(free), "a block is in the free queues twice"
-        free_set = set(free)
-        assert NULL_BLOCK not in free_set, "the null block is in a free queue"
-        assert self.ref_counts[NULL_BLOCK] == 0, "the null block is referenced"
-        held = [0] * self.num_blocks
-        for table in self.block_tables.values():
-            for block_id in table:
-                held[block_id] += 1
-        for block_id in range(1, self.num_blocks):
-            count = self.ref_counts[block_id]
-            assert count >= 0, f"block {block_id} has ref count {count}"
-            assert count == held[block_id], (
-                f"block {block_id}: ref count {count} but held by {held[block_id]} tables"
-            )
-            assert (count == 0) == (block_id in free_set), (
-                f"block {block_id}: ref count {count}, free={block_id in free_set}"
-            )
-        for block_id in self.free_queue:
-            assert self.block_hashes[block_id] is None, f"empty block {block_id} has a hash"
-        for block_id in [*self.cached_free, *self.popular_free]:
-            assert self.block_hashes[block_id] is not None, f"cached block {block_id} lost its hash"
-        for block_hash, block_id in self.cached.items():
-            assert self.block_hashes[block_id] == block_hash, f"hash table wrong for {block_id}"
-        popular_cached = sum(h in self.cached for h in self.popular_hashes)
-        assert self.num_popular_cached == popular_cached, "popular count out of step"
+        check_invariants(self)

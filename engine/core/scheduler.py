@@ -40,6 +40,8 @@ chain of cached blocks matching its prompt and starts with
 With offload tiers (engine/core/kv_offload/), the lookup goes on into the tiers:
 a sequence with blocks to load waits aside in `loading`, holding up nobody,
 and comes back to the head of the queue when they have landed as cached blocks.
+It waits aside the same way for the remote tiers' answer, which is asked in
+the background (kv_offload/lookup.py): no step waits on the network.
 Blocks are registered in the cache in the step that fills them, so a request
 can hit a prefix that another one is still generating from, or is computing
 in this very step (each layer stores the whole batch's K/V before attending).
@@ -80,7 +82,7 @@ OBSERVED_START, OBSERVED_WEIGHT = 0.3, 0.1
 # but rarely does: at most this many of a sequence's max_tokens are counted.
 GROWTH_CAP_TOKENS = 2048
 
-LOADING = -1  # what _admit returns for a sequence that waits aside for its loads
+LOADING = -1  # what _admit returns for a sequence that waits aside for its look-up or loads
 
 
 class Scheduler:
@@ -251,7 +253,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, output: SchedulerOutput, growth: int) -> int | None:
         """Give a waiting sequence its blocks; returns its token count, None to wait,
-        or LOADING when it must first wait aside for blocks from the offload tiers."""
+        or LOADING when it must first wait aside for the offload tiers (their
+        answer, or their blocks)."""
         parent = seq.fork_parent
         if parent is not None and parent.status is SequenceStatus.RUNNING:
             if parent.num_computed_tokens < parent.num_prompt_tokens:
@@ -315,7 +318,8 @@ class Scheduler:
 
     # -- after the model ran -----------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance computed counts; append sampled tokens; hash newly full blocks.
+        """Advance computed counts; release blocks that left a sliding window;
+        append sampled tokens; hash newly full blocks.
 
         Returns the sequences that grew.
         """
@@ -327,6 +331,7 @@ class Scheduler:
             if seq is None:  # finished or aborted while the step ran
                 continue
             seq.num_computed_tokens += scheduled.num_new_tokens
+            manager.free_outside_window(seq.seq_id, seq.num_computed_tokens)
             token_id = sampled.get(scheduled.seq_id)
             if token_id is not None:
                 seq.append_token(token_id)

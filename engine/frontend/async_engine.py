@@ -32,41 +32,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.frontend.bridge import Command, EngineDeadError, EngineStats, QueueFullError
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a fault, or shutdown): no request can be served."""
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting; the caller should retry later."""
-
-
-@dataclass(frozen=True)
-class Command:
-    """Work for the engine thread, run between two steps."""
-
-    run: Callable[[], None]
-    adds: str | None = None  # the request id this command adds, if it adds one
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What the engine looked like after its latest step (read from any thread)."""
-
-    counters: dict[str, int] = field(default_factory=dict)
-    offload: dict | None = None  # LLMEngine.offload_stats(): the KV tiers, when there are any
-    step_seconds: float = 0.0  # wall time of the latest non-empty step
-    num_steps: int = 0
 
 
 class AsyncEngine:
@@ -148,7 +122,7 @@ class AsyncEngine:
     @property
     def dtype(self) -> str:
         """The dtype the model runs in, as a name ("bfloat16")."""
-        return str(getattr(self.engine.runner, "dtype", "unknown")).removeprefix("torch.")
+        return str(self.engine.runner.dtype).removeprefix("torch.")
 
     @property
     def is_alive(self) -> bool:
@@ -193,11 +167,11 @@ class AsyncEngine:
         return RequestStream(self, request_id, queue)
 
     def check_prompt(self, token_ids: list[int]) -> None:
-        """Raise ValueError for a prompt the engine cannot run (safe from the loop)."""
+        """Raise a ValidationError for a prompt the engine cannot run (safe from the loop)."""
         self.engine.check_prompt(token_ids)
 
     def check_params(self, params: SamplingParams) -> None:
-        """Raise ValueError for settings the engine cannot run (safe from the loop)."""
+        """Raise a ValidationError for settings the engine cannot run (safe from the loop)."""
         self.engine.check_params(params)
 
     def release(self, request_id: str) -> None:
@@ -242,6 +216,14 @@ class AsyncEngine:
 
         self._submit(Command(command))
         return await future
+
+    async def mark_popular(self, block_hashes: list[bytes]) -> int:
+        """LLMEngine.mark_popular, run on the engine thread."""
+        return await self.call(lambda engine: engine.mark_popular(block_hashes))
+
+    async def cached_prefix_blocks(self, chains: list[list[bytes]]) -> list[int]:
+        """LLMEngine.cached_prefix_blocks, run on the engine thread (which owns the cache)."""
+        return await self.call(lambda engine: engine.cached_prefix_blocks(chains))
 
     @property
     def num_open(self) -> int:

@@ -7,11 +7,14 @@
 
 Every prompt is queued at once and the engine steps until all are done; the
 continuous-batching scheduler decides what runs together. Outputs come back in
-prompt order whatever order they finished in.
+prompt order whatever order they finished in. Only whole answers are wanted, so
+every request asks the engine for FINAL_ONLY outputs (as vLLM's LLM does): no
+output is built, and no list copied, before a request finishes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as SequenceABC
 
@@ -20,7 +23,7 @@ from tqdm.auto import tqdm
 from engine.frontend.chat_template import render_chat_text
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.frontend.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, RequestOutputKind
 from engine.sampling_params import SamplingParams
 
 # A prompt is text, token ids, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
@@ -70,18 +73,22 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them, using the model's chat template.
 
         `tools` (OpenAI's function objects) go to the template's `tools`
         variable; reading calls out of the text is the HTTP service's part.
+        `chat_template_kwargs` are more template variables, as in vLLM
+        (`{"enable_thinking": False}` for Qwen3).
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _params_per_prompt(sampling_params, len(conversations))
         tokenizer = self.get_tokenizer()
         items = []
         for conversation, sp in zip(conversations, params):
-            text = render_chat_text(tokenizer, conversation, add_generation_prompt, tools)
+            text = render_chat_text(tokenizer, conversation, add_generation_prompt, tools,
+                                    chat_template_kwargs)
             items.append((text, sp, False))  # the template already placed special tokens
         return self._run(items, use_tqdm)
 
@@ -91,6 +98,7 @@ class LLM:
         try:
             for prompt, params, add_special in items:
                 request_id = str(next(self._request_ids))
+                params = _final_only(params)
                 engine.add_request(request_id, prompt, params, add_special_tokens=add_special)
                 ids.append(request_id)
             finished: dict[str, RequestOutput] = {}
@@ -105,6 +113,13 @@ class LLM:
             for request_id in ids:  # a bad prompt or Ctrl-C must not leave blocks held
                 engine.abort_request(request_id)
             raise
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """The caller's settings, asking for one whole output per request."""
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _as_prompt_list(prompts) -> list:

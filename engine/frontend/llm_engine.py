@@ -5,7 +5,8 @@
              ModelRunner.execute() ─> sampled tokens
              Scheduler.update()     ─> tokens appended
              StopChecker.check()    ─> finished or not; detokenized text
-             RequestOutput for every request that moved
+             RequestOutput for every request that moved, as its output_kind asks
+             (engine/frontend/request_state.py)
 
 One engine is driven by one thread at a time (the offline LLM, or the service's
 engine thread); it holds no locks of its own.
@@ -15,40 +16,26 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass, field
 
 import torch
 
 from engine.core.block_hash import salt_digest
 from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.errors import ValidationError
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.core.kv_events import KVEventPublisher
 from engine.core.kv_offload import KVOffload, build_offload
 from engine.model.model_info import ModelInfo, load_model
-from engine.model.model_runner import Runner
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.model.runner import Runner
+from engine.outputs import RequestOutput
 from engine.sampling.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.sampling.stopping import StopChecker
 from engine.sampling.structured_outputs import StructuredOutputs
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
-    stop_checkers: list[StopChecker]  # per seq; each feeds its detokenizer
-    reported: list[int] = field(default_factory=list)  # tokens already handed out, per seq
-    finish_reported: list[bool] = field(default_factory=list)  # per seq
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+from engine.frontend.request_state import Request
 
 
 class LLMEngine:
@@ -105,6 +92,7 @@ class LLMEngine:
             self.config.block_size,
             enable_caching=self.config.enable_prefix_caching,
             record_events=self.config.kv_events_endpoint is not None,
+            sliding_window=self.runner.sliding_window,
         )
 
     def _kv_offload(self, block_manager: BlockManager) -> KVOffload | None:
@@ -112,8 +100,6 @@ class LLMEngine:
         if not self.config.kv_offload_enabled:
             return None
         runner = self.runner
-        if not all(hasattr(runner, name) for name in ("read_blocks", "write_blocks")):
-            raise ValueError("KV offload needs a runner with read_blocks and write_blocks")
         return build_offload(
             self.config, block_manager, runner, fingerprint=self.fingerprint,
             dtype=str(runner.dtype).removeprefix("torch."),
@@ -137,15 +123,13 @@ class LLMEngine:
             self.kv_events.close()
         if self.offload is not None:
             self.offload.close()
-        close_runner = getattr(self.runner, "close", None)
-        if close_runner is not None:
-            close_runner()
+        self.runner.close()
 
     @property
     def failure(self) -> str | None:
         """Why the engine cannot step any more even while idle (a tensor-parallel
         worker died), or None."""
-        return getattr(self.runner, "failure", None)
+        return self.runner.failure
 
     def _publish_events(self) -> None:
         if self.kv_events is not None:
@@ -220,31 +204,33 @@ class LLMEngine:
     def _tokenize(self, prompt: str | list[int], add_special_tokens: bool):
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass prompt token ids")
+                raise ValidationError("this engine has no tokenizer: pass prompt token ids",
+                                      "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return None, [_token_id(t) for t in prompt]
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """Refuse a prompt the engine cannot run (reads only fixed settings: thread-safe)."""
         if not token_ids:
-            raise ValueError("the prompt is empty")
+            raise ValidationError("the prompt is empty", "prompt")
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
-            raise ValueError(
+            raise ValidationError(
                 f"the prompt has {len(token_ids)} tokens, which leaves no room for output "
-                f"within max_model_len={limit}"
+                f"within max_model_len={limit}", "prompt"
             )
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+            raise ValidationError(
+                f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse a logit_bias for a token id outside the vocabulary, and a
         structured-output constraint that does not compile (thread-safe)."""
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
-                             f"(0..{self.vocab_size - 1})")
+            raise ValidationError(f"logit_bias: token id {bad} is outside the vocabulary "
+                                  f"(0..{self.vocab_size - 1})", "logit_bias")
         if params.structured_outputs is not None:
             self.structured_outputs.compile(params.structured_outputs)
 
@@ -256,7 +242,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if self.offload is not None:
-                self.offload.wait_for_loads(timeout=0.01)  # only loads are left to wait for
+                self.offload.wait_for_loads(timeout=0.01)  # only the tiers are left to wait for
             self._publish_events()
             return []
         result = self.runner.execute(scheduled)
@@ -280,49 +266,13 @@ class LLMEngine:
             moved[request.request_id] = request
         if self.offload is not None:
             self.offload.after_step()  # copy out the blocks to store while they still exist
-        outputs = [self._output(request) for request in moved.values()]
+        outputs = [request.output() for request in moved.values()]
+        outputs = [output for output in outputs if output is not None]  # FINAL_ONLY waits
         for request in moved.values():
             if request.finished:
                 del self.requests[request.request_id]
         self._publish_events()  # the blocks this step cached, now computed
         return outputs
-
-    def _output(self, request: Request) -> RequestOutput:
-        completions = []
-        for i, (seq, detok) in enumerate(zip(request.seqs, request.detokenizers)):
-            # A stream holds back text that may still turn out to be a stop string.
-            hold_back = request.stop_checkers[i].held_back_length()
-            start = request.reported[i]
-            request.reported[i] = len(seq.output_token_ids)
-            # A choice changed if it grew or finished in this step; sibling choices
-            # that finished earlier ride along unchanged (n > 1).
-            changed = start < len(seq.output_token_ids) or (
-                seq.is_finished and not request.finish_reported[i]
-            )
-            request.finish_reported[i] = seq.is_finished
-            wants_logprobs = seq.params.logprobs is not None
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=detok.output_text,
-                    token_ids=list(seq.output_token_ids),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=list(seq.output_logprobs) if wants_logprobs else None,
-                    top_logprobs=list(seq.output_top_logprobs) if wants_logprobs else None,
-                    delta_text=detok.get_delta(seq.is_finished, hold_back),
-                    delta_token_ids=seq.output_token_ids[start:],
-                    changed=changed,
-                )
-            )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=request.finished,
-            num_cached_tokens=min(seq.num_cached_tokens for seq in request.seqs),
-        )
 
     # -- prefix cache and statistics -------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -330,6 +280,17 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
         self._publish_events()
         return True
+
+    def mark_popular(self, block_hashes: list[bytes]) -> int:
+        """Make these blocks popular: evicted last, counted in prefix_warm_blocks (the
+        fleet's warm-up, service/warmup.py). Replaces the previous set; returns how
+        many were taken (popular blocks may fill only a bounded share of the cache)."""
+        return self.block_manager.set_popular(block_hashes)
+
+    def cached_prefix_blocks(self, chains: list[list[bytes]]) -> list[int]:
+        """For each chain of block hashes, how many of its leading blocks are in the
+        prefix cache now."""
+        return [len(self.block_manager.cached_run(chain)) for chain in chains]
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges for monitoring (cumulative counters never go down)."""
@@ -352,9 +313,8 @@ class LLMEngine:
 
     def memory_per_rank(self) -> list[dict[str, int]]:
         """Bytes of weights and of KV cache held by each tensor-parallel rank
-        (one entry without tensor parallelism; none for a runner that doesn't say)."""
-        report = getattr(self.runner, "memory_per_rank", None)
-        return report() if report is not None else []
+        (one entry without tensor parallelism)."""
+        return self.runner.memory_per_rank()
 
     def offload_stats(self) -> dict | None:
         """Per tier hits, stores, bytes and usage, and the load/store counters (None: no tiers)."""
@@ -362,10 +322,10 @@ class LLMEngine:
 
 
 def _token_id(value) -> int:
-    """An int token id (numpy integers welcome); anything else is a ValueError."""
+    """An int token id (numpy integers welcome); anything else is a ValidationError."""
     if isinstance(value, bool):
-        raise ValueError(f"token id {value!r} is not an integer")
+        raise ValidationError(f"token id {value!r} is not an integer", "prompt")
     try:
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"token id {value!r} is not an integer") from None
+        raise ValidationError(f"token id {value!r} is not an integer", "prompt") from None

@@ -81,6 +81,8 @@ def model_fingerprint(model_path, dtype, config: EngineConfig) -> bytes:
     parts = [(model_path / "config.json").read_text()]
     parts += [f"{f.name}:{f.stat().st_size}" for f in sorted(model_path.glob("*.safetensors"))]
     parts += [str(dtype), f"quantization={config.quantization}", f"tp={config.tensor_parallel_size}"]
+    if config.load_format == "dummy":  # random weights: equal only for equal seeds
+        parts.append(f"dummy seed={config.seed}")
     return hashlib.sha256("\n".join(parts).encode()).digest()
 
 

@@ -26,17 +26,17 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from engine.config import EngineConfig
 from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory
 from engine.model.distributed.partition import Partition
-from engine.model.models.llama import LlamaArgs, LlamaForCausalLM
-from engine.model.models.loader import iter_safetensors
+from engine.model.models.registry import model_class
+from engine.model.models.loader import initialize_dummy_weights, iter_safetensors
+from engine.model.runner import ModelRunnerOutput
 from engine.sampling.sampler import Sampler, SamplerOutput, SamplingRequest
-from engine.core.scheduler import ScheduledSequence, SchedulerOutput
+from engine.core.sched_output import ScheduledSequence, SchedulerOutput
 from engine.model.step_inputs import Op, decode_step, encode_step
 from engine.sampling.stopping import banned_token_ids
 from kernels import check_backend_support, compiled_bf16_linear, get_backend
@@ -44,34 +44,6 @@ from kernels import check_backend_support, compiled_bf16_linear, get_backend
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ModelRunnerOutput:
-    seq_ids: list[int]  # the sequences that sampled, in the order of the sampler's rows
-    sampled: SamplerOutput
-
-
-class Runner(Protocol):
-    """What LLMEngine needs of whatever runs the model: ModelRunner is one.
-
-    `LLMEngine(config, runner=..., model_info=...)` takes any object of this
-    shape and loads nothing: a benchmark's null model that "samples" fake
-    tokens, or a wrapper that times the real runner. The engine sizes its
-    block manager from `num_blocks`, makes seeded requests' generators on
-    `device`, and hands each step's SchedulerOutput to `execute`, which
-    returns one sampled token for every sequence whose `sampling` is set.
-    What the engine must know of the model itself (vocabulary, EOS ids,
-    fingerprint, tokenizer) is not the runner's business: see
-    engine.model.model_info.ModelInfo. A runner may also have `close()` (called by
-    LLMEngine.close) and `failure` (why it cannot step even while idle): the
-    tensor-parallel runner stops and watches its workers with them.
-    """
-
-    num_blocks: int  # KV blocks, the null block 0 included
-    device: torch.device | str
-
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
 @dataclass
@@ -165,6 +137,13 @@ def has_fast_bf16(device: torch.device, kernel_backend: str = "auto",
             and all(width and compiled_bf16_linear(width) for width in widths))
 
 
+def shared_window(windows: tuple[int | None, ...]) -> int | None:
+    """The window of a model whose every layer slides by the same one, else None:
+    only then may a block that left it be released for all layers. (Gemma's
+    global layers still read every block.)"""
+    return windows[0] if windows and None not in windows and len(set(windows)) == 1 else None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path, eos_token_ids,
                  group=None) -> None:
@@ -179,8 +158,11 @@ class ModelRunner:
         self.kernels = get_backend(config.kernel_backend)
         if self.device.type == "cpu":
             keep_freed_memory()
-        args = LlamaArgs.from_hf_config(hf_config)
-        self.partition = Partition.of(args, rank, group.size if group is not None else 1)
+        size = group.size if group is not None else 1
+        self.model_class = model_class(hf_config, size)
+        args = self.model_class.model_args(hf_config)
+        self.partition = Partition.of(args, rank, size)
+        self.sliding_window = shared_window(args.sliding_windows)
         self.model = self._load_model(hf_config, model_path)
         check_backend_support(
             config.kernel_backend, config.block_size, args.head_dim, self.dtype, self.device
@@ -197,11 +179,21 @@ class ModelRunner:
         self.sampler = Sampler(args.vocab_size, seed=config.seed)
 
     # -- start-up -------------------------------------------------------------------
-    def _load_model(self, hf_config, model_path) -> LlamaForCausalLM:
-        model = LlamaForCausalLM(hf_config, self.config.max_model_len, self.kernels,
-                                 self.partition, self.group)
-        slices = self.partition if self.group is not None else None  # None: whole tensors
-        model.load_weights(iter_safetensors(model_path, slices))
+    def _load_model(self, hf_config, model_path) -> torch.nn.Module:
+        # Built in the serving dtype: a bf16 model never exists in float32 first
+        # (twice the memory at start-up; the copies below round as .to() would).
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            model = self.model_class(hf_config, self.config.max_model_len, self.kernels,
+                                     self.partition, self.group)
+        finally:
+            torch.set_default_dtype(previous)
+        if self.config.load_format == "dummy":
+            initialize_dummy_weights(model, self.config.seed)
+        else:
+            slices = self.partition if self.group is not None else None  # None: whole tensors
+            model.load_weights(iter_safetensors(model_path, slices))
         model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.config.quantization == "int4":
             if self.device.type != "cpu" or self.dtype != torch.bfloat16:
@@ -231,6 +223,14 @@ class ModelRunner:
     def memory_per_rank(self) -> list[dict[str, int]]:
         """memory() of every tensor-parallel rank, in rank order (here: this one)."""
         return [self.memory()]
+
+    @property
+    def failure(self) -> str | None:
+        """None: one process has no workers to lose (the tensor-parallel runner has)."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to stop in one process (the tensor-parallel runner stops its workers)."""
 
     def _num_kv_blocks(self) -> int:
         """How many KV blocks fit in the memory budget; refuse if one long sequence doesn't."""

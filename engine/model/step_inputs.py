@@ -25,7 +25,7 @@ from enum import IntEnum
 import torch
 
 from engine.model.attention_metadata import AttentionMetadata
-from engine.core.scheduler import ScheduledSequence
+from engine.core.sched_output import ScheduledSequence
 
 HEADER_LEN = 8
 

@@ -31,7 +31,11 @@ and a stop string can complete with output token min_tokens.
 
 Stop strings are matched in the text the detokenizer commits, across token
 boundaries; while streaming, text that may be the start of a stop string is
-held back, so a stop string never reaches a client.
+held back, so a stop string never reaches a client. Text the detokenizer still
+holds when a sequence ends for another reason (a SentencePiece byte-fallback
+run, committed only once a later token ends it) is committed then and matched
+too: a stop string in it makes the stop a stop-string stop, as it would have
+been had the text come earlier.
 """
 
 from __future__ import annotations
@@ -148,9 +152,25 @@ class StopChecker:
         sequence? Tokens after a stop are ignored (a finished sequence takes
         none)."""
         if self.stop is None:
-            self.stop = self._check(token_id, num_output_tokens)
-            return self.stop
+            stop = self._check(token_id, num_output_tokens)
+            if stop is not None and not isinstance(stop.stop_reason, str):
+                stop = self._check_flushed_text(stop, num_output_tokens)
+            self.stop = stop
+            return stop
         return None
+
+    def _check_flushed_text(self, stop: Stop, num_output_tokens: int) -> Stop:
+        """The sequence ends: text the detokenizer still held (a SentencePiece
+        byte-fallback run that no token closed, see detokenizer.py) is final
+        now, and a stop string in it still cuts the output, as it would have
+        had its text come earlier."""
+        piece = self._detokenizer.flush()
+        match = self._stop_strings.feed(piece, may_stop(self._params, num_output_tokens))
+        if match is None:
+            return stop
+        stop_string, cut = match
+        self._detokenizer.trim(cut)
+        return Stop("stop", stop_string)
 
     def held_back_length(self) -> int:
         """How many trailing characters a stream must not show yet: they may

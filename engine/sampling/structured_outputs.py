@@ -36,18 +36,22 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import ValidationError
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # Compiled constraints kept, by bytes (xgrammar's own bounded cache).
 CACHE_LIMIT_BYTES = 64 << 20
 # xgrammar's errors start with "[time] source.cc:line: ": not the user's business.
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+# The request field every refusal here names: the constraint as a whole.
+PARAM = "structured_outputs"
 
 
-class ConstraintError(ValueError):
+class ConstraintError(ValidationError):
     """A constraint that does not compile; `detail` says why, in xgrammar's words."""
 
     def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"structured_outputs.{kind} is invalid: {detail}")
+        super().__init__(f"structured_outputs.{kind} is invalid: {detail}", PARAM)
         self.kind = kind
         self.detail = detail
 
@@ -65,23 +69,24 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         chosen = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(chosen) != 1:
-            raise ValueError(f"structured_outputs: set exactly one of {', '.join(KINDS)}; "
-                             f"got {', '.join(chosen) or 'none'}")
+            raise ValidationError(f"structured_outputs: set exactly one of {', '.join(KINDS)}; "
+                                  f"got {', '.join(chosen) or 'none'}", PARAM)
         if self.json is not None:
             object.__setattr__(self, "json", _schema_text(self.json))
         if self.choice is not None:
             choice = self.choice
             if (isinstance(choice, str) or not choice
                     or not all(isinstance(c, str) and c for c in choice)):
-                raise ValueError("structured_outputs.choice must be a non-empty list of "
-                                 "non-empty strings")
+                raise ValidationError("structured_outputs.choice must be a non-empty list of "
+                                      "non-empty strings", PARAM)
             object.__setattr__(self, "choice", tuple(choice))
         if not isinstance(self.json_object, bool):
-            raise ValueError("structured_outputs.json_object must be true or false")
+            raise ValidationError("structured_outputs.json_object must be true or false", PARAM)
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+                raise ValidationError(f"structured_outputs.{kind} must be a non-empty string",
+                                      PARAM)
 
     @property
     def kind(self) -> str:
@@ -95,9 +100,10 @@ def _schema_text(schema) -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            raise ValidationError(f"structured_outputs.json is not valid JSON: {exc}",
+                                  PARAM) from None
     if not isinstance(schema, (dict, bool)):
-        raise ValueError("structured_outputs.json must be a JSON Schema (an object)")
+        raise ValidationError("structured_outputs.json must be a JSON Schema (an object)", PARAM)
     return json.dumps(schema)
 
 
@@ -118,8 +124,8 @@ class StructuredOutputs:
                 import xgrammar
 
                 if self.tokenizer is None:
-                    raise ValueError("structured_outputs needs the model's tokenizer, and "
-                                     "this model has none")
+                    raise ValidationError("structured_outputs needs the model's tokenizer, "
+                                          "and this model has none", PARAM)
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=self.eos_token_ids or None)
@@ -128,7 +134,7 @@ class StructuredOutputs:
             return self._compiler
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled constraint; a ValueError naming the field when it is invalid."""
+        """The compiled constraint; a ConstraintError naming the field when it is invalid."""
         compiler = self.compiler()
         kind = params.kind
         try:

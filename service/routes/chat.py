@@ -7,19 +7,21 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.frontend.chat_template import ChatTemplateError, render_chat_text
+from engine.errors import ValidationError
+from engine.frontend.chat_template import render_chat_text
 from service.admission import Admission
 from service.constraints import check_constraint, constraint_of
-from service.errors import bad_request
+from service.errors import bad_request, from_engine_error
 from service.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, Delta, FunctionCall, FunctionDelta, ToolCall, ToolCallDelta, encoder,
 )
+from service.reasoning import ReasoningParser, ReasoningPlan, plan_reasoning
 from service.routes.logprobs import chat_logprobs
 from service.routes.usage import usage
 from service.serving import ServiceState, parse
 from service.streaming import event, sse_response
-from service.tool_parsers import Parsed, parse_text
+from service.tool_parsers import Parsed, ToolCallParser, parse_text
 from service.tools import ToolPlan, plan_tools, template_messages, template_tools
 
 
@@ -32,7 +34,9 @@ async def create(request: Request) -> Response:
     plan = plan_tools(body, state.tool_parser)
     constraint, constraint_param = _constraint(body, plan)
     await check_constraint(state, constraint, constraint_param)
-    messages, token_ids = await render(state, body, plan)
+    messages, prompt, token_ids = await render(state, body, plan)
+    thinking = plan_reasoning(state.config.reasoning_parser, prompt, body.chat_template_kwargs,
+                              constrained=constraint is not None)
     admission = state.admit(
         request, body, [token_ids],
         id_prefix="chatcmpl",
@@ -48,12 +52,12 @@ async def create(request: Request) -> Response:
         state.fleet.observe_chat(_system_turn(messages), token_ids,
                                  getattr(request.state, "api_key", None))
     if body.stream:
-        return sse_response(_events(state, admission, body, plan), admission,
+        return sse_response(_events(state, admission, body, plan, thinking), admission,
                             state.config.sse_ping_seconds)
     outputs = await admission.collect(request)
     if outputs is None:
         return Response(status_code=499)  # nobody is listening any more
-    response = _response(state, admission.request_id, outputs[0], body, plan)
+    response = _response(state, admission, outputs[0], body, plan, thinking)
     return Response(encoder.encode(response), media_type="application/json")
 
 
@@ -84,8 +88,9 @@ def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None):
 
 
 async def render(state: ServiceState, body: ChatCompletionRequest,
-                 plan: ToolPlan | None) -> tuple[list[dict], list[int]]:
-    """The conversation through the model's chat template, as token ids (off the loop).
+                 plan: ToolPlan | None) -> tuple[list[dict], str, list[int]]:
+    """The conversation through the model's chat template: the messages as the
+    template took them, the prompt's text and its token ids (off the loop).
 
     Every message costs at least one token (its role marker), so a conversation
     with max_model_len messages cannot fit: refused before rendering, which
@@ -100,15 +105,16 @@ async def render(state: ServiceState, body: ChatCompletionRequest,
 
 
 def _render(state: ServiceState, body: ChatCompletionRequest,
-            plan: ToolPlan | None) -> tuple[list[dict], list[int]]:
+            plan: ToolPlan | None) -> tuple[list[dict], str, list[int]]:
     messages = template_messages(body.messages, plan, state.renders_tools)
     try:
         text = render_chat_text(state.tokenizer, messages, body.add_generation_prompt,
-                                tools=template_tools(plan, state.renders_tools))
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
+                                tools=template_tools(plan, state.renders_tools),
+                                template_kwargs=body.chat_template_kwargs)
+    except ValidationError as exc:  # names "messages" or the chat_template_kwargs entry
+        raise from_engine_error(exc) from None
     state.check_text_size(len(text), "messages")  # before the costly part: tokenizing
-    return messages, state.tokenizer.encode(text, add_special_tokens=False)
+    return messages, text, state.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _system_turn(messages: list[dict]) -> list[dict]:
@@ -121,33 +127,41 @@ def _system_turn(messages: list[dict]) -> list[dict]:
     return system
 
 
-def _response(state, request_id, output, body, plan) -> ChatCompletionResponse:
+def _response(state, admission: Admission, output, body, plan,
+              thinking: ReasoningPlan | None) -> ChatCompletionResponse:
+    """The whole answer, from the request's one FINAL_ONLY output."""
     choices = []
     for c in output.outputs:
-        message, calls = _message(c.text, plan)
+        message, calls = _message(c.text, plan, thinking)
         choices.append(ChatChoice(
             index=c.index,
             message=message,
-            logprobs=(chat_logprobs(state.tokenizer, state.token_bytes, c, 0, len(c.token_ids))
+            logprobs=(chat_logprobs(state.tokenizer, state.token_bytes, c)
                       if body.logprobs else None),
             finish_reason=plan.finish_reason(c.finish_reason, calls) if plan else c.finish_reason,
             stop_reason=c.stop_reason,
         ))
     return ChatCompletionResponse(
-        request_id, int(time.time()), state.model_name, choices, usage(output)
+        admission.request_id, int(time.time()), state.model_name, choices, usage(admission)
     )
 
 
-def _message(text: str, plan: ToolPlan | None) -> tuple[AssistantMessage, int]:
-    """The assistant's turn, with its tool calls read out of the text; and how many."""
+def _message(text: str, plan: ToolPlan | None,
+             thinking: ReasoningPlan | None) -> tuple[AssistantMessage, int]:
+    """The assistant's turn: its thought, then its tool calls read out of the rest
+    of the text (never out of the thought); and how many calls."""
+    reasoning = None
+    if thinking is not None:
+        reasoning, text = thinking.split(text)
     parser = plan.new_parser() if plan is not None else None
-    if parser is None:
-        return AssistantMessage("assistant", text), 0
-    content, calls = parse_text(parser, text)
-    tool_calls = [ToolCall(c.id, FunctionCall(c.name, c.arguments)) for c in calls]
-    if tool_calls:
-        return AssistantMessage("assistant", content or None, tool_calls), len(tool_calls)
-    return AssistantMessage("assistant", content), 0
+    tool_calls = None
+    if parser is not None:
+        text, calls = parse_text(parser, text or "")
+        tool_calls = [ToolCall(c.id, FunctionCall(c.name, c.arguments)) for c in calls] or None
+    if tool_calls or reasoning is not None:  # no text besides: null, as OpenAI and vLLM
+        text = text or None
+    return (AssistantMessage("assistant", text, tool_calls, reasoning, reasoning),
+            len(tool_calls or ()))
 
 
 def _delta(parsed: Parsed) -> Delta:
@@ -162,10 +176,17 @@ def _delta(parsed: Parsed) -> Delta:
     return Delta(content=parsed.content or None, tool_calls=calls or None)
 
 
-async def _events(state: ServiceState, admission: Admission, body, plan: ToolPlan | None):
-    """The SSE events of one chat stream: role, content or tool-call deltas, finish, usage."""
+async def _events(state: ServiceState, admission: Admission, body, plan: ToolPlan | None,
+                  thinking: ReasoningPlan | None):
+    """The SSE events of one chat stream: role, reasoning deltas, then content or
+    tool-call deltas, finish, usage.
+
+    The engine's outputs are deltas (DELTA): each choice holds only its new
+    text, tokens and logprobs.
+    """
     created, model = int(time.time()), state.model_name
     parsers = [plan.new_parser() if plan is not None else None for _ in range(body.n)]
+    thinkers = [thinking.new_parser() if thinking is not None else None for _ in range(body.n)]
 
     def chunk(choices, **extra) -> bytes:
         return event(ChatCompletionChunk(admission.request_id, created, model, choices, **extra))
@@ -177,22 +198,36 @@ async def _events(state: ServiceState, admission: Admission, body, plan: ToolPla
         for c in update.choices:
             logprobs = None
             if body.logprobs:
-                end = len(c.token_ids)
-                logprobs = chat_logprobs(state.tokenizer, state.token_bytes, c,
-                                         end - len(c.delta_token_ids), end)
-            parser, finish_reason = parsers[c.index], c.finish_reason
-            if parser is None:
-                delta = Delta(content=c.delta_text or None)
-            else:
-                parsed = parser.feed(c.delta_text)
-                if finish_reason is not None:
-                    parsed.add(parser.finish())
-                    finish_reason = plan.finish_reason(finish_reason, parser.calls)
-                delta = _delta(parsed)
-                if delta == Delta() and finish_reason is None and logprobs is None:
-                    continue  # the text so far is a call's head, not yet a piece of one
+                logprobs = chat_logprobs(state.tokenizer, state.token_bytes, c)
+            parser, thinker = parsers[c.index], thinkers[c.index]
+            delta, finish_reason = _choice_delta(c, thinker, parser, plan)
+            if (delta == Delta() and finish_reason is None and logprobs is None
+                    and (parser is not None or thinker is not None)):
+                continue  # the text so far is a call's head or part of a tag: nothing yet
             choices.append(ChatChunkChoice(c.index, delta, logprobs, finish_reason))
         if choices:
             yield chunk(choices)
     if body.stream_options is not None and body.stream_options.include_usage:
-        yield chunk([], usage=usage(*admission.latest))
+        yield chunk([], usage=usage(admission))
+
+
+def _choice_delta(c, thinker: ReasoningParser | None, parser: ToolCallParser | None,
+                  plan: ToolPlan | None) -> tuple[Delta, str | None]:
+    """One choice's new text as a delta, and its finish reason: the part that is
+    thought as reasoning, the rest as content or tool-call pieces."""
+    finish_reason, reasoning, text = c.finish_reason, None, c.delta_text
+    if thinker is not None:
+        split = thinker.feed(text)
+        if finish_reason is not None:
+            split.add(thinker.finish())
+        reasoning, text = split.reasoning or None, split.content
+    if parser is None:
+        delta = Delta(content=text or None)
+    else:
+        parsed = parser.feed(text)
+        if finish_reason is not None:
+            parsed.add(parser.finish())
+            finish_reason = plan.finish_reason(finish_reason, parser.calls)
+        delta = _delta(parsed)
+    delta.reasoning_content = delta.reasoning = reasoning
+    return delta, finish_reason

@@ -56,7 +56,7 @@ async def create(request: Request) -> Response:
     outputs = await admission.collect(request)
     if outputs is None:
         return Response(status_code=499)  # nobody is listening any more
-    return Response(encoder.encode(_response(state, admission.request_id, outputs, body)),
+    return Response(encoder.encode(_response(state, admission, outputs, body)),
                     media_type="application/json")
 
 
@@ -93,13 +93,13 @@ def _is_token(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _choice(state, c, prompt_index: int, body, text: str, start: int,
-            offsets: TextOffsets | None) -> CompletionChoice:
-    """Choice j of prompt i is choice i*n + j; logprobs cover tokens [start, end)."""
+def _choice(state, c, prompt_index: int, body, offsets: TextOffsets | None) -> CompletionChoice:
+    """Choice j of prompt i is choice i*n + j, with its output's text and logprobs:
+    a whole answer's (FINAL_ONLY), or a stream chunk's new part (DELTA)."""
     logprobs = None
     if body.logprobs is not None:
-        logprobs = completion_logprobs(state.tokenizer, c, start, len(c.token_ids), offsets)
-    return CompletionChoice(prompt_index * body.n + c.index, text, logprobs, c.finish_reason,
+        logprobs = completion_logprobs(state.tokenizer, c, offsets)
+    return CompletionChoice(prompt_index * body.n + c.index, c.text, logprobs, c.finish_reason,
                             c.stop_reason)
 
 
@@ -110,14 +110,14 @@ def _offsets(state, body) -> TextOffsets | None:
     return TextOffsets(state.token_bytes, body.skip_special_tokens)
 
 
-def _response(state, request_id, outputs, body) -> CompletionResponse:
+def _response(state, admission: Admission, outputs, body) -> CompletionResponse:
     choices = [
-        _choice(state, c, i, body, c.text, 0, _offsets(state, body))
+        _choice(state, c, i, body, _offsets(state, body))
         for i, output in enumerate(outputs)
         for c in output.outputs
     ]
-    return CompletionResponse(request_id, int(time.time()), state.model_name, choices,
-                              usage=usage(*outputs))
+    return CompletionResponse(admission.request_id, int(time.time()), state.model_name, choices,
+                              usage=usage(admission))
 
 
 async def _events(state, admission: Admission, body):
@@ -131,10 +131,8 @@ async def _events(state, admission: Admission, body):
             key = (update.prompt_index, c.index)
             if key not in offsets:
                 offsets[key] = _offsets(state, body)
-            start = len(c.token_ids) - len(c.delta_token_ids)
-            choices.append(_choice(state, c, update.prompt_index, body, c.delta_text, start,
-                                   offsets[key]))
+            choices.append(_choice(state, c, update.prompt_index, body, offsets[key]))
         yield event(CompletionResponse(admission.request_id, created, model, choices))
     if body.stream_options is not None and body.stream_options.include_usage:
         yield event(CompletionResponse(admission.request_id, created, model, [],
-                                       usage=usage(*admission.latest)))
+                                       usage=usage(admission)))

@@ -4,6 +4,9 @@
 character); `bytes` are its raw bytes (service/token_bytes.py), which a client
 joins to rebuild such characters; legacy `text_offset` counts characters of
 the choice's text, as the text itself does.
+
+Each covers every token of the output it is given: a streamed output (DELTA)
+holds only the chunk's new tokens, a non-streamed one (FINAL_ONLY) all of them.
 """
 
 from __future__ import annotations
@@ -17,33 +20,33 @@ def _text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(tokenizer, token_bytes: TokenBytes, output: CompletionOutput,
-                  start: int, end: int) -> ChoiceLogprobs:
-    """The chat shape for generated tokens [start, end) of one choice."""
+def chat_logprobs(tokenizer, token_bytes: TokenBytes,
+                  output: CompletionOutput) -> ChoiceLogprobs:
+    """The chat shape for the tokens of one choice's output."""
     content = []
-    for i in range(start, end):
-        token_id = output.token_ids[i]
+    for token_id, logprob, top_logprobs in zip(output.token_ids, output.logprobs,
+                                               output.top_logprobs):
         top = [
             TopLogprob(_text(tokenizer, tid), lp, list(token_bytes[tid]))
-            for tid, lp in output.top_logprobs[i]
+            for tid, lp in top_logprobs
         ]
-        content.append(TokenLogprob(_text(tokenizer, token_id), output.logprobs[i],
+        content.append(TokenLogprob(_text(tokenizer, token_id), logprob,
                                     list(token_bytes[token_id]), top))
     return ChoiceLogprobs(content)
 
 
-def completion_logprobs(
-    tokenizer, output: CompletionOutput, start: int, end: int, offsets: TextOffsets
-) -> CompletionLogprobs:
-    """The legacy completions shape for generated tokens [start, end).
+def completion_logprobs(tokenizer, output: CompletionOutput,
+                        offsets: TextOffsets) -> CompletionLogprobs:
+    """The legacy completions shape for the tokens of one choice's output.
 
-    `offsets` has seen the choice's tokens before `start` and moves past these.
+    `offsets` has seen the choice's earlier tokens (earlier chunks of a stream)
+    and moves past these.
     """
-    token_ids = output.token_ids[start:end]
+    token_ids = output.token_ids
     return CompletionLogprobs(
         tokens=[_text(tokenizer, t) for t in token_ids],
-        token_logprobs=list(output.logprobs[start:end]),
-        top_logprobs=[{_text(tokenizer, tid): lp for tid, lp in output.top_logprobs[i]}
-                      for i in range(start, end)],
+        token_logprobs=list(output.logprobs),
+        top_logprobs=[{_text(tokenizer, tid): lp for tid, lp in top}
+                      for top in output.top_logprobs],
         text_offset=offsets.advance(token_ids),
     )

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput
+from service.admission import Admission
 from service.protocol import PromptTokensDetails, Usage
 
 
-def usage(*outputs: RequestOutput) -> Usage:
-    """Usage over one request, or several (a batch of completion prompts)."""
+def usage(admission: Admission) -> Usage:
+    """Usage over an admitted request's prompts (a batch of completion prompts
+    has several), once its outputs were read, streamed or collected.
+
+    Completion tokens are the admission's running count: a streamed output holds
+    only its new tokens, so no output has them all.
+    """
+    outputs = admission.latest
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = admission.num_completion_tokens
     cached = sum(o.num_cached_tokens for o in outputs)
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))

@@ -105,3 +105,13 @@ def test_completion_chunks():
            '"finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
     texts, stream = parse([raw.encode()], chat=False)
     assert texts == ["one ", "two"] and stream.finish_reason == "stop"
+
+
+def test_reasoning_deltas_gather_in_thought_and_text_is_the_answer():
+    pieces = [b'data: {"id":"c","choices":[{"index":0,"delta":{"reasoning_content":"Hm",'
+              b'"reasoning":"Hm"}}]}\n\n',
+              b'data: {"id":"c","choices":[{"index":0,"delta":{"reasoning":", two."}}]}\n\n',
+              b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"Four."}}]}\n\n',
+              b"data: [DONE]\n\n"]
+    texts, stream = parse(pieces)
+    assert texts == ["Four."] and stream.thought == "Hm, two."

@@ -113,6 +113,40 @@ def test_the_page_asks_for_a_key_when_the_server_needs_one(browser, tiny_llama_p
         assert page.get_by_test_id("message-assistant").last.inner_text()
 
 
+def test_the_page_shows_a_thought_greyed_above_the_answer(browser, smollm2_path, tmp_path):
+    """A tiny Qwen3 taught to close its thought (tests/service/test_reasoning_http.py
+    says how), served with --reasoning-parser qwen3 and greedy by default."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tiny_models import THINK_TOKENS, make_tiny_thinker, teach_to_end_thought
+
+    question, max_tokens = "What is two plus two?", 24
+    folder = make_tiny_thinker(tmp_path / "thinker", smollm2_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                           tokenize=False, add_generation_prompt=True)
+    taught = teach_to_end_thought(folder, tokenizer.encode(prompt, add_special_tokens=False),
+                                  max_tokens)
+    thought, answer = tokenizer.decode(taught).split(THINK_TOKENS[1])
+    generation = folder / "generation_config.json"  # the page sends no temperature
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "temperature": 0.0}))
+    with run_server(tiny_config(folder, reasoning_parser="qwen3")) as live:
+        page = browser.new_page()
+        page.goto(live.url + "/")
+        page.get_by_test_id("status").filter(has_text="Ready").wait_for(timeout=30_000)
+        page.get_by_test_id("max-tokens").fill(str(max_tokens))
+        page.get_by_test_id("message-input").fill(question)
+        page.get_by_test_id("send").click()
+        page.get_by_test_id("status").filter(has_text="tokens/s").wait_for(timeout=60_000)
+        shown = page.get_by_test_id("thought").last
+        assert shown.is_visible() and shown.text_content() == thought
+        assert page.get_by_test_id("message-assistant").last.text_content() == thought + answer
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "web-chat-thought.png"), full_page=True)
+
+
 def test_the_js_client_under_node():
     node = shutil.which("node")
     need(node is not None, "node is not installed")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.sampling.detokenizer import IncrementalDetokenizer, byte_run_token_ids
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -134,6 +134,14 @@ def test_robot_emoji_split_over_three_tokens(tokenizer):
         detokenizer.update([token_id])
         deltas.append(detokenizer.get_delta(finished=False))
     assert deltas == ["", "", " 🤖"]
+
+
+def test_byte_level_bpe_holds_no_byte_runs(tokenizer):
+    """Byte-level BPE decodes a complete character for good, so nothing waits
+    for a byte run to end as with SentencePiece byte fallback
+    (test_detokenizer_sentencepiece.py)."""
+    assert byte_run_token_ids(tokenizer) == frozenset()
+    assert byte_run_token_ids(LETTERS) == frozenset()
 
 
 def test_output_ending_inside_a_character_is_flushed_as_replacement(tokenizer):

@@ -56,15 +56,29 @@ def _run_decode(kc, case, seed, device):
 
     x = kc.build_decode_inputs(case, seed, device)
     args = (x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["context_lens"], x["scale"])
-    out = _poisoned(x["query"])
-    if case["variant"] == "auto":
-        pd.paged_decode_attention(*args, out=out)
-    else:
-        block_n = pd._decode_config(x["query"].shape[2], 1)["BLOCK_N"]
-        max_context = x["block_tables"].shape[1] * x["k_cache"].shape[1]
-        parts = -(-max_context // block_n) if case["variant"] == "split" else 1
-        pd.decode_attention_partitioned(*args, parts, block_n, out=out)
-    return kc.compare(out, paged_decode_attention_reference(*args), case["dtype"])
+    block_n = pd._decode_config(x["query"].shape[2], 1)["BLOCK_N"]
+    for features in _feature_sets(kc, case):
+        expected = paged_decode_attention_reference(*args, **features)
+        # With a window, the K/V before its first tile are NaN: they must not be read.
+        starts = kc.window_starts(x, features.get("sliding_window"), block_n)
+        y = kc.poisoned_before(x, starts) if any(starts) else x
+        run = (x["query"], y["k_cache"], y["v_cache"]) + args[3:]
+        out = _poisoned(x["query"])
+        if case["variant"] == "auto":
+            pd.paged_decode_attention(*run, out=out, **features)
+        else:
+            max_context = x["block_tables"].shape[1] * x["k_cache"].shape[1]
+            parts = -(-max_context // block_n) if case["variant"] == "split" else 1
+            pd.decode_attention_partitioned(*run, parts, block_n, out=out, **features)
+        error = kc.compare(out, expected, case["dtype"])
+        if error is not None:
+            return f"{features or 'no features'}: {error}"
+    return None
+
+
+def _feature_sets(kc, case):
+    """The features' keyword arguments to run in turn ({}: plain attention)."""
+    return kc.feature_sets(case["features"], case["shape"][3]) if "features" in case else [{}]
 
 
 def _run_prefill(kc, case, seed, device):
@@ -74,9 +88,18 @@ def _run_prefill(kc, case, seed, device):
     x = kc.build_prefill_inputs(case, seed, device)
     args = (x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu_seqlens_q"],
             x["context_lens"], x["scale"])
-    out = _poisoned(x["query"])
-    pp.paged_prefill_attention(*args, out=out)
-    return kc.compare(out, paged_prefill_attention_reference(*args), case["dtype"])
+    block_n = pp._prefill_config(x["query"].shape[2], 1, x["query"].dtype)["BLOCK_N"]
+    for features in _feature_sets(kc, case):
+        expected = paged_prefill_attention_reference(*args, **features)
+        starts = kc.window_starts(x, features.get("sliding_window"), block_n, prefill=True)
+        y = kc.poisoned_before(x, starts) if any(starts) else x
+        out = _poisoned(x["query"])
+        pp.paged_prefill_attention(x["query"], y["k_cache"], y["v_cache"], *args[3:], out=out,
+                                   **features)
+        error = kc.compare(out, expected, case["dtype"])
+        if error is not None:
+            return f"{features or 'no features'}: {error}"
+    return None
 
 
 def _run_store(kc, case, seed, device):

@@ -90,8 +90,40 @@ def compile_cases() -> list[dict]:
             for dtype, head_dim, group, block_size in configs]
 
 
+# Shapes of the sliding-window / soft-cap cases: block sizes 1, 16 and 128,
+# MHA, MQA and GQA.
+FEATURE_SHAPES = ((64, 4, 4, 1), (128, 8, 1, 16), (64, 16, 2, 128))
+
+
+def feature_sets(features: str, block_size: int) -> list[dict]:
+    """The keyword arguments a features case runs in turn: windows of one
+    token, a block and a few tokens (shorter than some contexts of
+    context_lengths(), longer than others) and longer than any context; a cap
+    small enough to saturate tanh; both at once."""
+    windows = [{"sliding_window": w} for w in (1, block_size + 5, 100_000)]
+    both = [{"sliding_window": 2 * block_size + 3, "logits_soft_cap": 5.0}]
+    return {"window": windows, "cap": [{"logits_soft_cap": 2.0}], "both": both}[features]
+
+
+def feature_cases() -> list[dict]:
+    """Decode and prefill with each feature, in float32; decode split into
+    partitions too with a window (some partitions lie wholly before it),
+    where the blocks are small enough for that to be cheap."""
+    cases = []
+    for shape in FEATURE_SHAPES:
+        for features in ("window", "cap", "both"):
+            name = f"{features}-float32-{_shape_name(shape)}"
+            split = features != "cap" and shape[3] <= 16
+            for variant in ("plain", "split") if split else ("plain",):
+                cases.append(dict(kernel="decode", shape=list(shape), dtype="float32", variant=variant,
+                                  features=features, id=f"decode-{variant}-{name}"))
+            cases.append(dict(kernel="prefill", shape=list(shape), dtype="float32", features=features,
+                              id=f"prefill-{name}"))
+    return cases
+
+
 def all_cases() -> list[dict]:
-    return decode_cases() + prefill_cases() + store_cases() + compile_cases()
+    return decode_cases() + prefill_cases() + feature_cases() + store_cases() + compile_cases()
 
 
 def estimated_cost(case: dict) -> float:
@@ -99,7 +131,8 @@ def estimated_cost(case: dict) -> float:
     work grows with the context lengths, i.e. with block_size."""
     block_size = case["shape"][3]
     weight = {"prefill": 3.0, "decode": 1.0, "store": 1.0, "compile": 0.0}[case["kernel"]]
-    return weight * max(block_size, 16)
+    runs = len(feature_sets(case["features"], block_size)) if "features" in case else 1
+    return weight * runs * max(block_size, 16)
 
 
 # ---------------------------------------------------------------------------
@@ -197,6 +230,35 @@ def build_store_inputs(case: dict, seed: int, device) -> dict:
                 k_cache=torch.full(shape, float("nan"), dtype=dtype, device=device),
                 v_cache=torch.full(shape, float("nan"), dtype=dtype, device=device),
                 slot_mapping=slots.to(device))
+
+
+def poisoned_before(x: dict, starts) -> dict:
+    """x with copies of its caches in which sequence i's positions before
+    starts[i] are NaN: a kernel that reads any of them outputs NaN (how the
+    tests see that a sliding window skips the blocks before it)."""
+    k_cache, v_cache = x["k_cache"].clone(), x["v_cache"].clone()
+    block_size = k_cache.shape[1]
+    tables = x["block_tables"].tolist()
+    for row, start in enumerate(starts):
+        for position in range(int(start)):
+            block = tables[row][position // block_size]
+            k_cache[block, position % block_size] = float("nan")
+            v_cache[block, position % block_size] = float("nan")
+    return dict(x, k_cache=k_cache, v_cache=v_cache)
+
+
+def window_starts(x: dict, window: int | None, align: int = 1, prefill: bool = False) -> list[int]:
+    """Per sequence, the first position a kernel with a sliding window needs
+    (rounded down to a multiple of ``align``, the tile the kernel starts at):
+    decode's query is the last of L tokens; a prefill chunk's first query
+    (of nq) sits at L - nq."""
+    lengths = x["context_lens"].tolist()
+    if prefill:
+        cu = x["cu_seqlens_q"].tolist()
+        lengths = [n - (cu[i + 1] - cu[i]) + 1 for i, n in enumerate(lengths)]
+    if window is None:
+        return [0] * len(lengths)
+    return [max(0, n - window) // align * align for n in lengths]
 
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, dtype_name: str) -> str | None:

@@ -30,7 +30,8 @@ def _compile(jit_fn, pointer_types: dict, constants: dict, capability: int, **op
 
 
 def compile_all(dtype: torch.dtype, head_dim: int, group: int, block_size: int, capability: int = 90) -> None:
-    """Compile decode (plain, split), reduce, prefill and store for one config."""
+    """Compile decode (plain, split), reduce, prefill and store for one config;
+    decode and prefill also with both features (sliding window, soft cap) on."""
     import triton
 
     from kernels import paged_decode as pd
@@ -40,14 +41,17 @@ def compile_all(dtype: torch.dtype, head_dim: int, group: int, block_size: int, 
     t = "*" + TRITON_TYPES[dtype]
     attention = dict(q_ptr=t, k_cache_ptr=t, v_cache_ptr=t, out_ptr=t, table_ptr="*i32",
                      context_lens_ptr="*i32", cu_seqlens_ptr="*i32", part_out_ptr="*fp32",
-                     part_m_ptr="*fp32", part_l_ptr="*fp32", qk_scale="fp32", stride_block="i64")
-    shared = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, UPCAST=False)
-    for split in (False, True):
-        _compile(pd._decode_kernel, attention, dict(shared, SPLIT=split, **pd._decode_config(head_dim, group)),
-                 capability)
-    prefill = pp._prefill_config(head_dim, group, dtype)
-    stages = prefill.pop("num_stages")
-    _compile(pp._prefill_kernel, attention, dict(shared, **prefill), capability, num_stages=stages)
+                     part_m_ptr="*fp32", part_l_ptr="*fp32", qk_scale="fp32", soft_cap="fp32",
+                     stride_block="i64")
+    plain = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, UPCAST=False,
+                 WINDOW=False, SOFT_CAP=False)
+    for shared in (plain, dict(plain, WINDOW=True, SOFT_CAP=True)):
+        for split in (False, True):
+            _compile(pd._decode_kernel, attention,
+                     dict(shared, SPLIT=split, **pd._decode_config(head_dim, group)), capability)
+        prefill = pp._prefill_config(head_dim, group, dtype)
+        stages = prefill.pop("num_stages")
+        _compile(pp._prefill_kernel, attention, dict(shared, **prefill), capability, num_stages=stages)
     dim_pad = triton.next_power_of_2(head_dim)
     _compile(pd._decode_reduce_kernel, attention, dict(HEAD_DIM=head_dim, DIM_PAD=dim_pad, PARTS_PAD=64),
              capability)

@@ -19,7 +19,7 @@ import torch
 
 import kernels
 from kernel_cases import (DTYPES, SHAPES, build_decode_inputs, build_prefill_inputs, compare,
-                          make_paged_cache)
+                          feature_sets, make_paged_cache)
 from kernels.cpu import ops as cpu_ops
 from kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
 from test_kernels_reference import naive_decode, naive_prefill
@@ -98,9 +98,11 @@ def test_splitting_a_long_context_changes_no_bit(ops, session_seed):
     assert error is None, f"seed {session_seed}: {error}"
 
 
-def test_chunked_prefill_and_decode_agree_bit_for_bit(ops, session_seed):
+@pytest.mark.parametrize("features", [{}] + feature_sets("both", 16) + feature_sets("window", 64))
+def test_chunked_prefill_and_decode_agree_bit_for_bit(ops, features, session_seed):
     """A prompt prefilled at once, in chunks over its own cached prefix, or
-    token by token as decodes: each position gets the same bits."""
+    token by token as decodes: each position gets the same bits (with a
+    sliding window and a soft cap too)."""
     gen = torch.Generator().manual_seed(session_seed)
     length = 300
     k, v, tables, _, _ = make_paged_cache([length], 3, 64, 16, torch.float32, "cpu", gen)
@@ -109,14 +111,16 @@ def test_chunked_prefill_and_decode_agree_bit_for_bit(ops, session_seed):
     def prefill(start, end):
         cu = torch.tensor([0, end - start], dtype=torch.int32)
         lens = torch.tensor([end], dtype=torch.int32)
-        return ops.paged_prefill_attention(query[start:end], k, v, tables, cu, lens, 0.125)
+        return ops.paged_prefill_attention(query[start:end], k, v, tables, cu, lens, 0.125,
+                                           **features)
 
     whole = prefill(0, length)
     chunks = torch.cat([prefill(s, min(s + 100, length)) for s in range(0, length, 100)])
     assert torch.equal(whole, chunks)
     for position in (0, 15, 16, 255, 299):
         lens = torch.tensor([position + 1], dtype=torch.int32)
-        row = ops.paged_decode_attention(query[position:position + 1], k, v, tables, lens, 0.125)
+        row = ops.paged_decode_attention(query[position:position + 1], k, v, tables, lens, 0.125,
+                                         **features)
         assert torch.equal(row[0], whole[position])
 
 

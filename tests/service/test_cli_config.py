@@ -62,3 +62,16 @@ def test_main_reports_a_missing_config_file(tmp_path, capsys):
 
     assert main(["--config", str(tmp_path / "absent.yaml")]) == 2
     assert "--config" in capsys.readouterr().err
+
+
+def test_reasoning_parser_flag(tmp_path):
+    from service.config import ServiceConfig
+
+    assert config_for([]).reasoning_parser is None  # as vLLM: only when asked for
+    assert config_for(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    assert config_for([], tmp_path, "reasoning-parser: deepseek_r1\n").reasoning_parser == \
+        "deepseek_r1"
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        config_for(["--reasoning-parser", "granite"])
+    with pytest.raises(ValueError, match="reasoning_parser='granite'"):
+        ServiceConfig(reasoning_parser="granite")

@@ -3,8 +3,8 @@
 SmolLM2's chat template has no tools, so tool_choice "auto" is refused and
 "required" / named functions are held to the tools' schemas by a grammar;
 every call that comes back must validate. tool_choice "auto" is exercised on
-the tiny Llama given a Hermes-style template (its random output calls no
-tool; the parsing itself is tests/service/test_tool_parsers.py).
+the tiny Llama given a Hermes-style and a Mistral-style template (its random
+output calls no tool; the parsing itself is tests/service/test_tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from live_server import run_server, tiny_config
-from tiny_models import HERMES_CHAT_TEMPLATE
+from tiny_models import HERMES_CHAT_TEMPLATE, MISTRAL_CHAT_TEMPLATE
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
@@ -177,29 +177,35 @@ def test_refusals_name_the_field(smollm2_server, body, param):
     assert response.json()["error"]["param"] == param, response.json()
 
 
-@pytest.fixture(scope="module")
-def hermes_server(tiny_llama_path, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-hermes") / "model"
+TEMPLATES = {"hermes": HERMES_CHAT_TEMPLATE, "mistral": MISTRAL_CHAT_TEMPLATE}
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def template_server(request, tiny_llama_path, tmp_path_factory):
+    """The tiny Llama with a tool-calling template; the format "auto" should read from it."""
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}") / "model"
     shutil.copytree(tiny_llama_path, folder)
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    config["chat_template"] = HERMES_CHAT_TEMPLATE
+    config["chat_template"] = TEMPLATES[request.param]
     config_file.write_text(json.dumps(config))
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     with run_server(tiny_config(folder, {"max_model_len": 512})) as live:
-        yield live, folder
+        yield live, folder, request.param
 
 
-def test_auto_on_a_template_with_tools(hermes_server):
+def test_auto_on_a_template_with_tools(template_server):
     from transformers import AutoTokenizer
 
-    server, folder = hermes_server
+    server, folder, format_name = template_server
+    assert server.state.tool_parser == format_name  # read from the template
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     rendered = tokenizer.apply_chat_template(ask("Hi"), tools=TOOLS, add_generation_prompt=True,
                                              tokenize=False)
-    auto = post(server, {"tools": TOOLS, "max_tokens": 8, "temperature": 0}).json()
-    none = post(server, {"tools": TOOLS, "tool_choice": "none", "max_tokens": 8,
-                         "temperature": 0}).json()
+    # Mistral's marker is a special token, so "auto" keeps them in the text: both alike here.
+    keep = {"skip_special_tokens": False, "max_tokens": 8, "temperature": 0}
+    auto = post(server, {"tools": TOOLS, **keep}).json()
+    none = post(server, {"tools": TOOLS, "tool_choice": "none", **keep}).json()
     # The tools reached the template: the prompt is the template's rendering with them.
     expected = len(tokenizer.encode(rendered, add_special_tokens=False))
     assert auto["usage"]["prompt_tokens"] == expected == none["usage"]["prompt_tokens"]
@@ -207,3 +213,25 @@ def test_auto_on_a_template_with_tools(hermes_server):
     assert auto["choices"][0]["message"]["content"] == none["choices"][0]["message"]["content"]
     assert "tool_calls" not in auto["choices"][0]["message"]
     assert auto["choices"][0]["finish_reason"] == "length"
+
+
+def test_required_calls_go_back_through_the_template(template_server):
+    """Their ids take the format's shape: Mistral's templates refuse any but 9 characters."""
+    server, _, format_name = template_server
+    ping = [{"type": "function", "function": {"name": "ping"}}]
+    response = post(server, {"tools": ping, "tool_choice": "required", "max_tokens": 40,
+                             "parallel_tool_calls": False, "temperature": 0})
+    [call] = response.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "ping", "arguments": "{}"}
+    if format_name == "mistral":
+        assert len(call["id"]) == 9 and call["id"].isalnum()
+    else:
+        assert call["id"].startswith("call_")
+    history = [*ask("Ping?"), {"role": "assistant", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": "pong"}]
+    answer = post(server, {"messages": history, "tools": ping, "tool_choice": "none"})
+    assert answer.status_code == 200, answer.text
+    if format_name == "mistral":  # the template's own check: another server's ids are refused
+        history[1]["tool_calls"][0]["id"] = history[2]["tool_call_id"] = "call_" + "0" * 24
+        refused = post(server, {"messages": history, "tools": ping, "tool_choice": "none"})
+        assert refused.status_code == 400 and "length 9" in refused.text, refused.text

@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import random
 
+import msgspec
 import pytest
 
+from service.protocol import ChatCompletionRequest
 from service.tool_parsers import (
-    ArgumentsParser, CallListParser, HermesParser, Llama3JsonParser, Parsed, detect_parser,
-    parse_text,
+    ArgumentsParser, CallListParser, HermesParser, Llama3JsonParser, MistralParser, Parsed,
+    detect_parser, parse_text,
 )
+from service.tools import plan_tools
 
 CALLS = ('[{"name": "get_weather", "arguments": {"city": "Paris {\\"old\\"}", "days": [1, 2]}}, '
          '{"name": "get_time", "arguments": {}}]')
@@ -30,12 +33,18 @@ def streamed(parser, text: str, cuts: list[int]) -> tuple[str, list[dict]]:
     calls: list[dict] = []
     for piece in parsed.calls:
         if piece.id is not None:
-            assert piece.index == len(calls) and piece.id.startswith("call_")
+            assert piece.index == len(calls) and id_fits(parser, piece.id)
             calls.append({"name": piece.name, "arguments": piece.arguments})
         else:
             assert piece.name is None
             calls[piece.index]["arguments"] += piece.arguments
     return parsed.content, calls
+
+
+def id_fits(parser, call_id: str) -> bool:
+    if isinstance(parser, MistralParser):  # its templates take back 9 letters and digits only
+        return len(call_id) == 9 and call_id.isalnum()
+    return call_id.startswith("call_")
 
 
 def whole(parser, text: str) -> tuple[str, list[dict]]:
@@ -115,6 +124,14 @@ def test_hermes_a_call_that_does_not_parse_stays_content():
     every_cut(HermesParser, text, ("<tool_call>{not json}</tool_call> done", []))
 
 
+def test_hermes_spaces_after_a_call_are_content_only_before_text():
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    f = {"name": "f", "arguments": "{}"}
+    every_cut(HermesParser, call + "\n\nDone.", ("\n\nDone.", [f]))
+    every_cut(HermesParser, call + "\n \n", ("", [f]))
+    every_cut(HermesParser, f"{call}\n{call}\n", ("", [f, f]))
+
+
 def test_hermes_a_call_left_open_at_the_end_counts_if_it_parses():
     assert whole(HermesParser(), '<tool_call>{"name": "f", "arguments": {"x": 1}}') == (
         "", [{"name": "f", "arguments": '{"x": 1}'}])
@@ -135,9 +152,85 @@ def test_llama3_json_calls_and_content():
 @pytest.mark.parametrize("template,configured,parser", [
     ("{{ '<tool_call>' }}{{ tools }}", "auto", "hermes"),
     ("{{ '<|python_tag|>' }}{{ tools }}", "auto", "llama3_json"),
+    ("[AVAILABLE_TOOLS] {{ tools }}{{ '[TOOL_CALLS] [' }}", "auto", "mistral"),
+    ("{{ messages }}", "mistral", "mistral"),
     ("{{ messages }}", "auto", None),
     ("{{ '<tool_call>' }}", "none", None),
     ("{{ messages }}", "hermes", "hermes"),
 ])
 def test_the_auto_format_is_read_from_the_template(template, configured, parser):
     assert detect_parser(template, configured) == parser
+
+
+MISTRAL = ('Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": '
+           '"Paris {\\"old\\"}", "days": [1, 2]}}, {"name": "get_time", "arguments": {}}]')
+WEATHER_CALL = {"name": "get_weather", "arguments": '{"city": "Paris {\\"old\\"}", "days": [1, 2]}'}
+
+
+def test_mistral_content_then_a_list_of_calls():
+    every_cut(MistralParser, MISTRAL, ("Let me check. ", [
+        WEATHER_CALL, {"name": "get_time", "arguments": "{}"}]))
+    # Mistral 7B v0.3 writes no space after the marker, compactly; spaces around are the format's.
+    every_cut(MistralParser, '[TOOL_CALLS][{"name":"f","arguments":{"a":"]"}}]\n',
+              ("", [{"name": "f", "arguments": '{"a": "]"}'}]))
+
+
+def test_mistral_name_args_form_of_newer_templates():
+    text = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris {\\"old\\"}", "days": [1, 2]}'
+            '[TOOL_CALLS]get_time{}')
+    every_cut(MistralParser, text, ("", [WEATHER_CALL, {"name": "get_time", "arguments": "{}"}]))
+
+
+def test_mistral_a_call_goes_out_when_its_object_is_complete():
+    parser, sent = MistralParser(), []
+    for i, char in enumerate(MISTRAL):
+        parsed = parser.feed(char)
+        assert "[" not in parsed.content and "{" not in parsed.content  # no marker, no JSON
+        sent += [(i, piece.name) for piece in parsed.calls]
+    first_end = MISTRAL.index("}},") + 1
+    assert sent == [(first_end, "get_weather"), (len(MISTRAL) - 2, "get_time")]
+    assert parser.finish() == Parsed()
+
+
+@pytest.mark.parametrize("text", [
+    "Plain text, with [brackets] and {braces} and a [TOOL_CALL",
+    "[TOOL_CALLS] and then prose",  # not a list nor a name{...}
+    '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1,}}]',  # JSON that never parses
+    '[TOOL_CALLS] [{"tool": "f"}] after',  # JSON, but not a call
+    '[TOOL_CALLS] [{"name": "f", "argu',  # cut short (max_tokens) before a call completed
+    "[TOOL_CALLS]",
+])
+def test_mistral_what_is_no_call_is_content_whole(text):
+    every_cut(MistralParser, text, (text, []))
+
+
+def test_mistral_content_after_the_calls_and_a_call_cut_short_after_one():
+    call = '[TOOL_CALLS] [{"name": "f", "arguments": {}}]'
+    f = {"name": "f", "arguments": "{}"}
+    every_cut(MistralParser, call + " Done.", (" Done.", [f]))
+    every_cut(MistralParser, call[:-1] + ', {"name": "g", "ar',
+              (', {"name": "g", "ar', [f]))  # the call that did not complete is content
+    every_cut(MistralParser, '[TOOL_CALLS]f{"a": 1} and prose', (" and prose", [
+        {"name": "f", "arguments": '{"a": 1}'}]))
+
+
+def test_mistral_parallel_tool_calls_false_keeps_the_first_call_only():
+    assert whole(MistralParser(max_calls=1), MISTRAL) == ("Let me check. ", [WEATHER_CALL])
+    assert whole(MistralParser(max_calls=1), '[TOOL_CALLS]f{}[TOOL_CALLS]g{}') == (
+        "", [{"name": "f", "arguments": "{}"}])
+
+
+@pytest.mark.parametrize("choice,text", [
+    ("auto", '[TOOL_CALLS] [{"name": "f", "arguments": {}}]'),
+    ("required", '[{"name": "f", "arguments": {}}]'),
+    ({"type": "function", "function": {"name": "f"}}, "{}"),
+])
+def test_a_mistral_model_keeps_its_marker_and_gets_its_ids(choice, text):
+    body = msgspec.convert({"messages": [{"role": "user", "content": "Hi"}], "tool_choice": choice,
+                            "tools": [{"type": "function", "function": {"name": "f"}}]},
+                           ChatCompletionRequest)
+    plan = plan_tools(body, "mistral")
+    # "[TOOL_CALLS]" is a special token: decoded, or "auto" would never see a call.
+    assert body.skip_special_tokens is (choice != "auto")
+    _, [call] = parse_text(plan.new_parser(), text)
+    assert call.name == "f" and len(call.id) == 9 and call.id.isalnum()

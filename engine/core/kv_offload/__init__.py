@@ -7,6 +7,7 @@
     redis_tier.py a Redis the fleet shares, bounded by TTL and Redis's maxmemory
     offload.py    the manager: which blocks to store, and loading blocks before a
                   sequence's first step (engine/core/scheduler.py asks it at admission)
+    lookup.py     asking the remote tiers in the background: no step waits on the network
 
 `build_offload` makes the manager an EngineConfig asks for (None: no tiers).
 """

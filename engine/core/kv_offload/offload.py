@@ -8,6 +8,8 @@ its K/V exist on the device, the engine copies it out (a cheap gather: the
 block may be evicted right after), and a store thread encodes it (hash,
 namespace, checksum) and writes it to every tier missing it. A step never
 waits for a tier; when the store thread falls behind, new stores are dropped.
+The bytes waiting for the store thread are counted under `queue_lock`: the
+engine thread adds a copy's bytes, the store thread takes them off.
 
 Read path. Admission looks up the device prefix cache first; with tiers on
 it carries the lookup on past the device hits, through the tiers:
@@ -19,13 +21,19 @@ it carries the lookup on past the device hits, through the tiers:
                                     now, filled by a load thread, registered
                                     in the prefix cache when they arrive
 
-The sequence leaves the waiting queue for a `loading` list while its jobs
-run, so it holds up nobody: requests behind it are admitted as usual (vLLM
-users met the opposite, #44294: requests queued behind another's load, and
-throughput fell by 40 %). A request that needs blocks another request is
-already loading joins that job instead of loading them twice. When its jobs
-are done the sequence goes back to the front of the waiting queue and is
-admitted like any other: the loaded blocks are now plain prefix-cache hits.
+The local tiers are asked at admission, on the engine thread (in-memory
+indexes); the remote ones (Redis) in the background, so that no step waits on
+the network: the sequence waits aside for their answer, which a later step
+uses (engine/core/kv_offload/lookup.py, as vLLM's KV connectors do).
+
+The sequence leaves the waiting queue for a `loading` list while it waits
+for its look-up or its jobs, so it holds up nobody: requests behind it are
+admitted as usual (vLLM users met the opposite, #44294: requests queued
+behind another's load, and throughput fell by 40 %). A request that needs
+blocks another request is already loading joins that job instead of loading
+them twice. When its jobs are done the sequence goes back to the front of the
+waiting queue and is admitted like any other: the loaded blocks are now plain
+prefix-cache hits.
 
 A job holds its blocks (and the sequence's device hits, so they cannot be
 evicted meanwhile) under a key of its own in the block manager, until every
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -50,6 +59,7 @@ import torch
 
 from engine.core.block_manager import BlockManager
 from engine.core.kv_offload import record
+from engine.core.kv_offload.lookup import RemoteLookups
 from engine.core.kv_offload.tier import Tier
 
 logger = logging.getLogger(__name__)
@@ -104,6 +114,8 @@ class KVOffload:
         self.jobs: list[LoadJob] = []  # not yet applied
         self.jobs_of: dict[int, list[LoadJob]] = {}  # sequence -> the jobs it waits for
         self.job_blocks = 0
+        self.lookups = RemoteLookups(self.remote)
+        self.queue_lock = threading.Lock()  # guards queued_bytes and blocks_stored
         self.queued_bytes = 0  # copies handed to the store thread, not yet written
         self.counters = {"loads": 0, "blocks_loaded": 0, "blocks_load_failed": 0,
                          "blocks_stored": 0, "stores_dropped": 0}
@@ -149,11 +161,10 @@ class KVOffload:
         if not ready:
             return
         size = len(ready) * self.payload_bytes
-        if self.queued_bytes + size > MAX_STORE_QUEUE_BYTES:
+        if not self._reserve_queue(size):
             self.counters["stores_dropped"] += len(ready)
             return
         data = self.io.read_blocks([block for _, block in ready])  # now: it may be reused next
-        self.queued_bytes += size
         now = time.monotonic()
         for block_hash, _ in ready:
             self.sent_remote[block_hash] = now
@@ -161,19 +172,30 @@ class KVOffload:
             self.sent_remote.popitem(last=False)
         self.storer.submit(self._store, [h for h, _ in ready], data, size)
 
+    def _reserve_queue(self, size: int) -> bool:
+        """Count `size` bytes into the store queue if they fit (engine thread)."""
+        with self.queue_lock:
+            if self.queued_bytes + size > MAX_STORE_QUEUE_BYTES:
+                return False
+            self.queued_bytes += size
+            return True
+
     def _store(self, hashes: list[bytes], data: torch.Tensor, size: int) -> None:
         """Store thread: encode each block once and write it to every tier that lacks it."""
+        stored = 0
         try:
             for block_hash, payload in zip(hashes, data.numpy()):
                 encoded = record.encode(self.namespace, block_hash, payload)
                 for tier in self.tiers:
                     if tier.remote or not tier.contains(block_hash):
                         tier.store(block_hash, encoded)
-                self.counters["blocks_stored"] += 1
+                stored += 1
         except Exception:  # noqa: BLE001 - a tier must never take the engine down
             logger.exception("storing KV blocks in the offload tiers failed")
         finally:
-            self.queued_bytes -= size
+            with self.queue_lock:  # the engine thread adds to it meanwhile
+                self.queued_bytes -= size
+                self.counters["blocks_stored"] += stored
 
     def _refresh_tiers(self) -> None:
         now = time.monotonic()
@@ -184,11 +206,16 @@ class KVOffload:
 
     # -- read path -------------------------------------------------------------------
     def start_loads(self, seq, hits: list[int], limit: int) -> bool:
-        """Look past the device hits into the tiers; True if `seq` now waits for loads."""
+        """Look past the device hits into the tiers; True if `seq` must wait aside,
+        for the remote tiers' answer or for its loads."""
         if seq.seq_id in self.jobs_of:
             return False  # its loads are done: admit it with what they brought
+        hashes = seq.block_hashes[len(hits):limit]
+        remote = self.lookups.answer(seq.seq_id, seq.block_hashes[:limit]) if hashes else set()
+        if remote is None:
+            return True  # asked in the background; ready() says when to come back
         room = self.max_job_blocks - self.job_blocks - len(hits)
-        run = self._available_run(seq.block_hashes[len(hits):limit])[:max(room, 0)]
+        run = self._available_run(hashes, remote)[:max(room, 0)]
         if not run:
             return False
         held = hits + [self.inflight[h].block_of(h) for h in run if h in self.inflight]
@@ -215,18 +242,13 @@ class KVOffload:
             job.applied = True  # it only holds blocks; the joined jobs do the loading
         return True
 
-    def _available_run(self, hashes: list[bytes]) -> list[bytes]:
-        """The leading hashes that a job is loading or some tier holds (remote: one round trip each)."""
+    def _available_run(self, hashes: list[bytes], remote: set[bytes]) -> list[bytes]:
+        """The leading hashes that a job is loading, a local tier holds, or the remote
+        tiers said they hold."""
         end = 0
-        while end < len(hashes):
-            start = end
-            while end < len(hashes) and (hashes[end] in self.inflight
-                                         or any(t.contains(hashes[end]) for t in self.local)):
-                end += 1
-            if end < len(hashes):
-                end += max((t.leading_run(hashes[end:]) for t in self.remote), default=0)
-            if end == start:
-                break
+        while end < len(hashes) and (hashes[end] in self.inflight or hashes[end] in remote
+                                     or any(t.contains(hashes[end]) for t in self.local)):
+            end += 1
         return hashes[:end]
 
     def _load(self, hashes: list[bytes]) -> list[memoryview | None]:
@@ -288,12 +310,16 @@ class KVOffload:
             self.job_blocks -= job.num_blocks
 
     def ready(self, seq) -> bool:
-        """Every job the sequence waits for has landed."""
+        """The remote tiers answered (or were given up on) and every job the sequence
+        waits for has landed."""
+        if self.lookups.waiting(seq.seq_id):
+            return False
         return all(job.applied for job in self.jobs_of.get(seq.seq_id, ()))
 
     def forget(self, seq) -> None:
         """The sequence was admitted (the loaded blocks are its hits now) or has ended:
-        it waits for nothing any more, and a later admission may load again."""
+        it waits for nothing any more, and a later admission may look up and load again."""
+        self.lookups.forget(seq.seq_id)
         for job in self.jobs_of.pop(seq.seq_id, ()):
             job.waiters.discard(seq.seq_id)
             if job.applied and not job.waiters:
@@ -305,8 +331,10 @@ class KVOffload:
         return bool(self.jobs)
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Sleep until a load finishes (or `timeout`): for an engine with nothing else to run."""
+        """Sleep until a load or a look-up finishes (or `timeout`): for an engine with
+        nothing else to run."""
         futures = [j.future for j in self.jobs if j.future is not None]
+        futures += self.lookups.unanswered()
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
@@ -315,6 +343,7 @@ class KVOffload:
 
     def close(self) -> None:
         """Let the threads finish what they hold, then close the tiers."""
+        self.lookups.close()
         self.loader.shutdown(wait=True)
         self.storer.shutdown(wait=True)
         for tier in self.tiers:

@@ -12,9 +12,10 @@ used keys that have one. `refresh()` reads `INFO memory` for the stats
 (used_memory, maxmemory); a capacity of 0 means "no maxmemory", and then
 the base class refuses no record for its size.
 
-Synchronous redis-py: the tier is called from the engine thread (`contains`,
-`leading_run`) and from the offload worker threads (`load`, `store`); the
-client's connection pool is thread-safe. It fails fast (connect 0.25 s,
+Synchronous redis-py, never on the engine thread: the offload manager asks
+the tier from its worker threads (`present` on the look-up thread, `load_many`
+and `store` on the load and store threads; engine/core/kv_offload/lookup.py);
+the client's connection pool is thread-safe. It fails fast (connect 0.25 s,
 reply 0.5 s, redis-py's own retries off): a cache lookup that waits costs
 more than the recomputation it would save.
 
@@ -80,24 +81,23 @@ class RedisTier(Tier):
         return f"{self.key_prefix}{block_hash.hex()}"
 
     # -- what the offload manager calls ------------------------------------------------
-    def leading_run(self, block_hashes: list[bytes]) -> int:
-        """How many of `block_hashes`, from the first, Redis holds: one pipelined round trip."""
+    def present(self, block_hashes: list[bytes]) -> list[bool]:
+        """Whether Redis holds each of `block_hashes`: one pipelined round trip."""
         if not (self.enabled and self.up and block_hashes):
-            return 0
+            return [False] * len(block_hashes)
         pipe = self.client.pipeline(transaction=False)
         for block_hash in block_hashes:
             pipe.exists(self.key(block_hash))
         try:
-            found = pipe.execute()
+            return [bool(found) for found in pipe.execute()]
         except REDIS_ERRORS as exc:
             self._failed(exc)
-            return 0
-        count = 0
-        for present in found:
-            if not present:
-                break
-            count += 1
-        return count
+            return [False] * len(block_hashes)
+
+    def leading_run(self, block_hashes: list[bytes]) -> int:
+        """How many of `block_hashes`, from the first, Redis holds: one pipelined round trip."""
+        found = self.present(block_hashes)
+        return found.index(False) if False in found else len(found)
 
     def load_many(self, block_hashes: list[bytes]) -> list[memoryview | None]:
         """`load` of each hash in one round trip (MGET): a prompt's blocks come together."""

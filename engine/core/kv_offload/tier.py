@@ -9,9 +9,10 @@
 A tier holds *records* (engine/core/kv_offload/record.py): the K/V of one block
 with its hash, namespace and checksum. It knows nothing of sequences or the
 device; the offload manager (engine/core/kv_offload/offload.py) decides what to
-store and when to load. Tiers are called from the engine thread (`contains`)
-and from the offload worker threads (`load`, `store`), so each one guards
-its own bookkeeping.
+store and when to load. Local tiers are called from the engine thread
+(`contains`) and from the offload worker threads (`load`, `store`), so each
+one guards its own bookkeeping; a remote tier only from the worker threads
+(`present` on the look-up thread), so that no step waits on the network.
 
 A tier never raises into the engine: a failing medium counts an error and
 answers a miss (and a disk that cannot be written disables its tier with one
@@ -61,6 +62,10 @@ class Tier:
                 break
             count += 1
         return count
+
+    def present(self, block_hashes: list[bytes]) -> list[bool]:
+        """Whether this tier may hold each of `block_hashes` (a remote tier: one round trip)."""
+        return [self.contains(block_hash) for block_hash in block_hashes]
 
     def load(self, block_hash: bytes) -> memoryview | None:
         """The payload stored for `block_hash`, checked; None on a miss."""

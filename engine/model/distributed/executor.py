@@ -41,8 +41,8 @@ from engine.config import EngineConfig
 from engine.model.distributed.group import RENDEZVOUS_TIMEOUT, TensorParallelGroup, host_store
 from engine.model.distributed.partition import Partition
 from engine.model.model_runner import ModelRunner, ModelRunnerOutput, resolve_device
-from engine.model.models.llama import LlamaArgs
-from engine.core.scheduler import SchedulerOutput
+from engine.model.models.registry import model_class
+from engine.core.sched_output import SchedulerOutput
 from engine.model.step_inputs import HEADER_LEN, Op
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, config: EngineConfig, hf_config, model_path, eos_token_ids) -> None:
         size = config.tensor_parallel_size
-        Partition.of(LlamaArgs.from_hf_config(hf_config), 0, size)  # refuses a bad size
+        Partition.of(model_class(hf_config, size).model_args(hf_config), 0, size)  # refuses a bad size
         check_devices(config)
         store = host_store(size)
         self.workers = Workers(config, Path(model_path), store.port)

@@ -52,7 +52,7 @@ class Partition:
 
     @classmethod
     def of(cls, args, rank: int = 0, size: int = 1) -> "Partition":
-        """Rank `rank`'s slice of a model with LlamaArgs `args` over `size` ranks."""
+        """Rank `rank`'s slice of a model with ModelArgs `args` over `size` ranks."""
         check_tensor_parallel_size(args, size)
         heads = args.num_heads // size
         if args.num_kv_heads >= size:

@@ -7,5 +7,6 @@ the backend it is given, so a family file only composes them.
     attention.py     paged attention: q/k/v projection, RoPE, KV store, decode + prefill
     embedding.py     vocabulary-parallel embedding and the LM head's logits
     activation.py    the gated MLP (SiLU(gate) * up)
+    moe.py           mixture-of-experts block: router + fused experts (Mixtral, Qwen3-MoE)
     quantization.py  int4 linear layers (GGUF Q4_1 weights)
 """

@@ -1,4 +1,5 @@
-"""The gated MLP of Llama-style decoders: down(act(gate(x)) * up(x))."""
+"""The gated MLP of Llama-style decoders: down(act(gate(x)) * up(x)), with
+act SiLU (Llama, Qwen, Mistral, Phi-3) or tanh-approximated GELU (Gemma)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ import torch
 from torch import nn
 
 from engine.model.layers.linear import Linear, all_reduce
+
+# HF's hidden_act names -> the kernel backend's fused act(gate) * up.
+ACTIVATIONS = {
+    "silu": "silu_and_mul",
+    "gelu_pytorch_tanh": "gelu_tanh_and_mul",
+    "gelu_tanh": "gelu_tanh_and_mul",
+}
 
 
 class MLP(nn.Module):
@@ -15,13 +23,18 @@ class MLP(nn.Module):
         gate_up row: [ gate: width | up: width ]  ->  silu(gate) * up
     """
 
-    def __init__(self, hidden_size: int, width: int, bias: bool, kernels, group) -> None:
+    def __init__(self, hidden_size: int, width: int, bias: bool, kernels, group,
+                 activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"hidden activation {activation!r} is not supported; "
+                             f"supported: {', '.join(ACTIVATIONS)}")
+        self.act_and_mul = getattr(kernels, ACTIVATIONS[activation])
         self.kernels = kernels
         self.group = group
         self.gate_up_proj = Linear(hidden_size, 2 * width, bias, kernels)
         self.down_proj = Linear(width, hidden_size, bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gated = self.kernels.silu_and_mul(self.gate_up_proj(x))
+        gated = self.act_and_mul(self.gate_up_proj(x))
         return all_reduce(self.down_proj(gated), self.group)

@@ -3,8 +3,11 @@
 `PagedAttention` is the part every family shares: store this step's K/V into
 the cache slots, then attend, decodes and prefill chunks each through their
 own kernel (the batch layout is in model/attention_metadata.py).
-`Attention` is the Llama-style block around it: one fused qkv projection,
-rotary embedding on q and k, and the output projection.
+`Attention` is the block around it that every family here shares: one fused
+qkv projection, optionally a per-head RMSNorm of q and k (Qwen3, Gemma 3),
+rotary embedding on q and k, and the output projection. What a family
+changes is data on `args`: the layer's sliding window, the score scale, a
+soft cap on the scores.
 """
 
 from __future__ import annotations
@@ -21,12 +24,18 @@ class PagedAttention(nn.Module):
     """softmax(q k^T * scale) v for this rank's heads, K/V read from the cache."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 layer_index: int, kernels) -> None:
+                 layer_index: int, kernels, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_index = layer_index
         self.kernels = kernels
+        # Only the features this layer uses are passed, so a plain layer calls
+        # the kernels exactly as before.
+        self.features = {name: value for name, value in (
+            ("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
+            if value is not None}
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
@@ -36,12 +45,13 @@ class PagedAttention(nn.Module):
         d = meta.num_decode_tokens
         if d:
             out[:d] = self.kernels.paged_decode_attention(
-                q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale, **self.features,
             )
         if d < q.shape[0]:
             out[d:] = self.kernels.paged_prefill_attention(
                 q[d:], k_cache, v_cache, meta.prefill_block_tables,
-                meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale,
+                meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale, **self.features,
             )
         return out
 
@@ -51,7 +61,9 @@ class Attention(nn.Module):
     column-parallel, o_proj row-parallel, and the all-reduce after it sums
     the ranks' partial outputs (model/distributed/partition.py)."""
 
-    def __init__(self, args, part: Partition, layer_index: int, kernels, group) -> None:
+    def __init__(self, args, part: Partition, layer_index: int, kernels, group,
+                 qk_norm: type[nn.Module] | None = None) -> None:
+        """`qk_norm`: the norm class applied to each head of q and k before RoPE."""
         super().__init__()
         self.num_heads = part.num_heads
         self.num_kv_heads = part.num_kv_heads
@@ -61,9 +73,14 @@ class Attention(nn.Module):
         self.kernels = kernels
         self.group = group
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias, kernels)
-        self.o_proj = Linear(self.q_size, args.hidden_size, False, kernels)
+        self.o_proj = Linear(self.q_size, args.hidden_size, args.o_bias, kernels)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, args.head_dim,
-                                   args.head_dim**-0.5, layer_index, kernels)
+                                   args.attn_scale, layer_index, kernels,
+                                   args.sliding_windows[layer_index], args.attn_soft_cap)
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(args.head_dim, args.rms_norm_eps, kernels)
+            self.k_norm = qk_norm(args.head_dim, args.rms_norm_eps, kernels)
 
     def forward(self, rope_tables, hidden, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
@@ -74,8 +91,19 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
+        if self.q_norm is not None:
+            qk = self._norm_heads(qk)
         qk = self.kernels.rope(qk, *rope_tables)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].reshape(tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
         return all_reduce(self.o_proj(out.view(-1, self.q_size)), self.group)
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """q heads through q_norm, k heads through k_norm, each over head_dim,
+        into one new [tokens, heads + kv_heads, head_dim] tensor for RoPE."""
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        dim = self.head_dim
+        q = self.q_norm(q.reshape(-1, dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, dim)).view(k.shape)
+        return torch.cat((q, k), dim=1)

@@ -23,3 +23,23 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         out = self.kernels.rms_norm(x, self.weight, self.eps, residual)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from one and applied
+    in float32 before the cast back, (x / rms(x) * (1 + w)).to(dtype), where
+    Llama's casts first and multiplies after. Same residual convention as RMSNorm."""
+
+    def __init__(self, dim: int, eps: float, kernels=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""The Llama family over a paged KV cache: Llama, SmolLM2, Mistral and Qwen2
+(with their sliding windows), and the base the other families build on.
 
 The math follows HF transformers' modeling_llama step for step (same RMSNorm
 casts, same rotate-half RoPE, same residual order), so that in float32 greedy
@@ -15,14 +16,15 @@ No padding is computed, and attention reads K/V through block tables
 (`AttentionMetadata`), never from a per-request contiguous cache.
 
 Two pairs of projections are fused into one matmul each (q/k/v -> qkv_proj,
-gate/up -> gate_up_proj); `load_weights` packs the checkpoint's separate
-tensors into them.
+gate/up -> gate_up_proj); `load_weights` (models/weights.py) packs the
+checkpoint's separate tensors into them.
+
+A family that differs only in config data (which layers slide, biases) is
+this class; one that adds a piece overrides a class attribute (Qwen3's
+`QK_NORM`) or a method (Gemma's layer and embedding).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,67 +35,33 @@ from engine.model.layers.activation import MLP
 from engine.model.layers.attention import Attention
 from engine.model.layers.embedding import VocabParallelEmbedding, compute_logits
 from engine.model.layers.linear import Linear, packed
+from engine.model.layers.moe import FusedMoE
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.quantization import Int4Linear
 from engine.model.layers.rotary import RotaryEmbedding
+from engine.model.models.args import ModelArgs
+from engine.model.models.weights import CheckpointLoading
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-@dataclass(frozen=True)
-class LlamaArgs:
-    """The few numbers of an HF config the model needs, checked once."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    mlp_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-
-    @classmethod
-    def from_hf_config(cls, config) -> "LlamaArgs":
-        architectures = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
-        architecture = architectures[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {architecture!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        qkv_bias = architecture == "Qwen2ForCausalLM" or bool(
-            getattr(config, "attention_bias", False)
-        )
-        return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=qkv_bias,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            max_position_embeddings=config.max_position_embeddings,
-        )
+def _mlp(args: ModelArgs, part: Partition, layer_index: int, kernels, group) -> nn.Module:
+    """The layer's feed-forward block: the gated MLP, or the experts where
+    a mixture-of-experts family puts them (args.moe)."""
+    moe = args.moe
+    if moe is not None and moe.layers[layer_index]:
+        return FusedMoE(args.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
+                        kernels, renormalize=moe.renormalize,
+                        weights_in_input_dtype=moe.weights_in_input_dtype, group=group)
+    return MLP(args.hidden_size, part.intermediate_size, args.mlp_bias, kernels, group,
+               args.hidden_act)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, part: Partition, layer_index: int, kernels, group) -> None:
+    def __init__(self, args: ModelArgs, part: Partition, layer_index: int, kernels, group,
+                 qk_norm=None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.self_attn = Attention(args, part, layer_index, kernels, group)
+        self.self_attn = Attention(args, part, layer_index, kernels, group, qk_norm)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.mlp = MLP(args.hidden_size, part.intermediate_size, args.mlp_bias, kernels, group)
+        self.mlp = _mlp(args, part, layer_index, kernels, group)
 
     def forward(self, rope_tables, hidden, residual, kv_cache, meta):
         """(the previous layer's MLP output, the residual stream) -> the same for
@@ -109,37 +77,41 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-# Checkpoint tensors that are packed into one of our fused projections:
-# checkpoint name -> (fused name, index of the shard inside it).
-PACKED_SHARDS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CheckpointLoading, nn.Module):
     """The whole model, or with `group` set, one tensor-parallel rank's slice
     of it (`partition`): the layers' sizes are the slice's, the hidden size
     and everything between the layers are whole and equal on every rank."""
 
+    LAYER: type[nn.Module] = DecoderLayer
+    NORM: type[nn.Module] = RMSNorm
+    QK_NORM: type[nn.Module] | None = None  # a per-head norm of q and k before RoPE
+    TENSOR_PARALLEL = True  # whether its checkpoints can be sliced per rank
+
+    @classmethod
+    def model_args(cls, hf_config) -> ModelArgs:
+        """What this family reads from an HF config (Qwen2 biases q/k/v, not o)."""
+        if "Qwen2ForCausalLM" in (getattr(hf_config, "architectures", None) or ()):
+            return ModelArgs.from_hf_config(hf_config, qkv_bias=True, o_bias=False)
+        return ModelArgs.from_hf_config(hf_config)
+
     def __init__(self, hf_config, max_positions: int, kernels,
                  partition: Partition | None = None, group=None) -> None:
         super().__init__()
-        self.args = args = LlamaArgs.from_hf_config(hf_config)
+        self.args = args = self.model_args(hf_config)
         self.partition = part = partition or Partition.of(args)
         self.group = group
         self.embed_tokens = VocabParallelEmbedding(part, args.hidden_size, kernels, group)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, part, i, kernels, group) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.rope = RotaryEmbedding(hf_config, max_positions)
+            self.LAYER(args, part, i, kernels, group, self.QK_NORM) for i in range(args.num_layers))
+        self.norm = self.NORM(args.hidden_size, args.rms_norm_eps, kernels)
+        self.rope = self.make_rope(hf_config, max_positions)
         self.kernels = kernels
         self.lm_head = None
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, part.vocab_rows, False, kernels)
+
+    def make_rope(self, hf_config, max_positions: int) -> nn.Module:
+        return RotaryEmbedding(hf_config, max_positions)
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every scheduled token: [num_tokens, hidden_size]."""
@@ -178,51 +150,3 @@ class LlamaForCausalLM(nn.Module):
             attention.o_proj = Int4Linear.from_linear(attention.o_proj)
             mlp.gate_up_proj = Int4Linear.from_linear(mlp.gate_up_proj)
             mlp.down_proj = Int4Linear.from_linear(mlp.down_proj)
-
-    # -- weights -------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the model, packing fused projections."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, offset = self._target_of(name)
-            if target is None:
-                continue
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            rows = tensor.shape[0]
-            start = self._shard_offset(target, offset)
-            param.data[start : start + rows].copy_(tensor)
-            loaded.add(f"{target}#{offset}")
-        self._check_all_loaded(params, loaded)
-
-    def _target_of(self, name: str) -> tuple[str | None, int]:
-        name = name.removeprefix("model.")
-        if "rotary_emb.inv_freq" in name:
-            return None, 0
-        if name == "lm_head.weight" and self.lm_head is None:
-            return None, 0  # tied: the embedding is the head
-        for part, (fused, index) in PACKED_SHARDS.items():
-            if f".{part}." in name:
-                return name.replace(part, fused), index
-        return name, 0
-
-    def _shard_offset(self, target: str, index: int) -> int:
-        """Where a checkpoint tensor (this rank's slice of it) starts in its fused projection."""
-        part, head_dim = self.partition, self.args.head_dim
-        if ".qkv_proj." in target:
-            q, kv = part.num_heads * head_dim, part.num_kv_heads * head_dim
-            return (0, q, q + kv)[index]
-        if ".gate_up_proj." in target:
-            return index * part.intermediate_size
-        return 0
-
-    def _check_all_loaded(self, params: dict, loaded: set[str]) -> None:
-        missing = []
-        for name in params:
-            shards = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
-            if any(f"{name}#{i}" not in loaded for i in range(shards)):
-                missing.append(name)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")

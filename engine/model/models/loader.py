@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -147,6 +148,17 @@ def iter_safetensors(folder: Path, partition=None) -> Iterator[tuple[str, torch.
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def initialize_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3,
+                             high: float = 1e-3) -> None:
+    """Every parameter uniform in [low, high), as vLLM's --load-format dummy does:
+    the model's real shapes and speed without its weights. Seeded per parameter
+    name, so every start (and every tensor-parallel rank) draws the same."""
+    for name, param in model.named_parameters():
+        generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+        with torch.no_grad():
+            param.uniform_(low, high, generator=generator)
 
 
 def load_tokenizer(folder: Path, required: bool = False):

@@ -104,7 +104,7 @@ struct Scratch {
       : q(size_t(max_rows) * head_dim), kf(size_t(kTile) * head_dim), vf(kf.size()),
         scores(size_t(max_rows) * kTile), part_m(max_rows), part_l(max_rows),
         part_acc(q.size()), tot_m(max_rows), tot_l(max_rows), tot_acc(q.size()),
-        zero_f(head_dim, 0.0f), zero_t(head_dim, T{}), visible(max_rows) {}
+        zero_f(head_dim, 0.0f), zero_t(head_dim, T{}), visible(max_rows), lo(max_rows) {}
   std::vector<QT> q;                 // rows x head_dim, loader layout when QT is float
   std::vector<float> kf, vf;         // one head's tile of K / V converted to fp32
   std::vector<float> scores;         // rows x kTile: scores, then weights
@@ -113,6 +113,7 @@ struct Scratch {
   std::vector<float> zero_f;         // a zero row: pads the last group of 8 tokens
   std::vector<T> zero_t;
   std::vector<int64_t> visible;      // per row of a head: context tokens it may see
+  std::vector<int64_t> lo;           // per row of a head: its sliding window's first token
   int64_t slots[2][kTile];           // element offsets of this tile's and the next tile's tokens
   Prefetcher ahead;                  // the next tile's lines, issued during P.V
 };
@@ -172,6 +173,47 @@ template <typename QT, typename KT>
 void score_row(const QT* q, const KT* const* k, int visible, int head_dim, float scale2, float* s) {
   for (int g = 0; g < visible; g += 8) dot8(q, k + g, head_dim, s + g);
   for (int i = 0; i < kTile; ++i) s[i] = i < visible ? s[i] * scale2 : kNegInf;
+}
+
+// tanh in fp32 for the soft cap: the odd rational minimax approximation of
+// degrees 13/6 (Eigen's, also XLA's and MLAS's; kernels/paged_attention.py
+// evaluates the same), clamped where tanh rounds to +-1.  Branch-free, about
+// 2e-7 absolute error: a tenth of a scalar tanhf's cost.
+constexpr float kTanhClamp = 7.90531110763549805f;
+constexpr float kTanhNum[7] = {-2.76076847742355e-16f, 2.00018790482477e-13f,
+                               -8.60467152213735e-11f, 5.12229709037114e-08f,
+                               1.48572235717979e-05f,  6.37261928875436e-04f,
+                               4.89352455891786e-03f};  // x^13 .. x^1
+constexpr float kTanhDen[4] = {1.19825839466702e-06f, 1.18534705686654e-04f,
+                               2.26843463243900e-03f, 4.89352518554385e-03f};  // x^6 .. x^0
+
+inline vec::F tanh_rational(vec::F x) {
+  x = vec::max(vec::min(x, vec::set1(kTanhClamp)), vec::set1(-kTanhClamp));
+  const vec::F x2 = vec::mul(x, x);
+  vec::F p = vec::set1(kTanhNum[0]), q = vec::set1(kTanhDen[0]);
+  for (int i = 1; i < 7; ++i) p = vec::fma(p, x2, vec::set1(kTanhNum[i]));
+  for (int i = 1; i < 4; ++i) q = vec::fma(q, x2, vec::set1(kTanhDen[i]));
+  return vec::div(vec::mul(p, x), q);
+}
+
+// score_row with the optional features: tokens before `lo` (a sliding
+// window's first token) are -inf too, and with a soft cap c each score
+// s = q.k * scale becomes c * tanh(s / c), in fp32 (cap_scale = scale / c,
+// cap2 = c * log2(e); 0: no cap).  Groups of 8 wholly before `lo` are not
+// multiplied at all.
+template <typename QT, typename KT>
+void score_row_features(const QT* q, const KT* const* k, int lo, int visible, int head_dim,
+                        float scale2, float cap_scale, float cap2, float* s) {
+  for (int g = lo & ~7; g < visible; g += 8) dot8(q, k + g, head_dim, s + g);
+  if (cap2 > 0.0f) {  // the whole tile: lanes outside [lo, visible) are masked below
+    const vec::F c2 = vec::set1(cap2), cs = vec::set1(cap_scale);
+    for (int i = 0; i < kTile; i += vec::W)
+      vec::store(s + i, vec::mul(c2, tanh_rational(vec::mul(vec::load(s + i), cs))));
+  } else {
+    for (int i = lo; i < visible; ++i) s[i] *= scale2;
+  }
+  for (int i = 0; i < lo; ++i) s[i] = kNegInf;
+  for (int i = visible; i < kTile; ++i) s[i] = kNegInf;
 }
 
 // Online softmax over one tile: scores -> weights, running max / sum updated

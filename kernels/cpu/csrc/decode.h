@@ -6,6 +6,8 @@
 //   short batch or one long row:  long contexts split into kPartition items
 //     item -> (max, sum, acc) per query row in `partials`
 //     merge_partials folds them in order, exactly as one whole item would.
+//   sliding window W: a sequence's items start at the tile holding its
+//     (L - W)th token; the blocks before it are never read.
 #pragma once
 
 #include <ATen/ops/empty.h>
@@ -31,30 +33,33 @@ struct DecodePlan {
 };
 
 // Whole sequences as items, unless one is more than half of a thread's fair
-// share of the work: then long contexts are cut into partitions too.
-inline DecodePlan plan_decode(const int32_t* lens, int64_t seqs, int64_t threads) {
+// share of the work: then long contexts are cut into partitions too.  A
+// sequence's work starts at `first` (0, or the tile its window starts in).
+inline DecodePlan plan_decode(const int32_t* lens, int64_t seqs, int64_t threads, int64_t window) {
   DecodePlan plan;
+  std::vector<int64_t> first(seqs);
   int64_t total = 0, longest = 0;
   for (int64_t i = 0; i < seqs; ++i) {
-    total += lens[i];
-    longest = std::max<int64_t>(longest, lens[i]);
+    first[i] = window_lo(lens[i], window) / kTile * kTile;
+    total += lens[i] - first[i];
+    longest = std::max<int64_t>(longest, lens[i] - first[i]);
   }
   const bool split = threads > 1 && longest > kPartition && 2 * longest * threads > total;
   plan.first_partial.assign(seqs, -1);
   plan.parts.assign(seqs, 0);
   for (int64_t i = 0; i < seqs; ++i) {
     const int64_t len = lens[i];
-    if (!split || len <= kPartition) {
-      plan.items.push_back({i, 0, len, -1});
+    if (!split || len - first[i] <= kPartition) {
+      plan.items.push_back({i, first[i], len, -1});
       continue;
     }
-    const int64_t parts = (len + kPartition - 1) / kPartition;
+    const int64_t p0 = first[i] / kPartition, parts = (len + kPartition - 1) / kPartition - p0;
     plan.first_partial[i] = plan.num_partials;
     plan.parts[i] = parts;
     plan.split_seqs.push_back(i);
     for (int64_t p = 0; p < parts; ++p)
-      plan.items.push_back({i, p * kPartition, std::min(len, (p + 1) * kPartition),
-                            plan.num_partials + p});
+      plan.items.push_back({i, std::max(first[i], (p0 + p) * kPartition),
+                            std::min(len, (p0 + p + 1) * kPartition), plan.num_partials + p});
     plan.num_partials += parts;
   }
   std::stable_sort(plan.items.begin(), plan.items.end(), [](const DecodeItem& a, const DecodeItem& b) {
@@ -75,9 +80,13 @@ void decode_item(Scratch<T, QT>& s, const DecodeArgs<T>& a, const DecodeItem& it
   const int heads = int(a.l.heads), head_dim = int(a.l.head_dim);
   const T* query = a.query + it.seq * heads * head_dim;
   for (int h = 0; h < heads; ++h) prepare_query(query + h * head_dim, head_dim, &s.q[size_t(h) * head_dim]);
-  for (int g = 0; g < a.l.group; ++g) s.visible[g] = a.lens[it.seq];
-  Work<T> w{kv_view<T>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, 0, int(a.l.kv_heads)),
-            int(a.l.group), s.visible.data(), a.scale2};
+  for (int g = 0; g < a.l.group; ++g) {
+    s.visible[g] = a.lens[it.seq];
+    s.lo[g] = window_lo(a.lens[it.seq], a.window);
+  }
+  const Work<T> w = make_work(a, kv_view<T>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, 0,
+                                            int(a.l.kv_heads)),
+                              int(a.l.group), s.visible.data(), s.lo.data());
   attend(s, w, it.begin, it.end, a.convert);
   if (it.partial < 0) {
     T* out = a.out + it.seq * heads * head_dim;
@@ -113,14 +122,16 @@ void merge_partials(Scratch<T, QT>& s, const DecodeArgs<T>& a, const DecodePlan&
 template <typename T>
 void decode_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
-                  double scale, at::Tensor& out) {
+                  double scale, const Features& f, at::Tensor& out) {
   using QT = QueryOf<T>;
-  const DecodePlan plan = plan_decode(lens.data_ptr<int32_t>(), query.size(0), at::get_num_threads());
+  const DecodePlan plan =
+      plan_decode(lens.data_ptr<int32_t>(), query.size(0), at::get_num_threads(), f.window);
   at::Tensor part_ml = at::empty({plan.num_partials, l.heads, 2}, query.options().dtype(at::kFloat));
   at::Tensor part_acc = at::empty({plan.num_partials, l.heads, l.head_dim}, part_ml.options());
   const DecodeArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
                          k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                         float(scale) * kLog2e, !std::is_same_v<T, float> && l.group > kRowBlock},
+                         float(scale) * kLog2e, !std::is_same_v<T, float> && l.group > kRowBlock,
+                         f.window, f.cap_scale, f.cap2},
                         part_ml.data_ptr<float>(), part_acc.data_ptr<float>()};
   auto make = [&] { return Scratch<T, QT>(int(l.heads), int(l.head_dim)); };
   run_items(int64_t(plan.items.size()), make,
@@ -131,15 +142,17 @@ void decode_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_c
 
 inline at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                         const at::Tensor& context_lens, double scale) {
+                                         const at::Tensor& context_lens, double scale,
+                                         int64_t sliding_window, double logits_soft_cap) {
   const Layer l = check_inputs(query, k_cache, v_cache, block_tables, context_lens);
+  const Features f = features(sliding_window, logits_soft_cap, scale);
   const int64_t seqs = query.size(0);
   TORCH_CHECK_VALUE(context_lens.numel() == seqs && block_tables.size(0) >= seqs,
                     "paged_decode_attention: one context_len and one block table row per query");
   check_tables(l, block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), seqs);
   at::Tensor out = at::empty_like(query);
   dispatch_dtype(query.scalar_type(), [&](auto tag) {
-    decode_typed<decltype(tag)>(l, query, k_cache, v_cache, block_tables, context_lens, scale, out);
+    decode_typed<decltype(tag)>(l, query, k_cache, v_cache, block_tables, context_lens, scale, f, out);
   });
   return out;
 }

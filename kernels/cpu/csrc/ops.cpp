@@ -5,6 +5,10 @@
 // ops of a Llama layer, one pass each: RMSNorm with its residual add
 // (rms_norm.h), RoPE (rope.h), SiLU(gate) * up (activation.h).
 //
+// Both attention ops take two optional features: sliding_window W (a query
+// sees only its last W tokens; blocks before the window are never read) and
+// logits_soft_cap c (Gemma 2: each score s becomes c * tanh(s / c)); 0 = off.
+//
 // Work items are (sequence, kv head) for decode, (sequence, kv head, tile of
 // query tokens) for prefill: the query heads of a kv group share every K/V
 // load.  Items go longest first to whichever thread is free.  A decode batch
@@ -42,10 +46,12 @@ std::string isa_name() { return PAGEDSERVE_ISA_NAME; }
 
 PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor",
+        "Tensor block_tables, Tensor context_lens, float scale, int sliding_window=0, "
+        "float logits_soft_cap=0.0) -> Tensor",
         &pagedserve::paged_decode_attention);
   m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale) -> Tensor",
+        "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale, "
+        "int sliding_window=0, float logits_soft_cap=0.0) -> Tensor",
         &pagedserve::paged_prefill_attention);
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor",
         &pagedserve::linear_bf16);

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <atomic>
 #include <type_traits>
 
@@ -65,7 +66,35 @@ struct OpArgs {
   const int32_t* lens;
   float scale2;   // softmax scale * log2(e)
   bool convert;   // convert K/V tiles to fp32 once (many rows) rather than per row
+  int64_t window;                // sliding window W (a query sees its last W tokens); 0: none
+  float cap_scale, cap2;         // logits soft cap c: scale / c and c * log2(e); 0: none
 };
+
+// The ops' optional features, as OpArgs holds them: sliding_window <= 0 and
+// logits_soft_cap <= 0 mean none.
+struct Features {
+  int64_t window;
+  float cap_scale, cap2;
+};
+
+inline Features features(int64_t sliding_window, double logits_soft_cap, double scale) {
+  if (logits_soft_cap <= 0.0) return {std::max<int64_t>(sliding_window, 0), 0.0f, 0.0f};
+  return {std::max<int64_t>(sliding_window, 0), float(scale / logits_soft_cap),
+          float(logits_soft_cap) * kLog2e};
+}
+
+// Where a row that sees `visible` tokens starts with a window (0 without one).
+inline int64_t window_lo(int64_t visible, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, visible - window) : 0;
+}
+
+// One item's Work: its K/V and rows, with the op call's scale and features
+// (`lo`, each row's window start, only where there is a window).
+template <typename T>
+Work<T> make_work(const OpArgs<T>& a, const KvView<T>& kv, int rows, const int64_t* visible,
+                  const int64_t* lo) {
+  return {kv, rows, visible, a.scale2, a.window > 0 ? lo : nullptr, a.cap_scale, a.cap2};
+}
 
 // Every block a context needs must exist: a bad table would read out of bounds.
 inline void check_tables(const Layer& l, const int32_t* tables, const int32_t* lens, int64_t seqs) {

@@ -8,6 +8,12 @@
 //     j0       ######################....                 (# = visible)
 //     j0+1     #######################...
 //     j1-1     ##########################
+//
+//   sliding window W: row (j, g) sees only its last W tokens, a band; the
+//   item starts at the tile of its first row's first token
+//
+//     j0       ......######....
+//     j1-1     .........######.
 #pragma once
 
 #include <ATen/ops/empty_like.h>
@@ -30,7 +36,7 @@ struct PrefillArgs : OpArgs<T> {
 };
 
 inline std::vector<PrefillItem> plan_prefill(const Layer& l, const int32_t* cu, const int32_t* lens,
-                                             int64_t seqs, int64_t tokens_per_item) {
+                                             int64_t seqs, int64_t tokens_per_item, int64_t window) {
   std::vector<PrefillItem> items;
   std::vector<int64_t> cost;
   for (int64_t i = 0; i < seqs; ++i) {
@@ -39,8 +45,9 @@ inline std::vector<PrefillItem> plan_prefill(const Layer& l, const int32_t* cu, 
       for (int64_t h = 0; h < l.kv_heads; ++h)
         items.push_back({i, h, j0, std::min(nq, j0 + tokens_per_item)});
   }
-  auto work = [&](const PrefillItem& it) {  // rows x the longest row's context
-    return (it.j1 - it.j0) * (lens[it.seq] - (cu[it.seq + 1] - cu[it.seq]) + it.j1);
+  auto work = [&](const PrefillItem& it) {  // rows x the tokens the item reads
+    const int64_t first = lens[it.seq] - (cu[it.seq + 1] - cu[it.seq]) + it.j0 + 1;
+    return (it.j1 - it.j0) * (first + it.j1 - it.j0 - 1 - window_lo(first, window));
   };
   std::stable_sort(items.begin(), items.end(),
                    [&](const PrefillItem& a, const PrefillItem& b) { return work(a) > work(b); });
@@ -58,11 +65,13 @@ void prefill_item(Scratch<T, QT>& s, const PrefillArgs<T>& a, const PrefillItem&
       const int r = int(j - it.j0) * group + g;
       prepare_query(a.query + (row0 + g) * head_dim, head_dim, &s.q[size_t(r) * head_dim]);
       s.visible[r] = len - nq + j + 1;
+      s.lo[r] = window_lo(s.visible[r], a.window);
     }
   }
-  Work<T> w{kv_view<T>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, int(it.head), 1), rows,
-            s.visible.data(), a.scale2};
-  attend(s, w, 0, s.visible[rows - 1], a.convert);
+  const Work<T> w = make_work(a, kv_view<T>(a.l, a.k_cache, a.v_cache, a.tables, it.seq,
+                                            int(it.head), 1),
+                              rows, s.visible.data(), s.lo.data());
+  attend(s, w, s.lo[0] / kTile * kTile, s.visible[rows - 1], a.convert);
   for (int64_t j = it.j0; j < it.j1; ++j) {
     const int64_t row0 = (a.cu[it.seq] + j) * a.l.heads + it.head * group;
     for (int g = 0; g < group; ++g) {
@@ -93,15 +102,16 @@ inline void check_prefill(const at::Tensor& query, const at::Tensor& cu_t, const
 template <typename T>
 void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& cu,
-                   const at::Tensor& lens, double scale, at::Tensor& out) {
+                   const at::Tensor& lens, double scale, const Features& f, at::Tensor& out) {
   using QT = QueryOf<T>;
   const int64_t tokens_per_item = std::max<int64_t>(1, kPrefillRows / l.group);
-  const std::vector<PrefillItem> items =
-      plan_prefill(l, cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.numel(), tokens_per_item);
+  const std::vector<PrefillItem> items = plan_prefill(
+      l, cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.numel(), tokens_per_item, f.window);
   const PrefillArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
                           k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                           float(scale) * kLog2e,
-                          !std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock},
+                          !std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock,
+                          f.window, f.cap_scale, f.cap2},
                          cu.data_ptr<int32_t>()};
   auto make = [&] { return Scratch<T, QT>(int(tokens_per_item * l.group), int(l.head_dim)); };
   run_items(int64_t(items.size()), make,
@@ -111,8 +121,10 @@ void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_
 inline at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                                           const at::Tensor& cu_seqlens_q,
-                                          const at::Tensor& context_lens, double scale) {
+                                          const at::Tensor& context_lens, double scale,
+                                          int64_t sliding_window, double logits_soft_cap) {
   const Layer l = check_inputs(query, k_cache, v_cache, block_tables, context_lens);
+  const Features f = features(sliding_window, logits_soft_cap, scale);
   check_prefill(query, cu_seqlens_q, context_lens, block_tables);
   const int64_t seqs = context_lens.numel();
   check_tables(l, block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), seqs);
@@ -122,7 +134,7 @@ inline at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Ten
   at::Tensor out = covered ? at::empty_like(query) : at::zeros_like(query);
   dispatch_dtype(query.scalar_type(), [&](auto tag) {
     prefill_typed<decltype(tag)>(l, query, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                 context_lens, scale, out);
+                                 context_lens, scale, f, out);
   });
   return out;
 }

@@ -1,0 +1,73 @@
+"""Runner: what LLMEngine needs of whatever runs the model, and what a step gives back.
+
+ModelRunner (engine/model/model_runner.py) is one, the tensor-parallel runner
+(engine/model/distributed/executor.py) another. `LLMEngine(config,
+runner=..., model_info=...)` takes any object of this shape and loads
+nothing: the benchmarks' null model that "samples" fake tokens
+(bench/null_engine.py) or a wrapper that times the real runner
+(bench/driver.py). What the engine must know of the model itself
+(vocabulary, EOS ids, fingerprint, tokenizer) is not the runner's business:
+see engine.model.model_info.ModelInfo.
+
+The engine uses every member as it is, without probing for it: a runner with
+nothing to do for one (a single process has no workers to stop, a null model
+no K/V to copy) implements it trivially.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.core.sched_output import SchedulerOutput
+from engine.sampling.sampler import SamplerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    seq_ids: list[int]  # the sequences that sampled, in the order of the sampler's rows
+    sampled: SamplerOutput
+
+
+class Runner(Protocol):
+    # KV blocks, the null block 0 included: the engine sizes its block manager from it.
+    num_blocks: int
+    # Where seeded requests' generators are made; on CUDA the offload tiers pin host memory.
+    device: torch.device | str
+    # The dtype of the model and its KV cache: in the offload tiers' namespace (a
+    # block computed in bfloat16 is no use to a float32 replica), and in the service's
+    # prefix registry and metrics.
+    dtype: torch.dtype
+    # The window every layer attends within (Mistral, Phi-3, Mixtral), or None: the
+    # block manager then releases blocks that left it (free_outside_window).
+    sliding_window: int | None
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: a sampled token for every sequence whose `sampling` is set."""
+
+    @property
+    def failure(self) -> str | None:
+        """Why the runner cannot step even while idle (a tensor-parallel worker
+        died), or None: LLMEngine.failure, which /health reports."""
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (worker processes);
+        called by LLMEngine.close, safe to repeat."""
+
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        """{"weights_bytes", "kv_cache_bytes"} of each tensor-parallel rank, in rank
+        order: the service's memory metrics."""
+
+    # -- whole blocks as bytes, for the KV offload tiers (engine/core/kv_offload/) --
+    def block_record_bytes(self) -> int:
+        """Bytes of one block's K/V over all layers and ranks: a row of read_blocks,
+        the payload an offload tier stores."""
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copies of the blocks' K/V: [len(block_ids), block_record_bytes()] uint8 on
+        the CPU, taken now (the blocks may be reused right after)."""
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """The inverse of read_blocks: fill the blocks from rows of bytes."""
