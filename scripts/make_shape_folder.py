@@ -67,17 +67,8 @@ def make_config(name: str):
             sliding_window=32768, max_window_layers=24, attention_dropout=0.0,
             dtype="bfloat16", **common)
     if name == "llama-3.2-1b":
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
-            architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
-            num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-            vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072,
-            rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
-            rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            dtype="bfloat16", **common)
+        return llama3(common, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      head_dim=64, tie_word_embeddings=True, factor=32.0)
     if name == "qwen3-moe-small":
         from transformers import Qwen3MoeConfig
 
@@ -92,19 +83,24 @@ def make_config(name: str):
     return make_gpu_config(name, common)
 
 
+def llama3(common: dict, factor: float, **shape):
+    """A Llama 3.x config: 32 heads / 8 KV heads, vocab 128256, llama3 RoPE scaling."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"], num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        attention_bias=False, mlp_bias=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        dtype="bfloat16", **shape, **common)
+
+
 def make_gpu_config(name: str, common: dict):
     """The shapes `make gpu-bench` runs on one 80 GB GPU."""
     if name == "llama-3.1-8b":
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
-            architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
-            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-            vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,
-            rms_norm_eps=1e-5, rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            dtype="bfloat16", **common)
+        return llama3(common, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      head_dim=128, tie_word_embeddings=False, factor=8.0)
     if name == "qwen3-8b":
         from transformers import Qwen3Config
 

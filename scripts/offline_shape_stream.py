@@ -22,14 +22,9 @@ import json
 import random
 import time
 
+from offline_one_stream import timed  # scripts/ is this script's folder
 
-def timed(generate, prompts: list[list[int]], tokens: int, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        generate(prompts, tokens)
-        best = min(best, time.perf_counter() - started)
-    return best
+
 
 
 def pagedserve_generate(args):

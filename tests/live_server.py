@@ -101,6 +101,17 @@ def tiny_config(model_path, engine: dict | None = None, **service) -> ServiceCon
                          served_model_name="tiny", **service)
 
 
+def child_healthy(process, url: str, output) -> bool:
+    """Whether a server started as a child process answers /health with 200;
+    raises with its output (`output()`) if it has exited."""
+    if process.poll() is not None:
+        raise RuntimeError(f"the server exited with {process.returncode}:\n{output()}")
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -74,20 +74,30 @@ CONFIGS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "smollm2"])
-def model_case(request, tiny_llama_path, smollm2_path):
+def hf_case(model_name: str, path):
+    """(name, folder, prompts, HF's greedy outputs) of a model folder."""
     from transformers import AutoTokenizer
 
-    path = tiny_llama_path if request.param == "tiny-llama" else smollm2_path
     prompts = make_prompts(AutoTokenizer.from_pretrained(str(path)))
-    return request.param, path, prompts, hf_greedy(path, prompts, NUM_NEW_TOKENS, "cpu")
+    return model_name, path, prompts, hf_greedy(path, prompts, NUM_NEW_TOKENS, "cpu")
 
 
-@pytest.mark.parametrize("name,engine_args,preempts", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_greedy_matches_hf(model_case, name, engine_args, preempts):
-    model_name, path, prompts, expected = model_case
+def check_greedy(case, name: str, engine_args: dict, preempts: bool) -> dict:
+    """The engine's greedy outputs under `engine_args` against HF's (the rule above)."""
+    model_name, path, prompts, expected = case
     actual, num_preemptions = engine_greedy(path, prompts, **engine_args)
     if preempts:
         assert num_preemptions > 0, "the KV budget was meant to force preemption"
     result = compare(expected, actual)
     assert result["ok"], f"{model_name}/{name}: diverged beyond a near-tie at {result['failures']}"
+    return result
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "smollm2"])
+def model_case(request, tiny_llama_path, smollm2_path):
+    return hf_case(request.param, tiny_llama_path if request.param == "tiny-llama" else smollm2_path)
+
+
+@pytest.mark.parametrize("name,engine_args,preempts", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_greedy_matches_hf(model_case, name, engine_args, preempts):
+    check_greedy(model_case, name, engine_args, preempts)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_compare import compare, hf_greedy
-from test_hf_parity import NUM_NEW_TOKENS, engine_greedy, make_prompts
+from test_hf_parity import check_greedy, hf_case
 from tiny_models import FAMILIES, make_tiny_family
 
 # Families whose every layer slides: the engine releases blocks behind the
@@ -35,19 +34,12 @@ CONFIGS = [
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_case(request, tmp_path_factory, smollm2_path, single_thread):
-    from transformers import AutoTokenizer
-
-    path = make_tiny_family(tmp_path_factory.mktemp(request.param), request.param, smollm2_path)
-    prompts = make_prompts(AutoTokenizer.from_pretrained(str(path)))
-    return request.param, path, prompts, hf_greedy(path, prompts, NUM_NEW_TOKENS, "cpu")
+    folder = tmp_path_factory.mktemp(request.param)
+    return hf_case(request.param, make_tiny_family(folder, request.param, smollm2_path))
 
 
 @pytest.mark.parametrize("name,engine_args,preempts", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_family_greedy_matches_hf(family_case, name, engine_args, preempts):
-    family, path, prompts, expected = family_case
-    actual, num_preemptions = engine_greedy(path, prompts, **engine_args)
-    if preempts and family not in ALL_SLIDING:
-        assert num_preemptions > 0, "the KV budget was meant to force preemption"
-    result = compare(expected, actual)
-    assert result["ok"], f"{family}/{name}: diverged beyond a near-tie at {result['failures']}"
+    family, _, prompts, _ = family_case
+    result = check_greedy(family_case, name, engine_args, preempts and family not in ALL_SLIDING)
     assert result["exact"] >= len(prompts) - 2, f"{family}/{name}: too many near-ties {result}"

@@ -325,8 +325,10 @@ def test_abandoned_non_streaming_request_is_aborted(long_server, how):
 
         with pytest.raises(httpx.ReadTimeout):
             # The read timeout fires while the server is still generating; httpx then
-            # drops the connection, which is all the server sees of it.
-            httpx.post(live.url + path, json=body, timeout=httpx.Timeout(20, read=1.0))
+            # drops the connection, which is all the server sees of it. Half a second:
+            # the tiny model makes ~475 tokens a second since outputs became deltas,
+            # and a 1 s wait let it pass half of max_tokens before the abort.
+            httpx.post(live.url + path, json=body, timeout=httpx.Timeout(20, read=0.5))
         closed = step_when_released(live)
     else:
         path, body, seqs = COMPLETIONS, {"prompt": [[1, 2, 3], [4, 5]], "n": 2, **LONG}, 4

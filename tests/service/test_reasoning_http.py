@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from live_server import free_port, wait_until
+from live_server import child_healthy, free_port, wait_until
 from tiny_models import THINK_TOKENS, make_tiny_thinker, teach_to_end_thought
 
 openai = pytest.importorskip("openai")
@@ -61,15 +61,6 @@ def start(folder: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     return process, f"http://127.0.0.1:{port}"
 
 
-def healthy(process: subprocess.Popen, url: str, log: Path) -> bool:
-    if process.poll() is not None:
-        raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read_text()}")
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory, smollm2_path):
     from transformers import AutoTokenizer
@@ -84,7 +75,9 @@ def thinker(tmp_path_factory, smollm2_path):
     log = tmp_path_factory.mktemp("logs") / "server.log"
     process, url = start(folder, log, "--reasoning-parser", "qwen3")
     try:
-        if not wait_until(lambda: healthy(process, url, log), timeout=180, interval=0.2):
+        up = wait_until(lambda: child_healthy(process, url, log.read_text), timeout=180,
+                        interval=0.2)
+        if not up:
             raise TimeoutError(f"the server did not become healthy:\n{log.read_text()}")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                                timeout=120)

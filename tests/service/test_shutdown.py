@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from live_server import free_port, wait_until
+from live_server import child_healthy, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 200
@@ -72,12 +72,7 @@ def start_server(model_path, tmp_path: Path, grace_seconds: float,
     child = ChildServer(process, f"http://127.0.0.1:{port}", log)
 
     def healthy() -> bool:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{child.output()}")
-        try:
-            return httpx.get(f"{child.url}/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
+        return child_healthy(process, child.url, child.output)
 
     if not wait_until(healthy, timeout=120, interval=0.1):
         stop(child)
