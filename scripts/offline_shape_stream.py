@@ -25,8 +25,6 @@ import time
 from offline_one_stream import timed  # scripts/ is this script's folder
 
 
-
-
 def pagedserve_generate(args):
     from engine import LLM, SamplingParams
 
