@@ -69,9 +69,9 @@ class RequestOutput:
                 continue
             whole.text += new.text
             whole.token_ids.extend(new.token_ids)
-            if new.logprobs is not None:
-                whole.logprobs = (whole.logprobs or []) + new.logprobs
-                whole.top_logprobs = (whole.top_logprobs or []) + new.top_logprobs
+            if new.logprobs is not None:  # extended in place: no copy of what came before
+                whole.logprobs.extend(new.logprobs)
+                whole.top_logprobs.extend(new.top_logprobs)
             whole.finish_reason, whole.stop_reason = new.finish_reason, new.stop_reason
         self.outputs.sort(key=lambda c: c.index)
         self.finished = delta.finished
