@@ -67,6 +67,8 @@ class TimingRunner:
         self.device = runner.device
         self.dtype = runner.dtype
         self.sliding_window = runner.sliding_window
+        self.hybrid_window = runner.hybrid_window
+        self.num_window_blocks = runner.num_window_blocks
         self.seconds = 0.0
 
     def execute(self, output: SchedulerOutput):

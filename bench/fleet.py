@@ -14,6 +14,10 @@ The hit rate is cached prompt tokens over prompt tokens (from each answer's
 usage). Every replica runs the same flags but --redis-url, and only one is
 measured at a time while the others stay idle, so the ratios compare like
 with like.
+
+`--routing` runs another benchmark instead (bench/routing.py): one multi-tenant
+workload through round robin, nginx session hashing and vllm-router's
+cache_aware and kv_aware policies, N fresh replicas for each.
 """
 
 from __future__ import annotations
@@ -272,11 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="write the report as JSON")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="flags for every replica (last on the line)")
+    from bench import routing  # imports this module: here, not at the top
+
+    routing.add_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench import routing  # imports this module: here, not at the top
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.routing:
+        return routing.main(args, argv)
     with tempfile.TemporaryDirectory(prefix="pagedserve-fleet-") as folder:
         report = run_benchmark(args, Path(folder))
     print_report(report)

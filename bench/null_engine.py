@@ -54,6 +54,7 @@ class NullRunner:
     dtype = torch.float32  # nominal: there are no weights and no K/V
     failure = None  # no workers to lose
     sliding_window = None  # full attention: every block stays needed
+    hybrid_window, num_window_blocks = None, 0  # one KV pool
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

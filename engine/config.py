@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # kernels.BACKEND_NAMES, restated so that building a config (and --help) imports
 # no torch; tests/kernels/test_kernels_api.py holds the two equal.
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = (None, "int4")
 # vLLM's names: "dummy" fills the weights at random from config.json alone (benchmarks).
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -71,6 +72,12 @@ class EngineConfig:
         "help": "CPU: KV cache budget in bytes"})
     # Tests: an exact number of KV blocks, to force preemption on a tiny cache.
     num_gpu_blocks_override: int | None = field(default=None, metadata={"cli": False})
+    # Tests: the same for the sliding layers' own pool of a hybrid model.
+    num_window_blocks_override: int | None = field(default=None, metadata={"cli": False})
+    disable_hybrid_kv_cache_manager: bool = field(default=False, metadata={
+        "help": "give the sliding layers of a model that mixes sliding and global layers "
+                "(Gemma 2/3) no KV pool of their own: every block stays held for every "
+                "layer (the KV offload tiers imply it)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV blocks of shared prompt prefixes"})
     # Scheduler.
@@ -78,6 +85,11 @@ class EngineConfig:
         "help": "most sequences in one step"})
     max_num_batched_tokens: int = field(default=8192, metadata={
         "help": "most tokens in one step (the chunked-prefill budget)"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "fcfs: first come, first served; priority: a request's `priority` first "
+                "(lower values first, then arrival), and a preemption takes the lowest "
+                "priority, as vLLM's --scheduling-policy",
+        "choices": SCHEDULING_POLICIES})
     schedule_conservativeness: float = field(default=1.0, metadata={
         "help": "how many free KV blocks admission keeps for the running sequences' "
                 "expected growth: 0 admits whenever a prompt fits (preempting more "
@@ -99,12 +111,20 @@ class EngineConfig:
         "help": "CPU: torch threads for the model; 0: torch's default, one per core"})
     # KV cache events for a KV-cache-aware router (engine/core/kv_events.py).
     kv_events_endpoint: str | None = field(default=None, metadata={
-        "help": "publish KV cache events (vLLM's schema, for llm-d's KV-cache-aware "
-                "router) on this ZMQ endpoint: tcp://*:5557 or ipc:// binds it, "
-                "tcp://host:port connects to a subscriber that bound it; unset: no events"})
+        "help": "publish KV cache events (vLLM's schema, for a KV-cache-aware router: "
+                "vllm-router, llm-d) on this ZMQ endpoint, which is bound as vLLM binds "
+                "it: tcp://127.0.0.1:5557 listens on loopback, tcp://*:5557 on every "
+                "interface, ipc:// on a socket file; routers connect; unset: no events"})
     kv_events_topic: str = field(default="", metadata={
         "help": "the topic frame of every KV event message (llm-d reads the pod and "
-                "model names from it)"})
+                "model names from it; vllm-router reads only the empty topic)"})
+    kv_events_replay_endpoint: str | None = field(default=None, metadata={
+        "help": "bind a ZMQ ROUTER socket here that replays the last "
+                "--kv-events-buffer-steps event batches from a sequence number asked "
+                "for (vLLM's replay_endpoint; vllm-router's --kv-event-replay-source), "
+                "so a restarted router rebuilds its index; unset: no replay"})
+    kv_events_buffer_steps: int = field(default=10_000, metadata={
+        "help": "event batches kept for replay (vLLM's buffer_steps)"})
     # Offload tiers under the prefix cache (engine/core/kv_offload/).
     kv_offload_host_bytes: int = field(default=0, metadata={
         "help": "bytes of the host-memory KV tier (pinned on CUDA, a RAM pool on CPU); "
@@ -164,6 +184,7 @@ class EngineConfig:
             "kv_cache_memory_bytes": 1,
             "seed": 0,
             "num_threads": 0,
+            "kv_events_buffer_steps": 1,
             "kv_offload_host_bytes": 0,
             "kv_offload_disk_bytes": 1,
             "kv_offload_redis_ttl": 1,
@@ -198,6 +219,9 @@ class EngineConfig:
                 f"kernel_backend={self.kernel_backend!r} is not supported: "
                 f"choose one of {KERNEL_BACKENDS}"
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is not supported: "
+                             f"choose one of {SCHEDULING_POLICIES}")
         device = self.device
         if not isinstance(device, str) or not (
             device in ("auto", "cpu") or device.startswith("cuda")
@@ -205,12 +229,20 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
 
     def _check_kv_events(self) -> None:
-        endpoint = self.kv_events_endpoint
-        if endpoint is not None and not (
-            isinstance(endpoint, str) and endpoint.startswith(KV_EVENTS_SCHEMES)
-        ):
-            raise ValueError(f"kv_events_endpoint={endpoint!r} must start with "
-                             f"{', '.join(KV_EVENTS_SCHEMES)}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and not (
+                isinstance(endpoint, str) and endpoint.startswith(KV_EVENTS_SCHEMES)
+            ):
+                raise ValueError(f"{name}={endpoint!r} must start with "
+                                 f"{', '.join(KV_EVENTS_SCHEMES)}")
+        replay = self.kv_events_replay_endpoint
+        if replay is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint: it "
+                             "replays the events published there")
+        if replay is not None and replay == self.kv_events_endpoint:
+            raise ValueError(f"kv_events_replay_endpoint={replay!r} must differ from "
+                             "kv_events_endpoint: each is a socket of its own")
         if not isinstance(self.kv_events_topic, str):
             raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
 
@@ -219,6 +251,12 @@ class EngineConfig:
         """Some offload tier is configured."""
         return bool(self.kv_offload_host_bytes or self.kv_offload_disk_dir
                     or self.kv_offload_redis_url)
+
+    @property
+    def hybrid_kv_cache(self) -> bool:
+        """The sliding layers of a hybrid model get their own KV pool: unless
+        disabled, or the offload tiers are on (they move one pool's blocks)."""
+        return not (self.disable_hybrid_kv_cache_manager or self.kv_offload_enabled)
 
     def _check_offload(self) -> None:
         url = self.kv_offload_redis_url

@@ -27,6 +27,7 @@ FLOAT32_TINY = 2.0**-126
 # sampler do a large top-k over the vocabulary on every step.
 MAX_LOGPROBS = 20
 
+_INT32_MAX = 2**31 - 1
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -89,7 +90,10 @@ class SamplingParams:
         _check_float("top_p", self.top_p, lambda v: FLOAT32_TINY <= v <= 1,
                      f"a number in [{FLOAT32_TINY:.3g}, 1] (float32's smallest normal number "
                      f"and up)")
-        _check_int("top_k", self.top_k, minimum=0, allowed="an integer >= 0, or -1 to disable")
+        # A top_k past any vocabulary keeps every token; the bound keeps it a
+        # tensor element (a 2**80 once reached the sampler and stopped the engine).
+        _check_int("top_k", self.top_k, minimum=0, maximum=_INT32_MAX,
+                   allowed=f"an integer from 0 to {_INT32_MAX}, or -1 to disable")
         _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), lambda v: -2 <= v <= 2, "a number in [-2, 2]")

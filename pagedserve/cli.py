@@ -4,7 +4,7 @@
     pagedserve generate --prompt "Hello" [--chat] [engine flags]
     pagedserve fleet --redis-url redis://host:6379
     pagedserve chat [--base-url URL] [--system "..."]
-    pagedserve bench throughput|prefix|serve|scheduler|kernels|fleet|offload|structured [...]
+    pagedserve bench throughput|prefix|serve|scheduler|kernels|fleet|offload|structured|hostile [...]
 
 Each command is a module with `main(argv) -> int | None` that parses its own
 flags; this dispatcher only picks the module and hands it the rest of the
@@ -39,6 +39,8 @@ BENCHMARKS = MappingProxyType({
                    "throughput, mask time per step, compile time"),
     "output-overhead": ("bench.output_overhead", "per-token engine overhead of one long "
                         "stream, CUMULATIVE vs DELTA outputs, with a null model"),
+    "hostile": ("bench.hostile", "a plain chat's latency and running streams' token gaps "
+                "while hostile requests (compile-heavy schemas, 3,000 tools) are in flight"),
 })
 
 

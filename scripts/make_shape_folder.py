@@ -1,7 +1,7 @@
 """A config-only model folder with a real model's shapes, for `--load-format dummy`.
 
     .venv/bin/python scripts/make_shape_folder.py NAME OUT_DIR
-    NAME: qwen2-0.5b | llama-3.2-1b | qwen3-moe-small | llama-3.1-8b | qwen3-8b (GPU)
+    NAME: qwen2-0.5b | llama-3.2-1b | qwen3-moe-small | gemma-3-1b | llama-3.1-8b | qwen3-8b (GPU)
 
 BENCHMARK-ONLY. The folder holds config.json (the named model's shapes, written
 by transformers' own config class so it loads as that architecture) and
@@ -33,6 +33,10 @@ Shapes (from the models' published config.json files):
   8 layers instead of 128 and 48: 3.19 B parameters (6.4 GB in bf16), 0.76 B
   active per token (0.31 B of it the LM head). Not larger because a dummy load
   builds the model in float32 before casting (peak ~12.8 GB here).
+- gemma-3-1b: Gemma 3 1B (text): hidden 1152, intermediate 6912, 26 layers, 4
+  heads / 1 KV head, head_dim 256, vocab 262144, tied; every sixth layer global,
+  the others sliding over 512 tokens (local RoPE base 1e4, global 1e6),
+  query_pre_attn_scalar 256, 32768 positions, rms eps 1e-6.
 """
 
 from __future__ import annotations
@@ -80,6 +84,20 @@ def make_config(name: str):
             vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
             rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False,
             use_sliding_window=False, output_router_logits=False, dtype="bfloat16", **common)
+    if name == "gemma-3-1b":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(
+            architectures=["Gemma3ForCausalLM"], hidden_size=1152, intermediate_size=6912,
+            num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+            vocab_size=262144, tie_word_embeddings=True, max_position_embeddings=32768,
+            rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=512,
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                         for i in range(26)],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+            hidden_activation="gelu_pytorch_tanh", dtype="bfloat16",
+            **{k: v for k, v in common.items() if k != "hidden_act"})
     return make_gpu_config(name, common)
 
 
@@ -111,7 +129,7 @@ def make_gpu_config(name: str, common: dict):
             rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False,
             use_sliding_window=False, dtype="bfloat16", **common)
     raise SystemExit(f"unknown shape {name!r}: qwen2-0.5b | llama-3.2-1b | qwen3-moe-small | "
-                     "llama-3.1-8b | qwen3-8b")
+                     "gemma-3-1b | llama-3.1-8b | qwen3-8b")
 
 
 def pad_tokenizer(path: Path, vocab_size: int) -> None:

@@ -36,10 +36,12 @@ from service.metrics import RequestTimer
 class TimedStream:
     """A RequestStream that records latency metrics and reports a dead engine as 503."""
 
-    def __init__(self, stream: RequestStream, timer: RequestTimer) -> None:
+    def __init__(self, stream: RequestStream, timer: RequestTimer, choices: int = 1) -> None:
         self.stream = stream
         self.timer = timer
         self.num_tokens = 0  # completion tokens received so far, over all choices
+        self.choices = choices  # the request's n
+        self._ended: set[int] = set()  # choices whose end was counted (metrics)
 
     def __aiter__(self) -> "TimedStream":
         return self
@@ -48,7 +50,15 @@ class TimedStream:
         try:
             output = await self.stream.__anext__()
         except EngineDeadError as exc:
+            self._end_open("error")
             raise APIError(503, str(exc), code="engine_dead") from None
+        except APIError:  # the server ended it (shutdown's grace is over)
+            self._end_open("error")
+            raise
+        for c in output.outputs:
+            if c.finish_reason is not None and c.index not in self._ended:
+                self._ended.add(c.index)
+                self.timer.ended(c.finish_reason)
         # `delta_token_ids` is what this output adds (the service asks DELTA
         # for every request, so each token is timed as it arrives).
         count = sum(len(c.delta_token_ids) for c in output.outputs)
@@ -59,7 +69,13 @@ class TimedStream:
         return output
 
     def close(self) -> None:
+        """Abort the request if it still runs; its open choices count as aborted."""
+        self._end_open("abort")
         self.stream.close()
+
+    def _end_open(self, reason: str) -> None:
+        self.timer.ended(reason, self.choices - len(self._ended))
+        self._ended.update(range(self.choices))
 
 
 @dataclass(frozen=True)

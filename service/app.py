@@ -35,6 +35,7 @@ from service.errors import EXCEPTION_HANDLERS
 from service.fleet import Fleet
 from service.metrics import Metrics
 from service.openapi import build_openapi
+from service.prep import Prep
 from service.reasoning import check_tokenizer
 from service.routes import ROUTES
 from service.serving import ServiceState
@@ -77,6 +78,7 @@ async def start_service(config: ServiceConfig) -> ServiceState:
                            if config.generation_config == "auto" else {}),
         renders_tools=renders_tools(tokenizer),
         tool_parser=detect_parser(chat_template_source(tokenizer), config.tool_call_parser),
+        prep=Prep(config.prep_threads, config.compile_threads),
     )
     logger.info("serving %s at http://%s:%d", state.model_name, config.host, config.port)
     if state.sampling_defaults:
@@ -108,6 +110,7 @@ def create_app(config: ServiceConfig) -> Starlette:
             state.draining = True
             if state.fleet is not None:
                 await state.fleet.stop()
+            state.prep.close()
             state.engine.shutdown()
 
     # CORS sits outside the guard: browsers send preflights without a key, and

@@ -3,7 +3,7 @@
 One pure ASGI middleware does the checks that come before any route runs:
 
     request ──► body limit (Content-Length, then bytes as they arrive) ──► 413
-            ──► body stalls before it is complete                        ──► 408
+            ──► body not complete within --body-timeout-seconds          ──► 408
             ──► API key (Bearer, constant-time)                          ──► 401
             ──► the app
 
@@ -21,10 +21,10 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.config import ServiceConfig
-from service.errors import APIError, error_response
+from service.errors import APIError, count_error, error_response
 
 # Probes and scrapers reach these without a key unless the config says otherwise.
-OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/get_server_info", "/kv_event_sources"})
 # The web page and the schema hold no secrets.
 PUBLIC_PATHS = frozenset({"/", "/openapi.json", "/favicon.ico"})
 PUBLIC_PREFIXES = ("/web/",)  # the chat page's own files
@@ -73,6 +73,7 @@ class Guard:
         limit = self.config.max_request_body_bytes
         error = self._check_length(headers, limit) or self._check_key(scope, headers)
         if error is not None:
+            count_error(scope.get("app"), error)
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, _limited(receive, limit, self.config.body_timeout_seconds), send)
@@ -122,24 +123,28 @@ def _limited(receive: Receive, limit: int, timeout: float) -> Receive:
     """`receive` that guards the body while it arrives.
 
     More than `limit` bytes (a chunked body has no Content-Length to check
-    first): 413. No bytes for `timeout` seconds while the body is incomplete
-    (a Content-Length larger than what is sent, a stalled upload): 408, so
-    such a client cannot hold a connection and a handler forever. Once the
-    body is complete, receive() only waits for the disconnect, untimed.
+    first): 413. Not complete `timeout` seconds after the headers were (a
+    Content-Length larger than what is sent, a stalled upload, or a byte
+    every few seconds): 408, so such a client cannot hold a connection and a
+    handler for long. The deadline is one for the whole body, not per gap:
+    a byte now and then does not extend it. Once the body is complete,
+    receive() only waits for the disconnect, untimed.
     """
     received = 0
     complete = False
+    deadline = asyncio.get_running_loop().time() + timeout
 
     async def wrapped() -> Message:
         nonlocal received, complete
         if complete:
             return await receive()
         try:
-            message = await asyncio.wait_for(receive(), timeout)
+            left = deadline - asyncio.get_running_loop().time()
+            message = await asyncio.wait_for(receive(), max(left, 0.0))
         except TimeoutError:
-            raise APIError(
-                408, f"the request body stopped arriving: nothing for {timeout:g} s "
-                f"before it was complete", code="request_timeout",
+            raise APIError(  # and the connection closed: the rest of the body is unread
+                408, f"the request body was not complete within {timeout:g} s of its "
+                f"headers", code="request_timeout", headers={"Connection": "close"},
             ) from None
         if message["type"] == "http.request":
             received += len(message.get("body", b""))

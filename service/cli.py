@@ -51,8 +51,20 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
                        help="CORS: a browser origin allowed to call the API (repeatable)")
     group.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    group.add_argument("--header-timeout-seconds", type=float, default=10.0,
+                       help="408 and close when a request's headers are not complete this "
+                            "long after its first byte (a new connection's, after it opens)")
     group.add_argument("--body-timeout-seconds", type=float, default=30.0,
-                       help="408 when a request body stops arriving for this long")
+                       help="408 when a request body is not complete this long after its "
+                            "headers (one deadline, however the bytes trickle in)")
+    group.add_argument("--max-connections", type=int, default=2048,
+                       help="open connections at most: past it the oldest idle one is "
+                            "closed, or, none idle, the new one gets 503")
+    group.add_argument("--prep-threads", type=int, default=4,
+                       help="threads that render chat templates and tokenize")
+    group.add_argument("--compile-threads", type=int, default=1,
+                       help="threads that compile output constraints (JSON schemas, "
+                            "regexes, grammars), apart and at the lowest CPU priority")
     group.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="past this many queued requests, answer 429")
     group.add_argument("--shutdown-grace-seconds", type=float, default=30.0)
@@ -166,7 +178,11 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         share_prefix_cache_across_keys=args.share_prefix_cache_across_keys,
         allowed_origins=tuple(args.allowed_origins),
         max_request_body_bytes=args.max_request_body_bytes,
+        header_timeout_seconds=args.header_timeout_seconds,
         body_timeout_seconds=args.body_timeout_seconds,
+        max_connections=args.max_connections,
+        prep_threads=args.prep_threads,
+        compile_threads=args.compile_threads,
         max_waiting_requests=args.max_waiting_requests,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         log_prompts=args.log_prompts,
@@ -218,6 +234,7 @@ class Server(uvicorn.Server):
 
 def serve(config: ServiceConfig, log_level: str = "info") -> int:
     from service.app import create_app
+    from service.connections import uvicorn_options
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app = create_app(config)
@@ -228,6 +245,7 @@ def serve(config: ServiceConfig, log_level: str = "info") -> int:
         log_level=log_level,
         timeout_graceful_shutdown=FLUSH_SECONDS,  # the grace itself is our drain's
         access_log=False,  # request lines only add noise; /metrics has the numbers
+        **uvicorn_options(config),  # header deadline, connection cap
     ), app, config.shutdown_grace_seconds)
     server.run()
     return 0

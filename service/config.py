@@ -80,8 +80,17 @@ class ServiceConfig:
     share_prefix_cache_across_keys: bool = False
     allowed_origins: tuple[str, ...] = ()  # CORS allow-list for browser frontends
     max_request_body_bytes: int = 4 << 20
-    # A body that stops arriving this long before it is complete gets 408.
+    # Slow clients (service/connections.py, service/auth.py): a request's headers
+    # must be complete this long after its first byte, and its body this long
+    # after its headers, else 408 and the connection closed.
+    header_timeout_seconds: float = 10.0
     body_timeout_seconds: float = 30.0
+    # Open connections past this: an idle one is closed, or the new one gets 503.
+    max_connections: int = 2048
+    # Request preparation (service/prep.py): threads for chat templates and
+    # tokenizing, and, apart, for grammar compiles (at the lowest CPU priority).
+    prep_threads: int = 4
+    compile_threads: int = 1
     # Back-pressure: past this many waiting requests new ones get 429.
     max_waiting_requests: int = 1024
     retry_after_seconds: int = 1
@@ -117,11 +126,13 @@ class ServiceConfig:
                              f"{', '.join(REASONING_PARSERS)} (or None)")
         if any(not key for key in self.api_keys + self.admin_keys):
             raise ValueError("api_keys and admin_keys must not contain an empty key")
-        for name in ("max_request_body_bytes", "max_waiting_requests", "retry_after_seconds"):
+        for name in ("max_request_body_bytes", "max_waiting_requests", "retry_after_seconds",
+                     "max_connections", "prep_threads", "compile_threads"):
             _check_int(name, getattr(self, name), minimum=1)
-        if not isinstance(self.body_timeout_seconds, (int, float)) or isinstance(
-                self.body_timeout_seconds, bool) or self.body_timeout_seconds <= 0:
-            raise ValueError(f"body_timeout_seconds={self.body_timeout_seconds!r} must be > 0")
+        for name in ("header_timeout_seconds", "body_timeout_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be > 0")
         for name in ("shutdown_grace_seconds", "sse_ping_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -5,6 +5,8 @@
                     {"type": "json_schema",
                      "json_schema": {"name", "schema", "strict"}}   that schema
     structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_json, guided_regex, guided_choice, guided_grammar
+                       vLLM's older names for the same, honoured as vLLM did
 
 The result is the engine's StructuredOutputsParams. A malformed field, or a
 schema, regex or grammar that does not compile, is a 400 naming the field;
@@ -20,14 +22,28 @@ from engine.sampling.structured_outputs import ConstraintError, StructuredOutput
 from service.errors import bad_request
 
 
+# vLLM's older request fields, each the structured_outputs key it stands for.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+
+
 def constraint_of(body) -> tuple[StructuredOutputsParams | None, str]:
     """The body's constraint and the field it came from (for error messages)."""
     response_format = getattr(body, "response_format", None)
+    guided = [name for name in GUIDED if getattr(body, name, None) is not None]
+    given = [name for name, present in (
+        ("structured_outputs", body.structured_outputs is not None),
+        ("response_format", response_format is not None
+         and response_format.get("type") != "text"),
+        *((name, True) for name in guided)) if present]
+    if len(given) > 1:
+        raise bad_request(f"set one of response_format, structured_outputs and the guided_* "
+                          f"fields; got {', '.join(given)}", param=given[0])
     if body.structured_outputs is not None:
-        if response_format is not None and response_format.get("type") != "text":
-            raise bad_request("set response_format or structured_outputs, not both",
-                              param="structured_outputs")
         return _params(body.structured_outputs, "structured_outputs"), "structured_outputs"
+    if guided:
+        name = guided[0]
+        return _params({GUIDED[name]: getattr(body, name)}, name), name
     if response_format is None:
         return None, "response_format"
     return _from_response_format(response_format)
@@ -63,11 +79,12 @@ def _params(fields, param: str) -> StructuredOutputsParams:
 
 
 async def check_constraint(state, constraint: StructuredOutputsParams | None, param: str) -> None:
-    """Compile the constraint off the loop (cached for the engine); 400 if it is invalid."""
+    """Compile the constraint on the prep lane for compiles (service/prep.py; cached for
+    the engine); 400 if it is invalid."""
     if constraint is None:
         return
     try:
-        await state.off_loop(state.engine.engine.structured_outputs.compile, constraint)
+        await state.prep.heavy.run(state.engine.engine.structured_outputs.compile, constraint)
     except ConstraintError as exc:
         raise bad_request(f"{param} is invalid: {exc.detail}", param=param) from None
     except ValidationError as exc:  # no tokenizer to compile against

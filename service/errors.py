@@ -74,11 +74,20 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
+# ... and a field a request type does not have (forbid_unknown_fields) by its name.
+_UNKNOWN = re.compile(r"^Object contains unknown field `(.*)`$", re.S)
+
+
 def from_validation_error(exc: msgspec.ValidationError) -> APIError:
     text = str(exc)
     match = _PATH.search(text)
     param = match.group(1) or None if match else None
     message = _PATH.sub("", text)
+    unknown = _UNKNOWN.match(message)
+    if unknown is not None:  # OpenAI's answer to an option it does not have
+        field = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
+        return bad_request(f"Unknown parameter: {field!r}. This server does not serve it.",
+                           param=field, code="unknown_parameter")
     return bad_request(f"{message} (at {param})" if param else message, param=param)
 
 
@@ -115,13 +124,25 @@ def error_response(error: APIError) -> Response:
     )
 
 
+def count_error(app, error: APIError) -> None:
+    """Count an error answer in the app's metrics (http_errors_total), once it serves."""
+    state = getattr(getattr(app, "state", None), "service", None)
+    if state is not None:
+        state.metrics.count_error(error.status, error.code)
+
+
+def counted_response(request: Request, error: APIError) -> Response:
+    count_error(request.app, error)
+    return error_response(error)
+
+
 async def handle_api_error(request: Request, exc: APIError) -> Response:
-    return error_response(exc)
+    return counted_response(request, exc)
 
 
 async def handle_engine_error(request: Request, exc: ValidationError) -> Response:
     # A refusal no route caught itself: still a 400 naming the engine's field.
-    return error_response(from_engine_error(exc))
+    return counted_response(request, from_engine_error(exc))
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
@@ -129,7 +150,8 @@ async def handle_http_exception(request: Request, exc: HTTPException) -> Respons
         message, code = f"no route {request.method} {request.url.path}", "not_found"
     else:
         message, code = exc.detail, None
-    return error_response(APIError(exc.status_code, message, code=code, headers=exc.headers))
+    return counted_response(request, APIError(exc.status_code, message, code=code,
+                                              headers=exc.headers))
 
 
 async def handle_client_gone(request: Request, exc: ClientGone) -> Response:
@@ -140,7 +162,7 @@ async def handle_client_gone(request: Request, exc: ClientGone) -> Response:
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+    return counted_response(request, APIError(500, f"internal error: {type(exc).__name__}"))
 
 
 EXCEPTION_HANDLERS = {

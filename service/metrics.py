@@ -6,7 +6,12 @@ Two sources feed one registry (per app, so two servers in one process never mix)
   scrape time from the engine thread's latest stats snapshot, so the engine
   pays nothing per step for metrics;
 - latencies (TTFT, inter-token, end-to-end) are observed on the asyncio side,
-  where a token actually leaves for the client.
+  where a token actually leaves for the client;
+- outcomes are counted there too: each finished request (each choice of one)
+  by its reason, `pagedserve:request_success_total{finished_reason}` as vLLM's
+  (stop, length, abort, error), and every error answer by status and code,
+  `pagedserve:http_errors_total{status="400",code="unknown_parameter"}` (code
+  "" when the error has none).
 
 `pagedserve:kv_cache_usage_perc` is a fraction in [0, 1], as vLLM's is.
 Cached blocks that no request holds count as free: they are evictable.
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.frontend.async_engine import AsyncEngine
@@ -28,6 +33,9 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 16
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
 STEP_BUCKETS = tuple(round(0.001 * 1.25**i, 6) for i in range(45))  # 1 ms .. ~23 s, 25 % apart
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+# Why a request ended: the engine's reasons, "abort" when the client left (or it
+# was cancelled) first, "error" when the engine failed or the server ended it.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 # (metric, help, stats key) for engine state, read at scrape time.
 GAUGES = (
@@ -180,6 +188,22 @@ class Metrics:
             "forward, sample, detokenize).", buckets=STEP_BUCKETS, registry=self.registry,
         )
 
+        self.finished = Counter(
+            PREFIX + "request_success", "Finished requests (each choice), by why they "
+            "ended: stop, length, abort (the client left first), error.",
+            ["finished_reason"], registry=self.registry,
+        )
+        for reason in FINISHED_REASONS:
+            self.finished.labels(reason)  # each reason shown from the start, at 0
+        self.http_errors = Counter(
+            PREFIX + "http_errors", "Error answers, by HTTP status and error code (\"\" "
+            "when it has none); an error inside a started stream is a finished \"error\".",
+            ["status", "code"], registry=self.registry,
+        )
+
+    def count_error(self, status: int, code: str | int | None) -> None:
+        self.http_errors.labels(str(status), "" if code is None else str(code)).inc()
+
     def watch(self, engine: AsyncEngine) -> None:
         """Report this engine's state at every scrape."""
         self.registry.register(EngineCollector(engine))
@@ -219,3 +243,8 @@ class RequestTimer:
 
     def finished(self) -> None:
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+
+    def ended(self, reason: str, count: int = 1) -> None:
+        """`count` choices of the request ended, for `reason`."""
+        if count > 0:
+            self.metrics.finished.labels(reason).inc(count)

@@ -10,7 +10,8 @@ import msgspec
 
 from service.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-    CompletionResponse, ErrorResponse, Health, ModelCard, ModelList,
+    CompletionResponse, DetokenizeRequest, ErrorResponse, Health, ModelCard, ModelList,
+    TokenizeRequest,
 )
 
 REF = "#/components/schemas/{name}"
@@ -47,16 +48,57 @@ def _generation(request: type, response: type, summary: str) -> dict:
     }
 
 
+# vLLM's GenerateRequest, as the render routes answer it (service/routes/render.py).
+GENERATE_REQUEST = {"type": "object", "required": ["request_id", "token_ids", "sampling_params"],
+                    "properties": {
+    "request_id": {"type": "string"},
+    "token_ids": {"type": "array", "items": {"type": "integer"}},
+    "sampling_params": {"type": "object"},
+    "model": {"type": "string"},
+    "stream": {"type": "boolean"},
+    "cache_salt": {"type": ["string", "null"]}}}
+
+
+def _render(request: type, one_per_prompt: bool) -> dict:
+    schema = {"type": "array", "items": GENERATE_REQUEST} if one_per_prompt else GENERATE_REQUEST
+    return {"post": {
+        "summary": "The request's token ids and sampling parameters, without generating",
+        "requestBody": {"required": True, "content": _json(request)},
+        "responses": {
+            "200": {"description": "vLLM's GenerateRequest" + (" per prompt" if one_per_prompt
+                                                                else ""),
+                    "content": {"application/json": {"schema": schema}}},
+            **_errors(400, 401, 404, 408, 413, 415)}}}
+
+
+def _plain(summary: str, request: type, properties: dict) -> dict:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": _json(request)},
+                     "responses": {"200": {"description": "the answer", "content": {
+                         "application/json": {"schema": {"type": "object",
+                                                         "properties": properties}}}},
+                                   **_errors(400, 401, 404, 413, 415)}}}
+
+
 def build_openapi(title: str, version: str) -> dict:
     _, components = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
-         CompletionResponse, ErrorResponse, Health, ModelCard, ModelList],
+         CompletionResponse, ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest,
+         DetokenizeRequest],
         ref_template=REF,
     )
     paths = {
         "/v1/chat/completions": _generation(
             ChatCompletionRequest, ChatCompletionResponse, "Chat completion"),
         "/v1/completions": _generation(CompletionRequest, CompletionResponse, "Text completion"),
+        "/v1/chat/completions/render": _render(ChatCompletionRequest, False),
+        "/v1/completions/render": _render(CompletionRequest, True),
+        "/tokenize": _plain("A prompt or a chat as the token ids serving runs", TokenizeRequest,
+                            {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                             "tokens": {"type": "array", "items": {"type": "integer"}},
+                             "token_strs": {"type": "array", "items": {"type": "string"}}}),
+        "/detokenize": _plain("Token ids back to text", DetokenizeRequest,
+                              {"prompt": {"type": "string"}}),
         "/v1/models": {"get": {"summary": "Served models", "responses": {
             "200": {"description": "the model list", "content": _json(ModelList)},
             **_errors(401)}}},

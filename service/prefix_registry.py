@@ -224,11 +224,13 @@ class PrefixRegistry:
         """Write everything buffered now, a batch per round trip."""
         while self._buffer:
             batch = [self._buffer[i] for i in range(min(BATCH, len(self._buffer)))]
-            pipe = self.client.pipeline(transaction=False)
-            for sighting in batch:
-                keys, args = self._script_args(sighting)
-                await self._record(keys=keys, args=args, client=pipe)
-            await pipe.execute()
+            # `async with`: a pipeline that fails before it executes (loading the
+            # script) still gives its connection back, and is not reported unclosed.
+            async with self.client.pipeline(transaction=False) as pipe:
+                for sighting in batch:
+                    keys, args = self._script_args(sighting)
+                    await self._record(keys=keys, args=args, client=pipe)
+                await pipe.execute()
             self.mark_up()
             for _ in batch:  # only now: a failed batch is sent again (at least once)
                 self._buffer.popleft()
@@ -248,18 +250,19 @@ class PrefixRegistry:
     # -- reads --------------------------------------------------------------------
     async def top(self, namespaces: list[str], limit: int) -> list[Prefix]:
         """The `limit` most popular kept prefixes of these namespace keys, most popular first."""
-        pipe = self.client.pipeline(transaction=False)
-        for namespace in namespaces:
-            pipe.zrevrange(f"{namespace}:popular", 0, limit - 1, withscores=True)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for namespace in namespaces:
+                pipe.zrevrange(f"{namespace}:popular", 0, limit - 1, withscores=True)
+            results = await self._execute(pipe)
         ranked = []
-        for namespace, members in zip(namespaces, await self._execute(pipe)):
+        for namespace, members in zip(namespaces, results):
             ranked += [(score, namespace, member.decode()) for member, score in members]
         ranked.sort(reverse=True)
         ranked = ranked[:limit]
-        pipe = self.client.pipeline(transaction=False)
-        for _, ns, prefix_id in ranked:
-            pipe.hgetall(f"{ns}:p:{prefix_id}")
-        entries = await self._execute(pipe) if ranked else []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for _, ns, prefix_id in ranked:
+                pipe.hgetall(f"{ns}:p:{prefix_id}")
+            entries = await self._execute(pipe) if ranked else []
         prefixes = []
         for (score, ns, prefix_id), entry in zip(ranked, entries):
             prefix = _decode_entry(ns, prefix_id, score, entry)
@@ -269,9 +272,9 @@ class PrefixRegistry:
 
     async def namespaces(self) -> list[str]:
         """Every namespace any replica has recorded into."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.smembers(NAMESPACES_KEY)
-        (members,) = await self._execute(pipe)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.smembers(NAMESPACES_KEY)
+            (members,) = await self._execute(pipe)
         return sorted(member.decode() for member in members)
 
     async def ping(self) -> bool:

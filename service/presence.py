@@ -43,18 +43,18 @@ def replica_key(replica_id: str) -> str:
 async def beat(client: aioredis.Redis, info: ReplicaInfo, period: float) -> None:
     """Publish this replica's state; it lapses unless renewed within MISSED_BEATS periods."""
     ttl = period * MISSED_BEATS
-    pipe = client.pipeline(transaction=False)
-    pipe.set(replica_key(info.id), msgspec.json.encode(info), px=int(ttl * 1000))
-    pipe.zadd(REPLICAS_KEY, {info.id: info.updated + ttl})
-    await pipe.execute()
+    async with client.pipeline(transaction=False) as pipe:  # closed on failure too
+        pipe.set(replica_key(info.id), msgspec.json.encode(info), px=int(ttl * 1000))
+        pipe.zadd(REPLICAS_KEY, {info.id: info.updated + ttl})
+        await pipe.execute()
 
 
 async def leave(client: aioredis.Redis, replica_id: str) -> None:
     """A clean exit: the fleet stops listing this replica at once."""
-    pipe = client.pipeline(transaction=False)
-    pipe.delete(replica_key(replica_id))
-    pipe.zrem(REPLICAS_KEY, replica_id)
-    await pipe.execute()
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.delete(replica_key(replica_id))
+        pipe.zrem(REPLICAS_KEY, replica_id)
+        await pipe.execute()
 
 
 async def replicas(client: aioredis.Redis) -> list[ReplicaInfo]:

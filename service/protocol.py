@@ -6,8 +6,11 @@ the streaming path where every token becomes one JSON chunk. The same Structs
 generate `/openapi.json` (see service/openapi.py), so the published schema and
 the validation are one thing and cannot drift apart.
 
-Unknown request fields are ignored, as OpenAI's own API does, so newer SDKs
-that send extra options keep working.
+A request's unknown top-level field is a 400 naming it, as OpenAI answers
+(`forbid_unknown_fields`): an option this server does not serve must never
+be dropped silently (an unconstrained answer to a request that asked for a
+constraint looks like success). Nested objects (messages, tools) stay lenient:
+SDKs send back an assistant turn with the extra fields they received.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from engine.sampling_params import MAX_LOGPROBS
 # Ranges follow OpenAI's API reference where it gives one, vLLM's otherwise.
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
-TopK = Annotated[int, Meta(ge=-1)]
+TopK = Annotated[int, Meta(ge=-1, le=2**31 - 1)]
 MinP = Annotated[float, Meta(ge=0, le=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 RepetitionPenalty = Annotated[float, Meta(gt=0, le=10)]
@@ -103,7 +106,7 @@ class NamedToolChoice(Struct):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class SamplingFields(Struct, kw_only=True):
+class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     """Options shared by chat and text completions (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
@@ -129,8 +132,38 @@ class SamplingFields(Struct, kw_only=True):
     logit_bias: LogitBias | None = None
     # Mixed into the server's per-tenant salt, never used alone (see service/auth.py).
     cache_salt: str | None = None
+    # vLLM's: with --scheduling-policy priority, lower values run first.
+    priority: int = 0
     # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (service/constraints.py).
     structured_outputs: dict[str, Any] | None = None
+    # text, json_object or json_schema (service/constraints.py); vLLM takes it on
+    # both routes too.
+    response_format: dict[str, Any] | None = None
+    # vLLM's older names for structured_outputs' json, regex, choice and grammar.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's router (vllm-router) adds these to every body it forwards, at the
+    # values below (SGLang's names). `no_stop_trim` is served (it keeps the stop
+    # string, as include_stop_str_in_output does); the others only at those
+    # values: served_defaults() refuses any other by name.
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+
+
+# The router's additions this server takes only at their defaults (see above).
+ROUTER_DEFAULTS = {"return_hidden_states": False, "continue_final_message": False,
+                   "separate_reasoning": True, "stream_reasoning": True,
+                   "include_reasoning": True}
+
+
+def served_defaults(body: SamplingFields) -> str | None:
+    """The first router-added field set to a value this server does not serve."""
+    for name, default in ROUTER_DEFAULTS.items():
+        if getattr(body, name, default) != default:
+            return name
+    return None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -139,8 +172,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
-    # text, json_object or json_schema (service/constraints.py).
-    response_format: dict[str, Any] | None = None
     # Tool calling (service/tools.py); tool_choice defaults to "auto" with tools.
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
@@ -151,6 +182,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # OpenAI's deprecated form of tools: decoded only to refuse it by name.
     functions: list[Any] | None = None
     function_call: Any | None = None
+    # More that vllm-router adds (see SamplingFields), served at these values only.
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
 
 
 # A text prompt, a list of token ids, or a batch of either (checked in
@@ -164,6 +200,27 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Meta(ge=1)] | None = None
+
+
+# -- /tokenize and /detokenize (service/routes/tokenize.py) --------------------------
+class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one: `prompt`
+    or `messages` (with what chat serving renders them with)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, as serving
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[Annotated[int, Meta(ge=0)]]
 
 
 # -- responses -----------------------------------------------------------------------

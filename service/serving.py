@@ -5,11 +5,11 @@ does every check, builds the SamplingParams, picks the tenant's cache salt and
 submits to the engine; what it returns (service/admission.py) is read as a
 stream of changed choices or collected whole.
 
-Rendering and tokenizing run in a worker thread (`off_loop`), never on the
-event loop: a 100,000-message chat or a megabyte prompt would otherwise stall
-every stream and /health while it is worked through. A text that cannot fit
-the context is refused by its size before any of that work
-(`check_text_size`).
+Rendering and tokenizing run on a prep thread (`off_loop`, service/prep.py),
+never on the event loop: a 100,000-message chat or a megabyte prompt would
+otherwise stall every stream and /health while it is worked through; grammar
+compiles have a lane of their own. A text that cannot fit the context is
+refused by its size before any of that work (`check_text_size`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from service.errors import (
     from_validation_error,
 )
 from service.metrics import Metrics
-from service.protocol import ChatCompletionRequest, SamplingFields
+from service.prep import Prep
+from service.protocol import ChatCompletionRequest, SamplingFields, served_defaults
 from service.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,10 @@ class ServiceState:
     model_name: str
     # Sampling settings a request leaves out (--generation-config).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
-    # One worker thread for rendering and tokenizing: a fast tokenizer must not
-    # be entered from two threads at once, and one is plenty once oversized
-    # texts are refused before they get there.
-    prep_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
+    # The prep lanes (service/prep.py): rendering and tokenizing on a few
+    # threads, grammar compiles on their own, so no request's prep holds up
+    # another's. (A fast tokenizer is safe to share: encoding only reads it.)
+    prep: Prep = field(default_factory=Prep)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM received: finish what runs, take nothing new
     fleet: Any = None  # service.fleet.Fleet with --redis-url, else None
@@ -74,8 +75,8 @@ class ServiceState:
     tool_parser: str | None = None
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args) in the worker thread (rendering, tokenizing); its errors re-raise here."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.prep_limiter)
+        """fn(*args) on a light prep thread (rendering, tokenizing); its errors re-raise here."""
+        return await self.prep.light.run(fn, *args)
 
     def check_text_size(self, size: int, param: str) -> None:
         """Refuse a text of `size` characters that cannot fit the context, untokenized.
@@ -112,24 +113,36 @@ class ServiceState:
         model name (404), a draining or dead engine (503), a prompt or
         sampling value the engine cannot take (400), a full queue (429).
         """
-        self._check_model(body.model)
         self._check_accepting()
-        all_params = [
-            self._sampling_params(body, token_ids, prompt_param, max_tokens, logprobs, constraint)
-            for token_ids in prompts
-        ]
+        all_params, salt = self.validate(request, body, prompts, prompt_param=prompt_param,
+                                         max_tokens=max_tokens, logprobs=logprobs,
+                                         constraint=constraint)
         request_id = new_id(id_prefix)
-        salt = cache_salt(self.config, getattr(request.state, "api_key", None), body.cache_salt)
         streams: list[TimedStream] = []
         try:
             for i, (token_ids, params) in enumerate(zip(prompts, all_params)):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self._submit(engine_id, token_ids, params, salt))
+                streams.append(self._submit(engine_id, token_ids, params, salt, body.priority))
         except BaseException:
             for stream in streams:  # a later prompt was refused (429): drop the earlier ones
                 stream.close()
             raise
         return Admission(request_id, streams)
+
+    def validate(self, request: Request, body: SamplingFields, prompts: list[list[int]], *,
+                 prompt_param: str, max_tokens: int | None, logprobs: int | None,
+                 constraint: StructuredOutputsParams | None = None,
+                 ) -> tuple[list[SamplingParams], str | None]:
+        """admit()'s checks without the engine (the render routes): the model name
+        (404) and each prompt's SamplingParams (400); and the tenant's cache salt."""
+        self.check_model(body.model)
+        self._check_priority(body.priority)
+        all_params = [
+            self._sampling_params(body, token_ids, prompt_param, max_tokens, logprobs, constraint)
+            for token_ids in prompts
+        ]
+        return all_params, cache_salt(self.config, getattr(request.state, "api_key", None),
+                                      body.cache_salt)
 
     async def drain(self, grace_seconds: float) -> None:
         """SIGTERM: admit nothing new, let open requests run up to `grace_seconds`,
@@ -150,7 +163,7 @@ class ServiceState:
                 503, f"the server is shutting down and its grace period "
                 f"({grace_seconds:g} s) is over", code="shutting_down"))
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
                 404, f"the model {model!r} does not exist; this server serves "
@@ -182,11 +195,16 @@ class ServiceState:
             raise from_engine_error(exc, request_fields(body, prompt_param)) from None
         return params
 
-    def _submit(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, salt: str | None
-    ) -> TimedStream:
+    def _check_priority(self, priority: int) -> None:
+        if priority and self.engine.config.scheduling_policy != "priority":
+            raise bad_request("priority needs a server started with --scheduling-policy "
+                              "priority", param="priority")
+
+    def _submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                salt: str | None, priority: int = 0) -> TimedStream:
         try:
-            stream = self.engine.generate(request_id, token_ids, params, cache_salt=salt)
+            stream = self.engine.generate(request_id, token_ids, params, cache_salt=salt,
+                                          priority=priority)
         except QueueFullError as exc:
             raise APIError(
                 429, f"the server is busy: {exc}; retry later", code="queue_full",
@@ -196,15 +214,20 @@ class ServiceState:
             raise APIError(503, str(exc), code="engine_dead") from None
         if self.config.log_prompts:
             logger.info("request %s: %d prompt tokens %s", request_id, len(token_ids), token_ids)
-        return TimedStream(stream, self.metrics.timer())
+        return TimedStream(stream, self.metrics.timer(), params.n)
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def parse(request: Request, kind: type):
+async def parse(request: Request, kind: type,
+                precheck: Callable[[bytes], None] | None = None):
     """Decode and validate a JSON body into `kind` (a msgspec Struct) or raise 400.
+
+    `precheck(body)` may refuse it first, by what it can read without decoding
+    the rest (service/prep.py: 3,000 tools take 28 ms to decode, holding the
+    interpreter, and are counted in 0.3 ms).
 
     Whatever a client sends ends here as a 4xx, never as a 500 with a
     traceback: a declared non-JSON body (415), invalid UTF-8 or nesting
@@ -216,10 +239,17 @@ async def parse(request: Request, kind: type):
         body = await request.body()
     except ClientDisconnect:
         raise ClientGone() from None
+    if precheck is not None:
+        precheck(body)
     if len(body) <= DECODE_ON_LOOP_BYTES:
-        return decode(body, kind)
-    # Megabytes of JSON take tens of ms to decode, all holding the interpreter.
-    return await anyio.to_thread.run_sync(decode, body, kind)
+        parsed = decode(body, kind)
+    else:  # megabytes of JSON take tens of ms to decode, all holding the interpreter
+        parsed = await anyio.to_thread.run_sync(decode, body, kind)
+    unserved = served_defaults(parsed)
+    if unserved is not None:
+        raise bad_request(f"{unserved}={getattr(parsed, unserved)!r} is not served here",
+                          param=unserved, code="unsupported_parameter")
+    return parsed
 
 
 # Bodies up to this size decode on the event loop: a thread hop costs more.
@@ -288,7 +318,7 @@ def sampling_params(
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output,
+        include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
         logit_bias=_logit_bias(body.logit_bias),
         structured_outputs=structured_outputs,
         # Only what is new: the engine copies no cumulative lists step after

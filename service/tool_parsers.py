@@ -30,6 +30,7 @@ does not parse is returned as content, never dropped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -247,6 +248,24 @@ class Llama3JsonParser(ToolCallParser):
 def mistral_call_id() -> str:
     """Mistral's templates refuse any id but 9 letters and digits (vLLM's ids for it too)."""
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def mistral_history_id(call_id: str) -> str:
+    """A history's call id in the 9-letter form Mistral's templates take.
+
+    Ids another server made (OpenAI's "call_..." ones) would make the template
+    raise; vLLM cuts them to their last 9 characters. Here a foreign id maps
+    to 9 letters and digits of its SHA-256 instead: the same id always gives
+    the same one, so a call and the tool message answering it still pair up,
+    and two ids that end alike do not collide."""
+    if MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    alphabet = string.ascii_letters + string.digits
+    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    return "".join(alphabet[(number // len(alphabet) ** i) % len(alphabet)] for i in range(9))
 
 
 # After "[TOOL_CALLS]": a name (newer templates), "[ARGS]" after it or not, then "{" or "[".

@@ -35,7 +35,7 @@ from engine.sampling.structured_outputs import StructuredOutputsParams
 from service.errors import bad_request
 from service.protocol import ChatCompletionRequest, ChatMessage, Tool
 from service.tool_parsers import (
-    FORMATS, ArgumentsParser, CallListParser, ToolCallParser, auto_parser,
+    FORMATS, ArgumentsParser, CallListParser, ToolCallParser, auto_parser, mistral_history_id,
 )
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -162,12 +162,33 @@ def _calls_schema(tools: tuple[Tool, ...], parallel: bool) -> dict:
 
 # -- the prompt --------------------------------------------------------------------------
 def template_messages(messages: list[ChatMessage], plan: ToolPlan | None,
-                      renders_tools: bool) -> list[dict]:
-    """The conversation as the chat template takes it (Hugging Face's message dicts)."""
-    rendered = [_message(m, i, renders_tools) for i, m in enumerate(messages)]
+                      renders_tools: bool, call_format: str | None = None) -> list[dict]:
+    """The conversation as the chat template takes it (Hugging Face's message dicts).
+    `call_format`: the server's tool-call format; Mistral's templates take the
+    history's call ids only in their own form (mistral_history_id)."""
+    check_tool_turns(messages)
+    fit_id = mistral_history_id if call_format == "mistral" else _same
+    rendered = [_message(m, i, renders_tools, fit_id) for i, m in enumerate(messages)]
     if plan is not None and plan.choice in ("required", "function") and not renders_tools:
         rendered = _with_tool_note(rendered, plan)
     return rendered
+
+
+def check_tool_turns(messages: list[ChatMessage]) -> None:
+    """Every tool message answers a call an earlier assistant turn made, by its id (a
+    400 otherwise, as OpenAI's): a result the model cannot tie to a call is noise."""
+    calls: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            calls.update(call.id for call in message.tool_calls or ())
+        elif message.role == "tool":
+            param = f"messages[{i}].tool_call_id"
+            if message.tool_call_id is None:
+                raise bad_request(f"{param} is missing: a tool message must say which call "
+                                  "it answers", param=param)
+            if message.tool_call_id not in calls:
+                raise bad_request(f"{param} {message.tool_call_id!r} answers no call of an "
+                                  "earlier assistant message's tool_calls", param=param)
 
 
 def template_tools(plan: ToolPlan | None, renders_tools: bool) -> list[dict] | None:
@@ -185,7 +206,11 @@ def _function_dict(tool: Tool) -> dict:
     return function
 
 
-def _message(message: ChatMessage, index: int, renders_tools: bool) -> dict:
+def _same(call_id: str) -> str:
+    return call_id
+
+
+def _message(message: ChatMessage, index: int, renders_tools: bool, fit_id) -> dict:
     content = message.content
     if content is None:
         content = ""
@@ -194,12 +219,12 @@ def _message(message: ChatMessage, index: int, renders_tools: bool) -> dict:
     role = "system" if message.role == "developer" else message.role
     rendered = {"role": role, "content": content}
     if message.role == "tool" and message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
+        rendered["tool_call_id"] = fit_id(message.tool_call_id)
     thought = message.reasoning_content or message.reasoning
     if thought and message.role == "assistant":  # Qwen3's templates read it by this name
         rendered["reasoning_content"] = thought
     if message.tool_calls:
-        calls = [{"id": call.id, "type": "function",
+        calls = [{"id": fit_id(call.id) if call.id else call.id, "type": "function",
                   "function": {"name": call.function.name,
                                "arguments": _arguments(call.function.arguments, index, j)}}
                  for j, call in enumerate(message.tool_calls)]

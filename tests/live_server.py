@@ -21,6 +21,7 @@ import uvicorn
 from engine.config import EngineConfig
 from service.app import create_app
 from service.config import ServiceConfig
+from service.connections import uvicorn_options
 
 
 def free_port() -> int:
@@ -73,6 +74,7 @@ def run_server(config: ServiceConfig, startup_timeout: float = 120) -> Iterator[
     server = uvicorn.Server(uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning",
         timeout_graceful_shutdown=config.shutdown_grace_seconds,
+        **uvicorn_options(config),  # as `pagedserve serve` runs it
     ))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()

@@ -22,15 +22,16 @@ queues, taken in this order when a block is needed:
     cached        content hashed, least recently used first (OrderedDict, O(1))
     popular       cached prefixes marked popular (the fleet registry), LRU, last
 
-A sequence frees its blocks tail first, so among blocks freed together the
-deepest of a chain is evicted before its parents: a prefix is only useful
-from its head, so heads are worth more than tails.
+A sequence frees its blocks tail first, so the deepest block of a chain is
+evicted before its parents: a prefix is only useful from its head.
 
 Every block is in exactly one state: held (ref_count > 0, in >= 1 block table)
 or free (ref_count == 0, in exactly one of the three queues).
 
-With `record_events`, each change to the cached hashes is logged as a KV
-event (engine/core/kv_events.py); off, that costs one check per registration.
+A model mixing sliding and global layers keeps a second pool for its sliding
+layers (engine/core/hybrid_blocks.py); `window_table` and `take_window_copies`
+are that pool's, empty here. With `record_events`, each change to the cached
+hashes is logged as a KV event (engine/core/kv_events.py).
 """
 
 from __future__ import annotations
@@ -107,6 +108,12 @@ class BlockManager:
     def block_table(self, seq_id: Hashable) -> list[int]:
         return self.block_tables[seq_id]
 
+    def window_table(self, seq_id: Hashable) -> list[int] | None:
+        return None  # no pool of its own for sliding layers (hybrid_blocks.py has one)
+
+    def take_window_copies(self) -> list[tuple[int, int]]:
+        return []  # (hybrid_blocks.py: the sliding pool's copies on write)
+
     def has(self, seq_id: Hashable) -> bool:
         return seq_id in self.block_tables
 
@@ -116,11 +123,9 @@ class BlockManager:
 
     # -- prefix cache ------------------------------------------------------------
     def find_cached_prefix(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
-        """Block ids of the longest cached run of `block_hashes` from the start.
-
-        At least one of the `num_tokens` tokens is always left out, so that the
-        model computes the last prompt token and there are logits to sample.
-        """
+        """Block ids of the longest cached run of `block_hashes` from the start. The
+        last of the `num_tokens` is always left out: the model must compute it
+        for there to be logits to sample."""
         if not self.enable_caching:
             return []
         limit = min(len(block_hashes), (num_tokens - 1) // self.block_size)
@@ -136,26 +141,19 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def cache_full_blocks(
-        self,
-        seq_id: Hashable,
-        block_hashes: list[bytes],
-        num_computed_tokens: int,
-        *,
-        token_slice: Callable[[int, int], list[int]] | None = None,
-    ) -> None:
+    def cache_full_blocks(self, seq_id: Hashable, block_hashes: list[bytes],
+                          num_computed_tokens: int, *,
+                          token_slice: Callable[[int, int], list[int]] | None = None,
+                          cache_salt: bytes = b"") -> None:
         """Register the sequence's full, computed blocks under their hashes.
 
-        As if every full, computed block of the table were tried, in order, at
-        every call: a block whose content another block already holds is left
-        unregistered and tried again later, so it takes the hash over once that
-        copy is evicted. Only tries that can change anything are made (a held
-        block keeps its hash), so earlier entries are skipped, except those left
-        unregistered or replaced by copy on write: a decode step looks at no
-        block, or at the one it just filled, instead of the whole table.
-
-        `token_slice(start, end)` gives the sequence's tokens, which the
-        BlockStored events carry; only read when events are recorded.
+        As if every full, computed block were tried, in order, at every call: a
+        block whose content another block holds stays unregistered and is tried
+        again later (it takes the hash over once that copy is evicted). Only
+        tries that can change anything are made, so a decode step looks at no
+        block, or at the one it just filled. `token_slice(start, end)` gives the
+        tokens the BlockStored events carry, `cache_salt` the sequence's tenant
+        (kv_events.tenant_tag); both read only when events are recorded.
         """
         if not self.enable_caching:
             return
@@ -183,15 +181,18 @@ class BlockManager:
         progress[1] = unregistered
         if fresh:  # those hashed now were put in the cache by this call
             new = [i for i in fresh if self.block_hashes[table[i]] is not None]
-            self.events += stored_events(new, block_hashes, self.block_size, token_slice)
+            self.events += stored_events(new, block_hashes, self.block_size, token_slice,
+                                         cache_salt)
 
     def cache_loaded_blocks(self, entries: list[tuple[int, int]], block_hashes: list[bytes],
-                            token_slice: Callable[[int, int], list[int]] | None = None) -> None:
+                            token_slice: Callable[[int, int], list[int]] | None = None,
+                            cache_salt: bytes = b"") -> None:
         """Register blocks whose K/V were just loaded from an offload tier, given as
         (index in the `block_hashes` chain, block id); a hash cached meanwhile stays put."""
         new = [i for i, block_id in entries if self._register(block_id, block_hashes[i])]
         if self.events is not None and new:
-            self.events += stored_events(new, block_hashes, self.block_size, token_slice)
+            self.events += stored_events(new, block_hashes, self.block_size, token_slice,
+                                         cache_salt)
 
     def _register(self, block_id: int, block_hash: bytes) -> bool:
         """Put a held block in the cache under its hash; False if another block has it."""
@@ -261,11 +262,12 @@ class BlockManager:
         cached_blocks = cached_blocks or []
         fresh = self.blocks_for(num_tokens) - len(cached_blocks)
         # A hit on a free cached block takes it out of the free queues too.
-        reclaimed = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        reclaimed = sum(1 for b in cached_blocks if b != NULL_BLOCK and self.ref_counts[b] == 0)
         if fresh + reclaimed > self.num_free_blocks:
             return None
-        for block_id in cached_blocks:
-            self._hold(block_id)
+        for block_id in cached_blocks:  # the null block: left by a window (hybrid_blocks.py)
+            if block_id != NULL_BLOCK:
+                self._hold(block_id)
         table = cached_blocks + [self._take_free_block() for _ in range(fresh)]
         self.block_tables[seq_id] = table
         self._registration.pop(seq_id, None)
@@ -334,10 +336,9 @@ class BlockManager:
             self._release(block_id)
 
     def free_outside_window(self, seq_id: Hashable, num_computed_tokens: int) -> int:
-        """Release the blocks no future query can see: with window W the token at
-        position p reads p - W + 1 .. p, so blocks ending before the next
-        token's window are dead. Their entries become the null block (the
-        kernels skip blocks before the window); cached ones stay findable."""
+        """Release the blocks no future query can see (with window W the token at p
+        reads p - W + 1 .. p): their entries become the null block, which the
+        kernels skip before the window; cached ones stay findable."""
         if self.sliding_window is None:
             return 0
         table = self.block_tables[seq_id]

@@ -1,8 +1,8 @@
 """KV cache events: which prefix blocks a replica holds, published over ZMQ.
 
-A KV-cache-aware router (llm-d's scheduler) keeps an index of the blocks
-every replica has cached and sends a request where its prompt's head is
-already computed. It learns them from events in vLLM's schema
+A KV-cache-aware router (vllm-router's kv_aware policy, llm-d's scheduler)
+keeps an index of the blocks every replica has cached and sends a request
+where its prompt's head is already computed. It learns them from events in vLLM's schema
 (vllm/distributed/kv_events.py), which this module reproduces, so a replica
 of ours is indexed like a vLLM one:
 
@@ -31,7 +31,24 @@ single-rank vLLM. Each event is a map whose "type" key names it:
      "lora_name": None}
 
 Sequence numbers count batches from 0; a batch dropped because the send
-queue was full still takes its number, so a subscriber sees the gap.
+queue was full still takes its number, so a subscriber sees the gap. The
+endpoint is always bound, as vLLM binds it; subscribers connect.
+
+Replay (vLLM's replay_endpoint): a ROUTER socket bound on its own endpoint
+keeps the last `buffer_steps` batches sent. A client (vllm-router uses a
+DEALER, at start-up and whenever it sees a gap) sends the first sequence
+number it wants, 8 bytes big-endian, and gets every buffered batch from that
+number on, then an end marker, each behind the envelope it sent:
+
+    request   [identity, b"", start_seq]            (the ROUTER side)
+    batch     [identity, b"", topic, seq, payload]  for each buffered seq >= start_seq
+    end       [identity, b"", b"", -1 (8 bytes, signed), b""]
+
+as vLLM's current publisher sends them (older vLLM sent no topic frame; a
+reader that takes the last two frames as seq and payload reads both).
+
+A salted (per-tenant) sequence's BlockStored names its tenant in
+`lora_name` and in the first block's `extra_keys`: see tenant_tag.
 
 msgspec is a core dependency; zmq is imported only when a publisher starts,
 so the block manager, which builds these events, imports without it.
@@ -39,10 +56,12 @@ so the block manager, which builds these events, imports without it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -57,6 +76,10 @@ MEDIUM_GPU = "GPU"
 # ours is one rank. Consumers decode the batch as a 3-element array.
 DATA_PARALLEL_RANK = 0
 QUEUE_SIZE = 10_000  # batches waiting for the publisher thread; beyond, dropped
+BUFFER_STEPS = 10_000  # batches kept for replay: vLLM's default buffer_steps
+SEND_HWM = 100_000  # messages the PUB socket queues per subscriber: vLLM's default hwm
+REPLAY_POLL = 0.05  # seconds between looks at the replay socket while no batch comes
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the sequence number ending a replay
 CLOSE_TIMEOUT = 2.0  # seconds close() waits for queued batches to go out
 
 BlockHash = bytes | int  # vLLM's ExternalBlockHash
@@ -80,7 +103,7 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    # Left at None by this engine; in vLLM's schema, so consumers can rely on it.
+    # vLLM's schema; set only for a salted chain's first block (tenant_tag).
     extra_keys: list | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -111,14 +134,16 @@ def stored_events(
     block_hashes: list[bytes],
     block_size: int,
     token_slice: Callable[[int, int], list[int]] | None,
+    cache_salt: bytes = b"",
 ) -> list[BlockStored]:
     """One BlockStored per run of consecutive blocks among the ascending
     `indices` of a sequence's newly cached blocks; `block_hashes` is the
-    sequence's hash chain and `token_slice(start, end)` its tokens (None: the
-    events carry no tokens).
+    sequence's hash chain, `token_slice(start, end)` its tokens (None: the
+    events carry no tokens) and `cache_salt` its tenant's salt.
 
     Each event's parent is the hash just before its first block, None for
-    the sequence's first block, as vLLM sends it.
+    the sequence's first block, as vLLM sends it. A salted sequence's events
+    name its tenant (`tenant_tag`).
     """
     runs: list[list[int]] = []
     for i in indices:
@@ -126,6 +151,7 @@ def stored_events(
             runs[-1].append(i)
         else:
             runs.append([i])
+    tenant = tenant_tag(cache_salt)
     events = []
     for run in runs:
         start, end = run[0], run[-1] + 1
@@ -136,9 +162,36 @@ def stored_events(
             block_size=block_size,
             lora_id=None,
             medium=MEDIUM_GPU,
-            lora_name=None,
+            lora_name=tenant,
+            # vLLM's place for the salt: the extra keys of a chain's first block.
+            extra_keys=[(tenant,)] + [None] * (end - 1) if tenant and not start else None,
         ))
     return events
+
+
+def tenant_tag(salt: bytes) -> str | None:
+    """The name a tenant's blocks carry in their events (None: no salt).
+
+    A tenant's cache salt (service/auth.py: per API key) goes into the hash of
+    its chains' first block, so its blocks never serve another tenant. A
+    router must not credit them to another tenant's request either. vLLM puts
+    a request's cache_salt in the `extra_keys` of the chain's first block,
+    and so do we, but vllm-router's kv_aware policy ignores `extra_keys`: it
+    indexes each block by SHA-256 of its `token_ids` seeded with the event's
+    `lora_name`, chained by the parent hashes, and looks a request up by the
+    token ids its worker renders, with no adapter (checked against
+    vllm-router 0.1.17). So the tenant's tag is the `lora_name` of every
+    event of its sequences: the same tokens under another salt, or under
+    none, hash to other index entries and never match. The router cannot
+    learn a request's tenant (the salt is derived from the API key on the
+    server), so it routes salted requests by load, never to another tenant's
+    blocks. The tag is one-way: it names the tenant without giving away the
+    salt that goes into its hashes.
+    """
+    if not salt:
+        return None
+    return "salt:" + hashlib.sha256(b"pagedserve kv events tenant\0" + salt).hexdigest()[:16]
+
 
 
 def add_removed(events: list, block_hash: bytes) -> None:
@@ -152,26 +205,23 @@ def add_removed(events: list, block_hash: bytes) -> None:
         events.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_GPU))
 
 
-def binds(endpoint: str) -> bool:
-    """Whether the publisher binds `endpoint` (else it connects), as vLLM decides.
-
-    A wildcard (`tcp://*:5557`), an IPv6 any-address, ipc:// and inproc://
-    are bound: subscribers come to us. Any other address is a subscriber that
-    bound it first (llm-d's indexer binds `tcp://*:5557`), so we connect.
-    """
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
 class KVEventPublisher:
     """Sends event batches from a background thread over a ZMQ PUB socket.
 
     `publish()` only queues: the engine's step never waits on the network. The
-    socket is bound or connected here, so a bad endpoint fails at start-up,
-    then belongs to the thread alone (ZMQ sockets are not thread-safe) until
-    `close()` has stopped it.
+    endpoint is always bound, as vLLM's publisher binds it: subscribers (a
+    router, llm-d's indexer) connect to the replica. `tcp://127.0.0.1:5557`
+    listens on loopback only, `tcp://*:5557` on every interface; a port `*`
+    lets the OS pick one (`bound` names it). With `replay_endpoint`, a ROUTER
+    socket bound there answers replay requests from the last `buffer_steps`
+    batches sent (see the module docstring). The sockets are bound here, so a
+    bad endpoint fails at start-up, then belong to the thread alone (ZMQ
+    sockets are not thread-safe) until `close()` has stopped it.
     """
 
-    def __init__(self, endpoint: str, topic: str = "", queue_size: int = QUEUE_SIZE) -> None:
+    def __init__(self, endpoint: str, topic: str = "", queue_size: int = QUEUE_SIZE,
+                 replay_endpoint: str | None = None,
+                 buffer_steps: int = BUFFER_STEPS) -> None:
         try:
             import zmq
         except ImportError as exc:
@@ -183,16 +233,25 @@ class KVEventPublisher:
         self._next_seq = 0
         self._closed = False
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        # (seq, payload) of the batches sent last, for replay; None without replay.
+        self._buffer: deque | None = None
         # The shared context, so an inproc:// subscriber in this process can reach us.
-        self._socket = zmq.Context.instance().socket(zmq.PUB)
-        try:
-            if binds(endpoint):
-                self._socket.bind(endpoint)
-            else:
-                self._socket.connect(endpoint)
-        except zmq.ZMQError as exc:
-            self._socket.close(linger=0)
-            raise ValueError(f"kv_events_endpoint={endpoint!r}: {exc}") from None
+        context = zmq.Context.instance()
+        self._socket = _bound(context.socket(zmq.PUB), endpoint, "kv_events_endpoint",
+                              SEND_HWM)
+        self.bound = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._replay = self.replay_bound = None
+        if replay_endpoint is not None:
+            try:
+                # A replay sends up to the whole buffer at once: beyond its
+                # high-water mark a ROUTER drops, so the mark holds it all.
+                self._replay = _bound(context.socket(zmq.ROUTER), replay_endpoint,
+                                      "kv_events_replay_endpoint", buffer_steps + 1)
+            except ValueError:
+                self._socket.close(linger=0)
+                raise
+            self.replay_bound = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._buffer = deque(maxlen=buffer_steps)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -211,7 +270,7 @@ class KVEventPublisher:
 
     def close(self) -> None:
         """Send what is queued (for up to CLOSE_TIMEOUT), stop the thread, close
-        the socket. Safe to call twice."""
+        the sockets. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
@@ -224,12 +283,21 @@ class KVEventPublisher:
             logger.warning("the KV event publisher did not stop; leaving its socket open")
             return
         self._socket.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
 
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         topic = self.topic.encode()
+        # With a replay socket, wake up to answer it even while no batch comes.
+        wait = REPLAY_POLL if self._replay is not None else None
         while True:
-            item = self._queue.get()
+            if self._replay is not None:
+                self._serve_replays(topic)
+            try:
+                item = self._queue.get(timeout=wait)
+            except queue.Empty:
+                continue
             if item is None:
                 return
             seq, batch = item
@@ -238,3 +306,41 @@ class KVEventPublisher:
                 self._socket.send_multipart((topic, seq.to_bytes(8, "big"), payload))
             except Exception:  # noqa: BLE001 - one bad batch must not stop the stream
                 logger.exception("could not publish KV event batch %d", seq)
+                continue
+            if self._buffer is not None:
+                self._buffer.append((seq, payload))
+
+    def _serve_replays(self, topic: bytes) -> None:
+        """Answer every waiting replay request: the buffered batches numbered
+        from the one asked for, then the end marker (module docstring)."""
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            # [identity, b"", start] from a DEALER or REQ; [identity, start]
+            # from a DEALER that sends no delimiter. The reply keeps the envelope.
+            if len(frames) not in (2, 3) or len(frames[-1]) != 8 or any(frames[1:-1]):
+                logger.warning("ignoring a malformed KV event replay request (%d frames)",
+                               len(frames))
+                continue
+            envelope, start = frames[:-1], int.from_bytes(frames[-1], "big")
+            try:
+                for seq, payload in self._buffer:
+                    if seq >= start:
+                        self._replay.send_multipart(
+                            (*envelope, topic, seq.to_bytes(8, "big"), payload))
+                self._replay.send_multipart((*envelope, b"", END_SEQ, b""))
+            except Exception:  # noqa: BLE001 - a bad client must not stop the stream
+                logger.exception("could not answer a KV event replay request")
+
+
+def _bound(socket, endpoint: str, name: str, hwm: int):
+    """`socket` bound to `endpoint` with send high-water mark `hwm`; a ValueError
+    naming the setting when ZMQ refuses it (the socket is closed then)."""
+    import zmq
+
+    try:
+        socket.setsockopt(zmq.SNDHWM, hwm)
+        socket.bind(endpoint)
+    except zmq.ZMQError as exc:
+        socket.close(linger=0)
+        raise ValueError(f"{name}={endpoint!r}: {exc}") from None
+    return socket

@@ -31,6 +31,9 @@ class ScheduledSequence:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     grammar: object | None = None  # the sequence's structured-output matcher
+    # The sliding layers' own block table, in a model that mixes sliding and
+    # global layers (engine/core/hybrid_blocks.py); None: every layer reads block_table.
+    window_block_table: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -47,6 +50,8 @@ class SchedulerOutput:
     preempted_seq_ids: list[int] = field(default_factory=list)
     # (source, destination) block pairs whose K/V the runner copies before the forward.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # The same for the sliding layers' pool of a hybrid model (window_block_table).
+    window_blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

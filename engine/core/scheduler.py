@@ -46,6 +46,13 @@ Blocks are registered in the cache in the step that fills them, so a request
 can hit a prefix that another one is still generating from, or is computing
 in this very step (each layer stores the whole batch's K/V before attending).
 
+Priorities (`scheduling_policy="priority"`, vLLM's): the waiting queue is kept
+in (priority, arrival) order, lower values first, and a preemption takes the
+running sequence of the lowest priority (latest arrival among equals). A
+waiting head that outranks a running sequence and finds no seat or no blocks
+for its first chunk preempts the lowest-ranked ones first, so an interactive
+request overtakes a batch job even when the batch fills the engine.
+
 Parallel samples (n > 1) compute their shared prompt once: the first sample
 prefills it, the others wait, then *fork* its blocks (ref counts + 1) and each
 recomputes only the last prompt token to draw its own first token. Whoever
@@ -61,7 +68,9 @@ build.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
+
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.kv_offload.offload import KVOffload
@@ -85,6 +94,11 @@ GROWTH_CAP_TOKENS = 2048
 LOADING = -1  # what _admit returns for a sequence that waits aside for its look-up or loads
 
 
+def rank(seq: Sequence) -> tuple[int, int]:
+    """A sequence's place under the priority policy: priority, then arrival."""
+    return seq.priority, seq.seq_id
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
                  offload: KVOffload | None = None) -> None:
@@ -100,6 +114,8 @@ class Scheduler:
         self.num_prompt_tokens_computed = 0  # prefill work done, recomputation included
         self.max_model_len = config.max_model_len
         self.conservativeness = config.schedule_conservativeness
+        self.by_priority = config.scheduling_policy == "priority"
+        self.seated: Sequence | None = None  # a head that preempted others to be admitted
         self.growth_ratio = GROWTH_RATIO_START
         self.observed_ratio = OBSERVED_START
 
@@ -110,7 +126,17 @@ class Scheduler:
             seq.update_block_hashes(self.block_size)
             if self.offload is not None and seq.fork_parent is None:
                 self.offload.note_arrival(seq.block_hashes)
-        self.waiting.append(seq)
+        self._wait(seq, front=False)
+
+    def _wait(self, seq: Sequence, front: bool) -> None:
+        """Queue `seq`: by rank under the priority policy; else at the back, or at the
+        front (a preempted or loaded sequence goes ahead of later arrivals)."""
+        if self.by_priority:
+            insort(self.waiting, seq, key=rank)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -135,12 +161,14 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        made_room = self._make_room_for_priority(output) if self.by_priority else 0
         budget = self._schedule_running(output, self.max_num_batched_tokens)
-        if output.preempted_seq_ids:
+        if len(output.preempted_seq_ids) > made_room:
             self.growth_ratio = min(GROWTH_RATIO_CEILING, self.growth_ratio + GROWTH_RATIO_STEP_UP)
         else:
             self.growth_ratio = max(GROWTH_RATIO_FLOOR, self.growth_ratio - GROWTH_RATIO_DECAY)
             self._schedule_waiting(output, budget)
+        output.window_blocks_to_copy = self.block_manager.take_window_copies()
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -162,7 +190,7 @@ class Scheduler:
             self.block_manager.append_slots(seq.seq_id, start + num_new) is not None
             and self._unshare(seq, start, start + num_new, output)
         ):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             output.preempted_seq_ids.append(victim.seq_id)
             if victim is seq:
@@ -180,14 +208,37 @@ class Scheduler:
                 output.blocks_to_copy.append(copy)
         return True
 
+    def _victim(self) -> Sequence:
+        """Whom a preemption takes: the newest, or the lowest-ranked by priority."""
+        return max(self.running, key=rank) if self.by_priority else self.running[-1]
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._wait(seq, front=True)
         self.num_preemptions += 1
+
+    def _make_room_for_priority(self, output: SchedulerOutput) -> int:
+        """Preempt the lowest-ranked running sequences while the waiting head
+        outranks them and has no seat or no blocks for its first chunk. Returns
+        how many; the head then skips the headroom check once (`seated`), so the
+        room made is not left to the next arrival."""
+        made = 0
+        while self.waiting and self.running:
+            head, victim = self.waiting[0], self._victim()
+            manager = self.block_manager
+            needs = manager.blocks_for(min(head.num_tokens, self.max_num_batched_tokens))
+            fits = len(self.running) < self.max_num_seqs and needs <= manager.num_free_blocks
+            if fits or head.priority >= victim.priority:
+                break
+            self._preempt(victim)
+            output.preempted_seq_ids.append(victim.seq_id)
+            self.seated = head
+            made += 1
+        return made
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         if self.loading:
@@ -199,6 +250,8 @@ class Scheduler:
             if num_new is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if seq is self.seated:
+                self.seated = None
             if num_new == LOADING:
                 self.loading.append(seq)  # aside until its blocks land; the next one may go
                 continue
@@ -236,7 +289,7 @@ class Scheduler:
         (the chat benchmark at 1 GiB recomputed 63 % more prompt tokens).
         The head of the queue is always admitted into an empty batch.
         """
-        if not self.running or not self.conservativeness:
+        if not self.running or not self.conservativeness or seq is self.seated:
             return True
         manager = self.block_manager
         num_blocks = manager.blocks_for(num_tokens)
@@ -249,7 +302,7 @@ class Scheduler:
         ready = [seq for seq in self.loading if self.offload.ready(seq)]
         for seq in reversed(ready):
             self.loading.remove(seq)
-            self.waiting.appendleft(seq)
+            self._wait(seq, front=True)
 
     def _admit(self, seq: Sequence, budget: int, output: SchedulerOutput, growth: int) -> int | None:
         """Give a waiting sequence its blocks; returns its token count, None to wait,
@@ -302,7 +355,8 @@ class Scheduler:
         # admitted later in this same step can then hit them. That is safe because
         # every layer writes the K/V of the whole batch before any attention reads.
         self.block_manager.cache_full_blocks(seq.seq_id, seq.block_hashes, start + num_new,
-                                             token_slice=seq.token_slice)
+                                             token_slice=seq.token_slice,
+                                             cache_salt=seq.cache_salt)
         self.num_prompt_tokens_computed += num_new - (1 if decodes else 0)
         return ScheduledSequence(
             seq_id=seq.seq_id,
@@ -314,6 +368,7 @@ class Scheduler:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             grammar=seq.grammar,
+            window_block_table=self.block_manager.window_table(seq.seq_id),
         )
 
     # -- after the model ran -----------------------------------------------------------

@@ -47,6 +47,7 @@ class Sequence:
     # (engine/sampling/structured_outputs.py: a GrammarMatcher of its own).
     grammar: object | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's meaning)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -21,6 +21,7 @@ import torch
 
 from engine.core.block_hash import salt_digest
 from engine.core.block_manager import BlockManager
+from engine.core.hybrid_blocks import HybridBlockManager
 from engine.config import EngineConfig
 from engine.errors import ValidationError
 from engine.sampling.detokenizer import IncrementalDetokenizer
@@ -87,6 +88,12 @@ class LLMEngine:
         self.num_generation_tokens = 0  # tokens sampled, over all requests
 
     def _block_manager(self) -> BlockManager:
+        runner = self.runner
+        if runner.num_window_blocks:  # the sliding layers have their own pool
+            return HybridBlockManager(
+                runner.num_blocks, runner.num_window_blocks, self.config.block_size,
+                runner.hybrid_window, enable_caching=self.config.enable_prefix_caching,
+                record_events=self.config.kv_events_endpoint is not None)
         return BlockManager(
             self.runner.num_blocks,
             self.config.block_size,
@@ -114,7 +121,9 @@ class LLMEngine:
         if self.block_manager.events is None:
             raise ValueError("kv_events_endpoint is set but the given scheduler's block "
                              "manager records no events (record_events=True)")
-        return KVEventPublisher(endpoint, self.config.kv_events_topic)
+        return KVEventPublisher(endpoint, self.config.kv_events_topic,
+                                replay_endpoint=self.config.kv_events_replay_endpoint,
+                                buffer_steps=self.config.kv_events_buffer_steps)
 
     def close(self) -> None:
         """Stop the KV event publisher, the offload threads and the runner's
@@ -143,6 +152,7 @@ class LLMEngine:
         params: SamplingParams,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request: a text prompt (tokenized here) or prompt token ids.
 
@@ -150,6 +160,7 @@ class LLMEngine:
         rendered chat template. `cache_salt` separates tenants in the prefix
         cache: requests share cached blocks only when their salts are equal. The
         service derives it from the authenticated caller, never from the client.
+        `priority` orders requests under scheduling_policy="priority" (lower first).
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -173,6 +184,7 @@ class LLMEngine:
                 cache_salt=salt,
                 fork_parent=seqs[0] if seqs else None,
                 grammar=grammar,
+                priority=priority,
             )
             seqs.append(seq)
             detokenizer = IncrementalDetokenizer(

@@ -25,3 +25,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
     prefill_cu_seqlens_q: torch.Tensor  # int32 [num_prefills + 1]
     prefill_context_lens: torch.Tensor  # int32 [num_prefills]
+    # The sliding layers' view of the same batch in a model whose sliding layers
+    # have their own KV pool (engine/core/hybrid_blocks.py): other slots and
+    # block tables, the same lengths. None: every layer reads the fields above.
+    window: AttentionMetadata | None = None

@@ -13,7 +13,8 @@ into the flat tensors the model wants:
                 from the SchedulerOutput; the tokens it may not draw come from stopping
 
 The KV cache is one tensor, [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim];
-layer i reads kv_cache[0][i] (K) and kv_cache[1][i] (V).
+layer i reads kv_cache[0][i] (K) and kv_cache[1][i] (V). A model mixing sliding
+and global layers has two, one per KV-cache group (engine/model/kv_groups.py).
 
 The flattening itself is engine/model/step_inputs.py: a header and one int64
 payload, decoded into tensors by `run_step`. With tensor parallelism
@@ -32,6 +33,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory
 from engine.model.distributed.partition import Partition
+from engine.model.kv_groups import KVGroups
 from engine.model.models.registry import model_class
 from engine.model.models.loader import initialize_dummy_weights, iter_safetensors
 from engine.model.runner import ModelRunnerOutput
@@ -163,18 +165,18 @@ class ModelRunner:
         args = self.model_class.model_args(hf_config)
         self.partition = Partition.of(args, rank, size)
         self.sliding_window = shared_window(args.sliding_windows)
+        self.kv_groups = KVGroups.plan(args.sliding_windows, config)
+        self.hybrid_window = self.kv_groups.window
         self.model = self._load_model(hf_config, model_path)
         check_backend_support(
             config.kernel_backend, config.block_size, args.head_dim, self.dtype, self.device
         )
-        self.num_blocks = self._num_kv_blocks()
-        self.kv_cache = torch.empty(
-            2, args.num_layers, self.num_blocks, self.block_size, self.partition.num_kv_heads,
-            args.head_dim, dtype=self.dtype, device=self.device,
-        )
-        if self.device.type == "cpu":
-            advise_huge_pages(self.kv_cache)  # before zero_() touches the pages
-        self.kv_cache.zero_()
+        self.num_blocks, self.num_window_blocks = self._num_kv_blocks()
+        self.kv_cache = self._new_cache(len(self.kv_groups.full_layers), self.num_blocks)
+        self.window_cache = (self._new_cache(len(self.kv_groups.window_layers),
+                                             self.num_window_blocks)
+                             if self.kv_groups.hybrid else None)
+        self.layer_caches = self.kv_groups.layer_caches(self.kv_cache, self.window_cache)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(args.vocab_size, seed=config.seed)
 
@@ -206,19 +208,29 @@ class ModelRunner:
         model.pack_linear_weights()  # after int4: the layers it replaced stay as they are
         return model
 
-    def bytes_per_block(self) -> int:
-        """One block's K/V of every layer, on this rank."""
-        args = self.model.args
-        heads = self.partition.num_kv_heads
-        elements = 2 * args.num_layers * self.block_size * heads * args.head_dim
+    def _new_cache(self, num_layers: int, num_blocks: int) -> torch.Tensor:
+        cache = torch.empty(2, num_layers, num_blocks, self.block_size, self.partition.num_kv_heads,
+                            self.model.args.head_dim, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            advise_huge_pages(cache)  # before zero_() touches the pages
+        return cache.zero_()
+
+    def layer_block_bytes(self) -> int:
+        """One block's K and V of one layer, on this rank."""
+        elements = 2 * self.block_size * self.partition.num_kv_heads * self.model.args.head_dim
         return elements * torch.tensor([], dtype=self.dtype).element_size()
+
+    def bytes_per_block(self) -> int:
+        """One block's K/V of every layer of the main pool, on this rank."""
+        return len(self.kv_groups.full_layers) * self.layer_block_bytes()
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds: the model's weights and its KV cache."""
         weights = sum(t.numel() * t.element_size()
                       for t in (*self.model.parameters(), *self.model.buffers()))
+        caches = (self.kv_cache, self.window_cache) if self.kv_groups.hybrid else (self.kv_cache,)
         return {"weights_bytes": weights,
-                "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
+                "kv_cache_bytes": sum(c.numel() * c.element_size() for c in caches)}
 
     def memory_per_rank(self) -> list[dict[str, int]]:
         """memory() of every tensor-parallel rank, in rank order (here: this one)."""
@@ -232,19 +244,27 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to stop in one process (the tensor-parallel runner stops its workers)."""
 
-    def _num_kv_blocks(self) -> int:
-        """How many KV blocks fit in the memory budget; refuse if one long sequence doesn't."""
-        config = self.config
+    def _num_kv_blocks(self) -> tuple[int, int]:
+        """(main pool blocks, window pool blocks) that fit in the memory budget;
+        refuse if one long sequence doesn't fit."""
+        config, groups = self.config, self.kv_groups
         if config.num_gpu_blocks_override is not None:
             num_blocks, budget = config.num_gpu_blocks_override, "num_gpu_blocks_override"
-        elif self.device.type == "cuda":
-            num_blocks, budget = self._profile_cuda_blocks(), "gpu_memory_utilization"
+            num_window = (config.num_window_blocks_override or num_blocks) if groups.hybrid else 0
         else:
-            num_blocks = config.kv_cache_memory_bytes // self.bytes_per_block()
-            budget = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+            if self.device.type == "cuda":
+                budget_bytes, budget = self._profile_cuda_bytes(), "gpu_memory_utilization"
+            else:
+                budget_bytes = config.kv_cache_memory_bytes
+                budget = f"kv_cache_memory_bytes={budget_bytes}"
+            num_blocks, num_window = groups.split(budget_bytes, self.layer_block_bytes(), config)
         if self.group is not None:  # every rank's cache has the same blocks: the smallest wins
-            num_blocks = self.group.all_min(num_blocks)
+            num_blocks, num_window = self.group.all_min(num_blocks), self.group.all_min(num_window)
         needed = -(-config.max_model_len // self.block_size) + 1  # + the null block
+        if groups.hybrid:
+            needed_window = min(needed, groups.window_blocks_per_sequence(config) + 1)
+            if num_window < needed_window:
+                needed, num_blocks = needed_window, num_window
         if num_blocks < needed:
             raise ValueError(
                 f"KV cache too small: {budget} gives {num_blocks} blocks of "
@@ -252,11 +272,11 @@ class ModelRunner:
                 f"max_model_len={config.max_model_len} sequence needs {needed} blocks. "
                 f"Raise the KV budget or lower max_model_len."
             )
-        return num_blocks
+        return num_blocks, num_window
 
     @torch.inference_mode()
-    def _profile_cuda_blocks(self) -> int:
-        """(total * utilisation - weights - peak activations) / bytes per block."""
+    def _profile_cuda_bytes(self) -> int:
+        """total * utilisation - weights - peak activations: the KV cache's bytes."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
@@ -266,7 +286,7 @@ class ModelRunner:
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         available = total * self.config.gpu_memory_utilization - used_by_others - peak
-        return max(int(available) // self.bytes_per_block(), 0)
+        return max(int(available), 0)
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """One prefill of `num_tokens` tokens into a one-block scratch cache (slots -1)."""
@@ -276,7 +296,7 @@ class ModelRunner:
             dtype=self.dtype, device=self.device,
         )
         # No sequences, so attention itself is skipped; the rest runs at full size.
-        header = [Op.STEP, num_tokens, 0, 0, 0, 0, 1, 0]
+        header = [Op.STEP, num_tokens, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
         payload = [0] * (2 * num_tokens) + [-1] * num_tokens + [0, num_tokens - 1]
         inputs = decode_step(header, torch.tensor(payload, device=self.device))
         hidden = self.model(inputs.input_ids, inputs.positions, scratch, inputs.meta)
@@ -290,7 +310,7 @@ class ModelRunner:
         prefills = [s for s in output.sequences if s.num_new_tokens > 1]
         batch = build_sampling_batch(decodes + prefills, self.eos_token_ids)
         header, payload = encode_step(decodes, prefills, batch.rows, output.blocks_to_copy,
-                                      self.block_size)
+                                      self.block_size, output.window_blocks_to_copy)
         logits = self.run_step(header, self.share(header, payload.to(self.device)))
         if not batch.rows:
             return ModelRunnerOutput([], SamplerOutput([], [], []))
@@ -308,8 +328,11 @@ class ModelRunner:
         and on the ranks other than 0)."""
         inputs = decode_step(header, payload)
         if inputs.copy_sources.numel():
-            self._copy_blocks(inputs.copy_sources, inputs.copy_destinations)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+            self._copy_blocks(self.kv_cache, inputs.copy_sources, inputs.copy_destinations)
+        if inputs.window_copies is not None and inputs.window_copies.numel():
+            pairs = inputs.window_copies
+            self._copy_blocks(self.window_cache, pairs[:, 0], pairs[:, 1])
+        hidden = self.model(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
         if not inputs.sample_rows.numel():
             return None
         return self.model.compute_logits(hidden[inputs.sample_rows])
@@ -333,10 +356,11 @@ class ModelRunner:
             return 0
         return max(1, len(os.sched_getaffinity(0)) // size)
 
-    def _copy_blocks(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+    @staticmethod
+    def _copy_blocks(cache: torch.Tensor, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Copy on write: K and V of every layer from each source block to its destination."""
-        # kv_cache: [2, layers, blocks, ...] -> copy along the blocks dimension.
-        self.kv_cache.index_copy_(2, destination, self.kv_cache.index_select(2, source))
+        # cache: [2, layers, blocks, ...] -> copy along the blocks dimension.
+        cache.index_copy_(2, destination, cache.index_select(2, source))
 
     # -- whole blocks as bytes, for the offload tiers (engine/core/kv_offload/) ------------------
     def block_record_bytes(self) -> int:
@@ -367,9 +391,7 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """The inverse of read_blocks: fill blocks with rows of bytes."""
-        args = self.model.args
-        shape = (len(block_ids), 2, args.num_layers, self.block_size,
-                 self.partition.num_kv_heads, args.head_dim)
+        shape = (len(block_ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
         blocks = data.to(self.device, non_blocking=True).view(self.dtype).view(shape)
         self.kv_cache.index_copy_(2, self._tensor(block_ids), blocks.permute(1, 2, 0, 3, 4, 5))
 

@@ -43,6 +43,11 @@ class Runner(Protocol):
     # The window every layer attends within (Mistral, Phi-3, Mixtral), or None: the
     # block manager then releases blocks that left it (free_outside_window).
     sliding_window: int | None
+    # A model mixing sliding and global layers (Gemma 2/3): the sliding layers'
+    # window and the blocks of their own KV pool (engine/model/kv_groups.py);
+    # None and 0 for one pool.
+    hybrid_window: int | None
+    num_window_blocks: int
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: a sampled token for every sequence whose `sampling` is set."""

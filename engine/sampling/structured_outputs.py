@@ -14,9 +14,14 @@ with a matcher of its own:
                                                      its end token drawn -> "stop"
 
 Unconstrained rows are never touched, so their tokens are the same whatever
-constraints share their batch. JSON is generated compactly (no free
-whitespace between tokens): a small model cannot wander off into blank lines
-until max_tokens cuts it.
+constraints share their batch. JSON is generated on one line with no free
+whitespace, laid out as Python's json.dumps writes it (", " between items,
+": " after keys): a small model cannot wander off into blank lines until
+max_tokens cuts it.
+
+Before compiling, grammar_checks.py prices the constraint (xgrammar's compile
+time is the client's to choose otherwise) and refuses one that accepts no
+output at all.
 
 Why xgrammar rather than llguidance (measured on SmolLM2's 49,152-token
 vocabulary, docs/performance.md): both compile our schemas in milliseconds.
@@ -30,19 +35,29 @@ uniqueItems).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from engine.errors import ValidationError
+from engine.sampling.grammar_checks import Refused, check_grammar, check_schema
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
-# Compiled constraints kept, by bytes (xgrammar's own bounded cache).
+# Compiled constraints kept, by bytes (xgrammar's own bounded cache, and ours).
 CACHE_LIMIT_BYTES = 64 << 20
 # xgrammar's errors start with "[time] source.cc:line: ": not the user's business.
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+# An internal failure of xgrammar's (its CHECK macro's words): never shown to a
+# client, who gets INTERNAL_FAILURE instead; the server's log has the details.
+_ASSERTION = "Check failed"
+INTERNAL_FAILURE = ("it could not be compiled: the grammar engine failed on it (logged on "
+                    "the server); try a simpler form")
 # The request field every refusal here names: the constraint as a whole.
 PARAM = "structured_outputs"
 
@@ -93,6 +108,13 @@ class StructuredOutputsParams:
         return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
 
 
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """The EBNF of "one of these strings". Each is a JSON string literal with its
+    characters as they are: ensure_ascii would write an emoji as a UTF-16
+    surrogate pair, which xgrammar reads as two code points (mojibake)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
 def _schema_text(schema) -> str:
     """The schema as JSON text. Its key order is kept: properties are generated
     in the order the schema lists them."""
@@ -115,12 +137,18 @@ class StructuredOutputs:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self._compiler = None
+        self._compilers = None  # (cached, uncached), made on first use
         self._lock = threading.Lock()  # the loop thread checks, the engine thread compiles
+        # Recently compiled constraints, by their params, within CACHE_LIMIT_BYTES.
+        self._recent: OrderedDict[StructuredOutputsParams, object] = OrderedDict()
+        self._recent_bytes = 0
+        self._recent_lock = threading.Lock()
 
-    def compiler(self):
+    def compiler(self, cached: bool = True):
+        """xgrammar's compiler for this vocabulary: the shared, cached one, or one
+        without a cache for the grammars the cache fails on."""
         with self._lock:
-            if self._compiler is None:
+            if self._compilers is None:
                 import xgrammar
 
                 if self.tokenizer is None:
@@ -129,28 +157,79 @@ class StructuredOutputs:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=self.eos_token_ids or None)
-                self._compiler = xgrammar.GrammarCompiler(
-                    info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES)
-            return self._compiler
+                self._compilers = (
+                    xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                             cache_limit_bytes=CACHE_LIMIT_BYTES),
+                    xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False))
+            return self._compilers[0 if cached else 1]
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled constraint; a ConstraintError naming the field when it is invalid."""
-        compiler = self.compiler()
+        """The compiled constraint; a ConstraintError naming the field when it is invalid.
+
+        Parsed into xgrammar's Grammar first (a client's mistake is refused in
+        xgrammar's words), checked (grammar_checks.py: bounded cost, a
+        language that is not empty), then compiled. The request's check and
+        the engine's matcher compile the same constraint: the second time
+        comes from `_recent`, without parsing or checking again.
+        """
+        with self._recent_lock:
+            compiled = self._recent.get(params)
+            if compiled is not None:
+                self._recent.move_to_end(params)
+                return compiled
+        compiled = self._compile(params.kind, self._grammar(params))
+        with self._recent_lock:
+            twin = self._recent.pop(params, None)  # another thread compiled it meanwhile
+            self._recent_bytes -= 0 if twin is None else twin.memory_size_bytes
+            self._recent[params] = compiled
+            self._recent_bytes += compiled.memory_size_bytes
+            while self._recent_bytes > CACHE_LIMIT_BYTES and len(self._recent) > 1:
+                self._recent_bytes -= self._recent.popitem(last=False)[1].memory_size_bytes
+        return compiled
+
+    def _grammar(self, params: StructuredOutputsParams):
+        import xgrammar
+
         kind = params.kind
         try:
             if kind == "json":
-                return compiler.compile_json_schema(params.json, any_whitespace=False)
-            if kind == "json_object":  # any object, compact like the schemas
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(c) for c in params.choice))
-            return compiler.compile_grammar(params.grammar)
+                check_schema(json.loads(params.json))  # before converting: patterns cost there
+                grammar = xgrammar.Grammar.from_json_schema(params.json, any_whitespace=False)
+            elif kind == "json_object":  # any object, laid out like the schemas
+                grammar = xgrammar.Grammar.from_json_schema('{"type": "object"}',
+                                                            any_whitespace=False)
+            elif kind == "regex":
+                grammar = xgrammar.Grammar.from_regex(params.regex)
+            else:
+                grammar = xgrammar.Grammar.from_ebnf(
+                    params.grammar if kind == "grammar" else choice_grammar(params.choice))
+            check_grammar(str(grammar))
+        except Refused as exc:
+            raise ConstraintError(kind, str(exc)) from None
         except (RuntimeError, ValueError, TypeError) as exc:
             detail = _LOG_PREFIX.sub("", " ".join(str(exc).split()))[:500]
+            if _ASSERTION in detail:  # xgrammar's own invariant, not the client's mistake
+                logger.error("structured_outputs.%s: xgrammar failed parsing it: %s", kind,
+                             detail)
+                detail = INTERNAL_FAILURE
             raise ConstraintError(kind, detail) from None
+        return grammar
+
+    def _compile(self, kind: str, grammar):
+        """A parsed and checked grammar compiled; any failure now is xgrammar's own."""
+        try:
+            return self.compiler().compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            # xgrammar 0.2.8's cache fails an assertion on some grammars (a pattern
+            # repeated 150 times or more); without the cache they compile.
+            logger.debug("structured_outputs.%s: compiling again without the cache (%s)",
+                         kind, exc)
+        try:
+            return self.compiler(cached=False).compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError):
+            logger.exception("structured_outputs.%s: xgrammar failed to compile a grammar it "
+                             "had parsed", kind)
+            raise ConstraintError(kind, INTERNAL_FAILURE) from None
 
     def matcher(self, params: StructuredOutputsParams) -> "GrammarMatcher":
         return GrammarMatcher(self.compile(params))

@@ -2,15 +2,25 @@
 
 from starlette.routing import Mount, Route
 
-from service.routes import admin, chat, completions, health, models, web
+from service.routes import (
+    admin, chat, completions, discovery, health, models, render, tokenize, web,
+)
 
 ROUTES = [
     Route("/v1/chat/completions", chat.create, methods=["POST"]),
     Route("/v1/completions", completions.create, methods=["POST"]),
+    # vLLM's render routes: a request's token ids, for a KV-cache-aware router.
+    Route("/v1/chat/completions/render", render.chat_render, methods=["POST"]),
+    Route("/v1/completions/render", render.completion_render, methods=["POST"]),
+    Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+    Route("/detokenize", tokenize.detokenize, methods=["POST"]),
     Route("/v1/models", models.list_models, methods=["GET"]),
     # Model ids may hold slashes ("org/name"), hence the path converter.
     Route("/v1/models/{model_id:path}", models.retrieve_model, methods=["GET"]),
     Route("/health", health.health, methods=["GET"]),
+    # What vllm-router asks each pod it discovers (service/routes/discovery.py).
+    Route("/get_server_info", discovery.server_info, methods=["GET"]),
+    Route("/kv_event_sources", discovery.kv_event_sources, methods=["GET"]),
     Route("/live", health.live, methods=["GET"]),
     Route("/metrics", health.metrics, methods=["GET"]),
     Route("/reset_prefix_cache", admin.reset_prefix_cache, methods=["POST"]),

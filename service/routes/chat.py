@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -12,6 +14,7 @@ from engine.frontend.chat_template import render_chat_text
 from service.admission import Admission
 from service.constraints import check_constraint, constraint_of
 from service.errors import bad_request, from_engine_error
+from service.prep import check_chat_body, check_chat_size, unless_gone
 from service.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, Delta, FunctionCall, FunctionDelta, ToolCall, ToolCallDelta, encoder,
@@ -25,28 +28,51 @@ from service.tool_parsers import Parsed, ToolCallParser, parse_text
 from service.tools import ToolPlan, plan_tools, template_messages, template_tools
 
 
-async def create(request: Request) -> Response:
-    state: ServiceState = request.app.state.service
-    body = await parse(request, ChatCompletionRequest)
+@dataclass
+class PreparedChat:
+    """A chat request up to the engine: what serving and /render share."""
+
+    body: ChatCompletionRequest
+    plan: ToolPlan | None
+    constraint: object | None
+    messages: list[dict]  # as the chat template took them
+    prompt: str
+    token_ids: list[int]
+
+    def admission_args(self) -> dict:
+        """What ServiceState.admit (and .validate) take besides the request and prompts."""
+        body = self.body
+        return dict(
+            id_prefix="chatcmpl", prompt_param="messages",
+            # `is None`, not `or`: a max_completion_tokens of 0 must never mean "no limit".
+            max_tokens=(body.max_tokens if body.max_completion_tokens is None
+                        else body.max_completion_tokens),
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            constraint=self.constraint)
+
+
+async def prepare(request: Request, state: ServiceState) -> PreparedChat:
+    """Parse, check and render a chat request (its constraint compiled)."""
+    body = await parse(request, ChatCompletionRequest, partial(check_chat_body, state))
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     refuse_unsupported(body)
+    check_chat_size(state, body)  # before the messages are rendered
     plan = plan_tools(body, state.tool_parser)
     constraint, constraint_param = _constraint(body, plan)
-    await check_constraint(state, constraint, constraint_param)
-    messages, prompt, token_ids = await render(state, body, plan)
-    thinking = plan_reasoning(state.config.reasoning_parser, prompt, body.chat_template_kwargs,
-                              constrained=constraint is not None)
-    admission = state.admit(
-        request, body, [token_ids],
-        id_prefix="chatcmpl",
-        prompt_param="messages",
-        # `is None`, not `or`: a max_completion_tokens of 0 must never mean "no limit".
-        max_tokens=(body.max_tokens if body.max_completion_tokens is None
-                    else body.max_completion_tokens),
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        constraint=constraint,
-    )
+    messages, prompt, token_ids = await unless_gone(
+        request, _prepare(state, body, plan, constraint, constraint_param))
+    return PreparedChat(body, plan, constraint, messages, prompt, token_ids)
+
+
+async def create(request: Request) -> Response:
+    state: ServiceState = request.app.state.service
+    prepared = await prepare(request, state)
+    body, plan, constraint = prepared.body, prepared.plan, prepared.constraint
+    messages, token_ids = prepared.messages, prepared.token_ids
+    thinking = plan_reasoning(state.config.reasoning_parser, prepared.prompt,
+                              body.chat_template_kwargs, constrained=constraint is not None)
+    admission = state.admit(request, body, [token_ids], **prepared.admission_args())
     if state.fleet is not None and body.cache_salt is None:
         # A client's own salt is not recorded: no other replica could warm it.
         state.fleet.observe_chat(_system_turn(messages), token_ids,
@@ -87,26 +113,22 @@ def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None):
     return plan.constraint, plan.constraint_param
 
 
-async def render(state: ServiceState, body: ChatCompletionRequest,
-                 plan: ToolPlan | None) -> tuple[list[dict], str, list[int]]:
-    """The conversation through the model's chat template: the messages as the
-    template took them, the prompt's text and its token ids (off the loop).
-
-    Every message costs at least one token (its role marker), so a conversation
-    with max_model_len messages cannot fit: refused before rendering, which
-    for 100,000 messages would hold the interpreter for seconds.
-    """
-    limit = state.engine.config.max_model_len
-    if len(body.messages) >= limit:
-        raise bad_request(
-            f"this model's maximum context length is {limit} tokens; the conversation has "
-            f"{len(body.messages)} messages, at least one token each", param="messages")
-    return await state.off_loop(_render, state, body, plan)
+async def _prepare(state: ServiceState, body: ChatCompletionRequest, plan: ToolPlan | None,
+                   constraint, constraint_param: str) -> tuple[list[dict], str, list[int]]:
+    """The conversation through the model's chat template (on a prep thread): the
+    messages as the template took them, the prompt's text and its token ids; then
+    the constraint compiled (on the compile lane), once the prompt is known to fit.
+    Oversized conversations were refused before (check_chat_size)."""
+    rendered = await state.off_loop(render_prompt, state, body, plan)
+    await check_constraint(state, constraint, constraint_param)
+    return rendered
 
 
-def _render(state: ServiceState, body: ChatCompletionRequest,
-            plan: ToolPlan | None) -> tuple[list[dict], str, list[int]]:
-    messages = template_messages(body.messages, plan, state.renders_tools)
+def render_prompt(state: ServiceState, body: ChatCompletionRequest,
+                  plan: ToolPlan | None) -> tuple[list[dict], str, list[int]]:
+    """The messages as the template took them, the prompt text and its token ids
+    (serving and /tokenize alike); run off the loop."""
+    messages = template_messages(body.messages, plan, state.renders_tools, state.tool_parser)
     try:
         text = render_chat_text(state.tokenizer, messages, body.add_generation_prompt,
                                 tools=template_tools(plan, state.renders_tools),
@@ -191,9 +213,15 @@ async def _events(state: ServiceState, admission: Admission, body, plan: ToolPla
     def chunk(choices, **extra) -> bytes:
         return event(ChatCompletionChunk(admission.request_id, created, model, choices, **extra))
 
-    # OpenAI opens every choice with the role and empty content.
-    yield chunk([ChatChunkChoice(i, Delta("assistant", ""), None, None) for i in range(body.n)])
+    # OpenAI opens every choice with the role and empty content. That chunk
+    # leaves with the first token, as vLLM's does, so a client that times the
+    # first chunk times the first token; until then (a long prefill) only the
+    # keep-alive comments of sse_response go out.
+    opening = [ChatChunkChoice(i, Delta("assistant", ""), None, None) for i in range(body.n)]
     async for update in admission.updates():
+        if opening:
+            yield chunk(opening)
+            opening = None
         choices = []
         for c in update.choices:
             logprobs = None
@@ -207,6 +235,8 @@ async def _events(state: ServiceState, admission: Admission, body, plan: ToolPla
             choices.append(ChatChunkChoice(c.index, delta, logprobs, finish_reason))
         if choices:
             yield chunk(choices)
+    if opening:  # ended without an update: the choices still open
+        yield chunk(opening)
     if body.stream_options is not None and body.stream_options.include_usage:
         yield chunk([], usage=usage(admission))
 

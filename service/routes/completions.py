@@ -14,6 +14,7 @@ from starlette.responses import Response
 from service.admission import Admission
 from service.constraints import check_constraint, constraint_of
 from service.errors import bad_request
+from service.prep import unless_gone
 from service.protocol import (
     CompletionChoice, CompletionRequest, CompletionResponse, encoder,
 )
@@ -30,6 +31,28 @@ MAX_PROMPTS = 64
 
 async def create(request: Request) -> Response:
     state: ServiceState = request.app.state.service
+    body, prompts, constraint = await prepare(request, state)
+    admission = state.admit(request, body, prompts, **admission_args(body, constraint))
+    if body.stream:
+        return sse_response(_events(state, admission, body), admission,
+                            state.config.sse_ping_seconds)
+    outputs = await admission.collect(request)
+    if outputs is None:
+        return Response(status_code=499)  # nobody is listening any more
+    return Response(encoder.encode(_response(state, admission, outputs, body)),
+                    media_type="application/json")
+
+
+def admission_args(body: CompletionRequest, constraint) -> dict:
+    """What ServiceState.admit (and .validate) take besides the request and prompts."""
+    return dict(id_prefix="cmpl", prompt_param="prompt",
+                max_tokens=DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+                logprobs=body.logprobs, constraint=constraint)
+
+
+async def prepare(request: Request, state: ServiceState):
+    """Parse, check and tokenize a completions request (its constraint compiled):
+    what serving and /render share. Returns (body, prompts as token ids, constraint)."""
     body = await parse(request, CompletionRequest)
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
@@ -41,23 +64,17 @@ async def create(request: Request) -> Response:
         raise bad_request(f"best_of={body.best_of} is not supported: only best_of=n "
                           f"(n={body.n})", param="best_of", code="unsupported_parameter")
     constraint, constraint_param = constraint_of(body)
+    prompts = await unless_gone(request, _prepare(state, body, constraint, constraint_param))
+    return body, prompts, constraint
+
+
+async def _prepare(state: ServiceState, body: CompletionRequest, constraint,
+                   constraint_param: str) -> list[list[int]]:
+    """The prompts as token ids (on a prep thread), then the constraint compiled (on
+    the compile lane) once they are known to fit (service/prep.py)."""
+    prompts = await state.off_loop(_prompts, state, body.prompt)
     await check_constraint(state, constraint, constraint_param)
-    admission = state.admit(
-        request, body, await state.off_loop(_prompts, state, body.prompt),
-        id_prefix="cmpl",
-        prompt_param="prompt",
-        max_tokens=DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
-        logprobs=body.logprobs,
-        constraint=constraint,
-    )
-    if body.stream:
-        return sse_response(_events(state, admission, body), admission,
-                            state.config.sse_ping_seconds)
-    outputs = await admission.collect(request)
-    if outputs is None:
-        return Response(status_code=499)  # nobody is listening any more
-    return Response(encoder.encode(_response(state, admission, outputs, body)),
-                    media_type="application/json")
+    return prompts
 
 
 def _prompts(state: ServiceState, prompt) -> list[list[int]]:

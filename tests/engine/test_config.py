@@ -212,7 +212,7 @@ def test_every_flag_defaults_to_its_field():
 def test_only_api_knobs_are_not_flags():
     every = {f.name for f in dataclasses.fields(EngineConfig)}
     not_flags = every - {f.name for f in flag_fields()}
-    assert not_flags == {"num_gpu_blocks_override", "cache_dir"}
+    assert not_flags == {"num_gpu_blocks_override", "num_window_blocks_override", "cache_dir"}
 
 
 def test_every_flag_has_its_help(monkeypatch):

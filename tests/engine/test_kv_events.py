@@ -3,7 +3,7 @@ exact block ids and exact events (stored runs and their parents, evictions,
 resets, events off), a scheduler fuzz that replays the events into an index
 and holds it equal to the cache, the publisher's frames and sequence numbers,
 and the tiny model end to end through a real ZMQ SUB socket, decoded without
-our own structs."""
+our own structs. Binding, replay and tenants: test_kv_events_replay.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from engine.core.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventPublisher,
-    binds,
     stored_events,
 )
 from engine.frontend.llm_engine import LLMEngine
@@ -233,15 +232,13 @@ def test_replayed_events_track_the_cache_exactly(seed):
 
 
 # -- the publisher ----------------------------------------------------------------------------------
-def subscriber(endpoint: str, bind: bool = False) -> zmq.Socket:
+def subscriber(endpoint: str) -> zmq.Socket:
+    """A SUB socket connected to the publisher's bound endpoint, as a router's is."""
     sock = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.RCVTIMEO, RECV_MS)
     sock.setsockopt(zmq.LINGER, 0)
-    if bind:
-        sock.bind(endpoint)
-    else:
-        sock.connect(endpoint)
+    sock.connect(endpoint)
     return sock
 
 
@@ -261,14 +258,6 @@ def receive(sub: zmq.Socket) -> tuple[bytes, int, object]:
     topic, seq, payload = sub.recv_multipart()
     assert len(seq) == 8
     return topic, int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)
-
-
-@pytest.mark.parametrize("endpoint, bound", [
-    ("tcp://*:5557", True), ("tcp://[::]:5557", True), ("ipc:///tmp/kv", True),
-    ("inproc://kv", True), ("tcp://127.0.0.1:5557", False), ("tcp://indexer:5557", False),
-])
-def test_wildcards_and_local_transports_bind_the_rest_connect(endpoint, bound):
-    assert binds(endpoint) is bound
 
 
 def test_publisher_frames_sequence_numbers_drops_and_close(monkeypatch):
@@ -331,13 +320,13 @@ def stored_dict(hashes, parent, tokens, block_size) -> dict:
 
 
 def test_engine_publishes_what_it_caches_evicts_and_clears(tiny_llama_path, single_thread):
-    # The subscriber binds and the engine connects to it, as llm-d's indexer and vLLM do.
-    sub = subscriber("tcp://127.0.0.1:*", bind=True)
-    endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)  # the port the OS picked
+    # The engine binds a loopback port the OS picks; the subscriber connects, as a router does.
     engine = LLMEngine(EngineConfig(
         model=str(tiny_llama_path), dtype="float32", block_size=8, max_model_len=32,
-        num_gpu_blocks_override=5, kv_events_endpoint=endpoint, kv_events_topic="kv@pod@tiny",
+        num_gpu_blocks_override=5, kv_events_endpoint="tcp://127.0.0.1:*",
+        kv_events_topic="kv@pod@tiny",
     ))
+    sub = subscriber(engine.kv_events.bound)
     try:
         handshake(sub, engine.reset_prefix_cache)
         rng = random.Random(3)

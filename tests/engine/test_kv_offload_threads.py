@@ -121,7 +121,7 @@ def gated():
     manager = BlockManager(16, 4, enable_caching=True)
     offload = KVOffload([tier], manager, BlockIO(), PAYLOAD, 2, 8)
     seq = SimpleNamespace(seq_id=1, block_hashes=[h("a"), h("b"), h("c")],
-                          token_slice=lambda start, end: [0] * (end - start))
+                          token_slice=lambda start, end: [0] * (end - start), cache_salt=b"")
     yield tier, manager, offload, seq
     tier.go.set()
     offload.close()

@@ -2,12 +2,18 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from engine.model.models.loader import (SAMPLING_KEYS, SMOLLM2_SAMPLING, convert_gguf,
-                                  default_gguf_path, load_sampling_defaults)
+import pytest
+
+from engine.config import default_cache_dir
+from engine.model.models import loader
+from engine.model.models.loader import (DIGESTS_FILE, SAMPLING_KEYS, SMOLLM2_GGUF,
+                                  SMOLLM2_SAMPLING, convert_gguf, default_gguf_path,
+                                  gguf_digest, load_sampling_defaults)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,3 +49,34 @@ def test_two_processes_converting_at_once_both_get_the_folder(tmp_path, smollm2_
     assert (folder / "config.json").exists()
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary left
     assert convert_gguf(default_gguf_path(), tmp_path) == folder
+
+
+def test_a_second_checkout_reuses_the_converted_folder(tmp_path, smollm2_path, monkeypatch):
+    """The cache key is the file's content and the converter's version: the same GGUF
+    at another path (a fresh clone, a reinstalled package) with another mtime loads
+    the folder converted before, without converting again."""
+    copy = tmp_path / "another-checkout" / SMOLLM2_GGUF
+    copy.parent.mkdir()
+    shutil.copyfile(default_gguf_path(), copy)
+    os.utime(copy, (1_000_000_000, 1_000_000_000))
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted again")
+
+    import transformers
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
+    assert convert_gguf(copy, default_cache_dir(), SMOLLM2_SAMPLING) == smollm2_path
+
+
+def test_a_files_digest_is_read_once_per_path_size_and_mtime(tmp_path, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 100)
+    digest = gguf_digest(gguf, tmp_path)
+    assert json.loads((tmp_path / DIGESTS_FILE).read_text())[str(gguf.resolve())][2] == digest
+    with monkeypatch.context() as patched:  # remembered: the bytes are not read again
+        patched.setattr(loader.hashlib, "sha256", None)
+        assert gguf_digest(gguf, tmp_path) == digest
+    gguf.write_bytes(b"GGUF" + bytes(100))  # changed: hashed again
+    assert gguf_digest(gguf, tmp_path) != digest
+    with pytest.raises(FileNotFoundError):
+        gguf_digest(tmp_path / "missing.gguf", tmp_path)

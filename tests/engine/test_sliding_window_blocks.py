@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core.block_manager import NULL_BLOCK, BlockManager
+from tiny_models import WINDOW, make_tiny_family
 
 
 def manager(window, num_blocks=16, block_size=4, caching=True) -> BlockManager:
@@ -64,31 +65,53 @@ def test_released_cached_blocks_stay_findable_and_forks_skip_the_null_block():
     bm.check_invariants()
 
 
-def held_blocks_over_a_long_sequence(path) -> list[int]:
-    """Blocks held after every step of one 240-token prompt + 60 output tokens."""
+def held_blocks_over_a_long_sequence(path, **engine_args) -> list[tuple[int, int]]:
+    """(full pool, window pool) blocks held after every step of one 240-token
+    prompt + 60 output tokens (the window pool is 0 for a model with one pool)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", block_size=4,
-                                    max_num_batched_tokens=64, enable_prefix_caching=False))
+                                    max_num_batched_tokens=64, enable_prefix_caching=False,
+                                    **engine_args))
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     engine.add_request("long", list(range(100, 340)), params)
     held = []
     while engine.has_unfinished_requests():
         engine.step()
         manager = engine.block_manager
-        held.append(manager.num_usable_blocks - manager.num_free_blocks)
+        window = getattr(manager, "window", None)
+        held.append((manager.num_usable_blocks - manager.num_free_blocks,
+                     window.num_usable_blocks - window.num_free_blocks if window else 0))
         manager.check_invariants()
     return held
 
 
-def test_an_all_sliding_model_holds_a_window_of_blocks(tmp_path, smollm2_path, single_thread):
-    from tiny_models import WINDOW, make_tiny_family
+WINDOW_BLOCKS = -(-WINDOW // 4) + 1  # the window, plus the block being written
 
-    sliding = held_blocks_over_a_long_sequence(
-        make_tiny_family(tmp_path / "mistral", "mistral-sliding", smollm2_path))
-    full = held_blocks_over_a_long_sequence(
-        make_tiny_family(tmp_path / "qwen3", "qwen3", smollm2_path))
-    window_blocks = -(-WINDOW // 4) + 1  # the window, plus the block being written
-    assert max(sliding[:-1]) <= window_blocks + 64 // 4  # a 64-token chunk is written whole
-    assert sliding[-2] <= window_blocks
+
+def test_an_all_sliding_model_holds_a_window_of_blocks(tmp_path, smollm2_path, single_thread):
+    sliding = [full for full, _ in held_blocks_over_a_long_sequence(
+        make_tiny_family(tmp_path / "mistral", "mistral-sliding", smollm2_path))]
+    full = [full for full, _ in held_blocks_over_a_long_sequence(
+        make_tiny_family(tmp_path / "qwen3", "qwen3", smollm2_path))]
+    assert max(sliding[:-1]) <= WINDOW_BLOCKS + 64 // 4  # a 64-token chunk is written whole
+    assert sliding[-2] <= WINDOW_BLOCKS
     assert full[-2] == -(-(240 + 59) // 4)  # every token's block, to the end
+
+
+def test_a_gemma3_holds_a_window_of_blocks_in_its_sliding_layers(tmp_path, smollm2_path,
+                                                                  single_thread):
+    """Gemma 3 (sliding, global, sliding): the global layer keeps every block, the
+    two sliding layers a window's worth; with one pool (the hybrid manager off)
+    all three layers keep every block. Layer-blocks held = K/V memory."""
+    path = make_tiny_family(tmp_path / "gemma3", "gemma3", smollm2_path)
+    hybrid = held_blocks_over_a_long_sequence(path)
+    one_pool = held_blocks_over_a_long_sequence(path, disable_hybrid_kv_cache_manager=True)
+    all_tokens = -(-(240 + 59) // 4)
+    full, window = hybrid[-2]
+    assert full == all_tokens and window <= WINDOW_BLOCKS
+    assert max(w for _, w in hybrid[:-1]) <= WINDOW_BLOCKS + 64 // 4
+    assert one_pool[-2] == (all_tokens, 0)
+    layer_blocks_hybrid = full * 1 + window * 2
+    layer_blocks_one_pool = all_tokens * 3
+    assert layer_blocks_hybrid < 0.4 * layer_blocks_one_pool

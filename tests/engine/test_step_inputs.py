@@ -8,8 +8,10 @@ from engine.core.scheduler import ScheduledSequence
 from engine.model.step_inputs import HEADER_LEN, Op, decode_step, encode_step, payload_length
 
 
-def seq(seq_id: int, tokens: list[int], start: int, table: list[int]) -> ScheduledSequence:
-    return ScheduledSequence(seq_id, tokens, start, table, None, None, [], [])
+def seq(seq_id: int, tokens: list[int], start: int, table: list[int],
+        window_table: list[int] | None = None) -> ScheduledSequence:
+    return ScheduledSequence(seq_id, tokens, start, table, None, None, [], [],
+                             window_block_table=window_table)
 
 
 def test_decodes_and_prefills_round_trip():
@@ -18,7 +20,7 @@ def test_decodes_and_prefills_round_trip():
     prefills = [seq(2, [20, 21, 22], 0, [9]), seq(3, [30, 31], 5, [4, 6])]
     header, payload = encode_step(decodes, prefills, sample_rows=[0, 1, 6],
                                   copies=[(5, 10)], block_size=block_size)
-    assert header == [Op.STEP, 7, 2, 3, 2, 2, 3, 1]
+    assert header == [Op.STEP, 7, 2, 3, 2, 2, 3, 1, 0, 0, 0, 0]  # no window group
     assert len(header) == HEADER_LEN
     assert payload.dtype == torch.long and payload.numel() == payload_length(header)
 
@@ -45,3 +47,25 @@ def test_an_empty_group_decodes_to_empty_tables():
     assert inputs.meta.prefill_block_tables.shape == (0, 0)
     assert inputs.meta.prefill_cu_seqlens_q.tolist() == [0]
     assert inputs.copy_sources.numel() == 0
+
+
+def test_the_window_group_has_its_own_slots_tables_and_copies():
+    """A hybrid model's sliding layers read other blocks for the same tokens
+    (engine/core/hybrid_blocks.py): same lengths, their own tables and copies."""
+    decodes = [seq(0, [11], 9, [3, 7, 5], [0, 2, 4])]  # block 0 left the window
+    prefills = [seq(1, [20, 21], 4, [9, 6], [1, 8])]
+    header, payload = encode_step(decodes, prefills, [0, 2], [(5, 10)], block_size=4,
+                                  window_copies=[(4, 3), (8, 7)])
+    assert header[8:] == [1, 3, 2, 2]
+    assert payload.numel() == payload_length(header)
+    inputs = decode_step(header, payload)
+    main, window = inputs.meta, inputs.meta.window
+    assert main.slot_mapping.tolist() == [5 * 4 + 1, 6 * 4, 6 * 4 + 1]
+    assert window.slot_mapping.tolist() == [4 * 4 + 1, 8 * 4, 8 * 4 + 1]
+    assert window.decode_block_tables.tolist() == [[0, 2, 4]]
+    assert window.prefill_block_tables.tolist() == [[1, 8]]
+    assert window.decode_context_lens.tolist() == main.decode_context_lens.tolist() == [10]
+    assert window.prefill_cu_seqlens_q.tolist() == [0, 2]
+    assert window.window is None and window.num_decode_tokens == 1
+    assert inputs.window_copies.tolist() == [[4, 3], [8, 7]]
+    assert inputs.copy_sources.tolist() == [5]

@@ -176,8 +176,9 @@ def test_idle_replica_warms_newly_popular_prompts(tiny_llama_path, redis_server)
         assert wait_until(b.state.fleet.idle, 10)
 
 
-def test_redis_lost_mid_run_then_back(tiny_llama_path, redis_server):
-    """Requests flow without a pause while Redis dies and returns; nothing fails."""
+def test_redis_lost_mid_run_then_back(tiny_llama_path, redis_server, caplog):
+    """Requests flow without a pause while Redis dies and returns; nothing fails, and
+    only the registry's own warning is logged (no pipeline left unclosed)."""
     with run_server(fleet_config(tiny_llama_path, redis_server.url, "A")) as a:
         assert wait_until(lambda: a.metrics()["pagedserve:redis_up"] == 1)
         chat(a, SYSTEM, "before")
@@ -202,6 +203,7 @@ def test_redis_lost_mid_run_then_back(tiny_llama_path, redis_server):
         assert load.failures == [] and load.served > 5
         assert down_after < 10
         assert a.metrics()["pagedserve:registry_sightings_dropped_total"] == 0
+    assert [r.getMessage() for r in caplog.records if "Unclosed" in r.getMessage()] == []
 
 
 class Load(threading.Thread):

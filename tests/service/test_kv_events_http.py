@@ -1,8 +1,9 @@
 """KV cache events from a real server (--kv-events-endpoint on ipc://, which the
 server binds): a completion's prompt blocks arrive as BlockStored with the
 hashes the engine computes, a chat's chain checks out, POST
-/reset_prefix_cache arrives as AllBlocksCleared, and stopping the server
-stops the publisher. Decoded with plain msgspec, not our structs."""
+/reset_prefix_cache arrives as AllBlocksCleared, stopping the server
+stops the publisher, and each API key's blocks name its tenant. Decoded with
+plain msgspec, not our structs."""
 
 from __future__ import annotations
 
@@ -43,11 +44,11 @@ def served(tiny_llama_path, tmp_path_factory) -> Iterator[tuple[LiveServer, zmq.
         sub.close()
 
 
-def handshake(live: LiveServer, sub: zmq.Socket) -> None:
+def handshake(live: LiveServer, sub: zmq.Socket, headers: dict | None = None) -> None:
     """PUB drops what it sends before the subscription arrives (the slow joiner):
     reset until an AllBlocksCleared gets through, then drop what came so far."""
     deadline = time.monotonic() + 20
-    with live.client() as http:
+    with live.client(headers=headers) as http:
         while not sub.poll(200):
             assert time.monotonic() < deadline, "the subscriber never received anything"
             http.post("/reset_prefix_cache").raise_for_status()
@@ -120,3 +121,39 @@ def test_reset_prefix_cache_publishes_all_blocks_cleared(served):
     with live.client() as http:
         assert http.post("/reset_prefix_cache").status_code == 200
     assert events_until(sub, "AllBlocksCleared") == [{"type": "AllBlocksCleared"}]
+
+
+def test_each_api_keys_blocks_name_their_tenant(tiny_llama_path, tmp_path):
+    """Two tenants (API keys) send the same prompt: two chains of the same
+    tokens, each named by its tenant's tag (engine/core/kv_events.py,
+    tenant_tag), which a router hashes in; a tenant's repeat is a cache hit."""
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    config = tiny_config(tiny_llama_path, engine={"kv_events_endpoint": endpoint,
+                                                  "kv_events_topic": TOPIC.decode()},
+                         api_keys=("key-a", "key-b"), admin_keys=("admin",))
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, RECV_MS)
+    sub.setsockopt(zmq.LINGER, 0)
+    prompt = [random.Random(12).randrange(3, 49152) for _ in range(2 * BLOCK + 3)]
+    try:
+        with run_server(config) as live:
+            sub.connect(endpoint)
+            handshake(live, sub, headers={"Authorization": "Bearer admin"})
+            stored = []
+            for key in ("key-a", "key-b", "key-a"):
+                with live.client(headers={"Authorization": f"Bearer {key}"}) as http:
+                    response = http.post("/v1/completions", json={
+                        "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+                assert response.status_code == 200, response.text
+                if key == "key-b" or not stored:
+                    stored += [e for e in events_until(sub, "BlockStored")
+                               if e["type"] == "BlockStored"]
+            assert not sub.poll(500), "tenant a's repeat cached new blocks"
+    finally:
+        sub.close()
+    assert [e["token_ids"] for e in stored] == [prompt[:2 * BLOCK]] * 2
+    tags = [e["lora_name"] for e in stored]
+    assert all(tag and tag.startswith("salt:") for tag in tags) and tags[0] != tags[1]
+    assert [e["extra_keys"] for e in stored] == [[[tag], None] for tag in tags]
+    assert stored[0]["block_hashes"] != stored[1]["block_hashes"]

@@ -3,14 +3,17 @@ popularity with decay, the seen-twice rule, bounds, and Redis going away."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import logging
 import random
 
 import pytest
 
 from engine.core.block_hash import prefix_hashes
 from redis_server import start_redis
-from service.prefix_registry import Namespace, PrefixRegistry, connect, salt_id
+from service.presence import ReplicaInfo, beat, leave
+from service.prefix_registry import REDIS_ERRORS, Namespace, PrefixRegistry, connect, salt_id
 
 FP = hashlib.sha256(b"model A").digest()
 NS = Namespace(FP, 4, "bfloat16")
@@ -150,6 +153,26 @@ async def test_redis_down_buffers_within_the_bound_then_catches_up(redis_server)
     assert reg.redis_up and reg.buffered == 0
     (kept,) = await reg.top([NS.key], 10)
     assert kept.seen == 3 and kept.token_ids == tokens
+
+
+@pytest.mark.asyncio
+async def test_redis_killed_mid_use_leaves_no_pipeline_unclosed(redis_server, caplog):
+    """Every pipeline gives its connection back on the failure path: a dropped one
+    is reported by redis-py as asyncio's "ERROR Unclosed Pipeline client"."""
+    caplog.set_level(logging.WARNING)
+    reg = registry(redis_server)
+    tokens, hashes = prefix(21)
+    await record(reg, NS, 21, [1.0])  # the script is loaded, a connection pooled
+    info = ReplicaInfo("A", "http://a", "m", NS.key, "ok", 0, 0, 0.0, [], 1.0, 1.0)
+    await beat(reg.client, info, 1.0)
+    redis_server.kill()
+    reg.record(NS, tokens, hashes, now=2.0)
+    for attempt in (reg.flush, lambda: reg.top([NS.key], 3), reg.namespaces,
+                    lambda: beat(reg.client, info, 1.0), lambda: leave(reg.client, "A")):
+        with pytest.raises(REDIS_ERRORS):
+            await attempt()
+    gc.collect()  # in the loop, where a dropped pipeline reports itself
+    assert [r.getMessage() for r in caplog.records if "Unclosed" in r.getMessage()] == []
 
 
 @pytest.mark.asyncio

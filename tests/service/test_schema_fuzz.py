@@ -143,7 +143,7 @@ def test_request_schemas_publish_the_bounds(fuzz_server):
         assert bounds(struct, "repetition_penalty") == {
             "type": "number", "exclusiveMinimum": 0, "maximum": 10}
         assert bounds(struct, "max_tokens") == {"type": "integer", "minimum": 1}
-        assert bounds(struct, "top_k") == {"type": "integer", "minimum": -1}
+        assert bounds(struct, "top_k") == {"type": "integer", "minimum": -1, "maximum": 2**31 - 1}
         assert bounds(struct, "n") == {"type": "integer", "minimum": 1, "maximum": 16}
     chat = components["ChatCompletionRequest"]
     assert chat["required"] == ["messages"]

@@ -234,3 +234,31 @@ def test_a_mistral_model_keeps_its_marker_and_gets_its_ids(choice, text):
     assert body.skip_special_tokens is (choice != "auto")
     _, [call] = parse_text(plan.new_parser(), text)
     assert call.name == "f" and len(call.id) == 9 and call.id.isalnum()
+
+
+def test_foreign_call_ids_take_mistrals_form_and_still_pair_up():
+    from service.protocol import ChatMessage
+    from service.tool_parsers import mistral_history_id
+    from service.tools import template_messages
+
+    body = msgspec.convert({"messages": [
+        {"role": "user", "content": "Ping twice"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "call_" + "a" * 20 + "x123456789", "type": "function",
+             "function": {"name": "ping", "arguments": "{}"}},
+            {"id": "call_" + "b" * 20 + "x123456789", "type": "function",
+             "function": {"name": "ping", "arguments": "{}"}},
+            {"id": "Ab3dE6gH9", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_" + "b" * 20 + "x123456789", "content": "pong"},
+        {"role": "tool", "tool_call_id": "call_" + "a" * 20 + "x123456789", "content": "pong"},
+        {"role": "tool", "tool_call_id": "Ab3dE6gH9", "content": "pong"}]},
+        type=dict[str, list[ChatMessage]])
+    rendered = template_messages(body["messages"], None, True, "mistral")
+    ids = [call["id"] for call in rendered[1]["tool_calls"]]
+    assert all(len(i) == 9 and i.isalnum() for i in ids)
+    assert ids[2] == "Ab3dE6gH9"  # already in Mistral's form: kept
+    assert ids[0] != ids[1]  # the same last 9 characters: still two ids
+    assert [m["tool_call_id"] for m in rendered[2:]] == [ids[1], ids[0], ids[2]]
+    assert mistral_history_id("call_x") == mistral_history_id("call_x")
+    other = template_messages(body["messages"], None, True, "hermes")
+    assert other[1]["tool_calls"][0]["id"].startswith("call_")  # other formats: as sent

@@ -84,7 +84,8 @@ class LoadJob:
     key: tuple  # the job's own entry in the block manager, which holds its blocks
     chain: list[bytes]  # the block hashes of the sequence that started it
     fetch: list[tuple[int, int]]  # (index in `chain`, device block) that this job loads
-    token_slice: object  # the sequence's token_slice, for KV events
+    token_slice: object  # the sequence's token_slice and cache salt, for KV events
+    cache_salt: bytes
     future: Future | None = None  # -> a payload (or None: a miss) per entry of `fetch`
     waiters: set[int] = field(default_factory=set)  # sequences that wait for it
     applied: bool = False  # loaded blocks written and registered
@@ -226,7 +227,7 @@ class KVOffload:
         if table is None:
             return False  # no room now: compute instead
         job = LoadJob(key, seq.block_hashes, list(zip(new, table[len(held):])), seq.token_slice,
-                      num_blocks=len(table))
+                      seq.cache_salt, num_blocks=len(table))
         self.job_blocks += job.num_blocks
         joined = {id(j): j for j in (self.inflight[h] for h in run if h in self.inflight)}
         self.jobs_of[seq.seq_id] = [job, *joined.values()]
@@ -293,7 +294,7 @@ class KVOffload:
                 row[:] = payload
             self.io.write_blocks([block for (_, block), _ in loaded], data)
             self.block_manager.cache_loaded_blocks([entry for entry, _ in loaded], job.chain,
-                                                   job.token_slice)
+                                                   job.token_slice, job.cache_salt)
         self.counters["blocks_loaded"] += len(loaded)
         self.counters["blocks_load_failed"] += len(job.fetch) - len(loaded)
         for index, _ in job.fetch:

@@ -40,6 +40,8 @@ class PagedAttention(nn.Module):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         k_cache, v_cache = kv_cache[0][self.layer_index], kv_cache[1][self.layer_index]
+        if meta.window is not None and "sliding_window" in self.features:
+            meta = meta.window  # this layer's K/V live in the sliding layers' own pool
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         d = meta.num_decode_tokens

@@ -8,13 +8,16 @@ Three ways to name a model, all offline:
     path/to/hf_folder        config.json + *.safetensors (+ tokenizer files)
 
 A GGUF file is converted once (transformers de-quantises it) into a
-safetensors folder under the cache directory, keyed by the file's name, size
-and modification time (and CONVERSION, bumped when the output changes);
-later starts load that folder directly.
+safetensors folder under the cache directory, keyed by the sha256 of the
+file's bytes and CONVERSION (bumped when the output changes), so a second
+checkout or a copy of the same file (another path, another mtime) loads that
+folder directly. The digest is remembered by (path, size, mtime) in
+`gguf-digests.json` there, so an unchanged file is not read again to be hashed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -40,6 +43,8 @@ MODEL_ALIASES = {DEFAULT_MODEL, "smollm2", "SmolLM2-135M-Instruct"}
 SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 # Part of the cache key: bump it when convert_gguf writes something new.
 CONVERSION = 2
+# In the cache directory: {resolved path: [size, mtime_ns, sha256]} of GGUF files seen.
+DIGESTS_FILE = "gguf-digests.json"
 # The generation_config.json keys that are request defaults (vLLM's list).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -80,8 +85,9 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, sampling: dict | None = None)
 
     `sampling`: default sampling settings to record in its generation_config.json.
     """
-    stat = gguf_path.stat()
-    key = f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}-c{CONVERSION}"
+    key = f"gguf-{gguf_digest(gguf_path, cache_dir)[:32]}-c{CONVERSION}"
+    if sampling:  # recorded in the folder: a part of what it holds
+        key += "-s" + hashlib.sha256(json.dumps(sampling, sort_keys=True).encode()).hexdigest()[:8]
     folder = cache_dir / "models" / key
     if (folder / "config.json").exists():
         return folder
@@ -112,6 +118,35 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, sampling: dict | None = None)
             raise
         shutil.rmtree(tmp)  # another process finished first: keep its folder
     return folder
+
+
+def gguf_digest(path: Path, cache_dir: Path) -> str:
+    """The sha256 of a file's bytes, read once per (path, size, mtime): remembered in
+    the cache directory's DIGESTS_FILE (best effort: a read-only cache rehashes)."""
+    stat = path.stat()
+    stamp = [stat.st_size, stat.st_mtime_ns]
+    memo_path, key = cache_dir / DIGESTS_FILE, str(path.resolve())
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    entry = memo.get(key) if isinstance(memo, dict) else None
+    if isinstance(entry, list) and entry[:2] == stamp and len(entry) == 3:
+        return entry[2]
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    memo = memo if isinstance(memo, dict) else {}
+    memo[key] = [*stamp, digest.hexdigest()]
+    try:  # atomic: another process reading it sees the old file or the new one
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(f"{memo_path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+    except OSError:
+        pass
+    return memo[key][2]
 
 
 def load_sampling_defaults(folder: Path) -> dict[str, float]:

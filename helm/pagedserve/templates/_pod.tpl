@@ -100,7 +100,7 @@ topologySpreadConstraints:
 {{/*
 The flags the chart sets in config.yaml; server.config overrides them.
 tensor-parallel-size follows gpu.count, and may not ask for more GPUs than
-the pod gets.
+the pod gets; the KV event endpoints come with router.policy=kv_aware.
 */}}
 {{- define "pagedserve.chartFlags" -}}
 {{- $flags := dict "shutdown-grace-seconds" .Values.server.shutdownGraceSeconds }}
@@ -112,6 +112,8 @@ the pod gets.
 {{- if and .Values.gpu.enabled (gt $size $gpus) }}
 {{- fail (printf "server.config.tensor-parallel-size=%d needs %d GPUs per pod, but gpu.count=%d" $size $size $gpus) }}
 {{- end }}
+{{- /* KV cache events for the router's kv_aware policy (_router.tpl). */}}
+{{- $flags = merge $flags (include "pagedserve.router.kvEventFlags" . | fromYaml) }}
 {{- toYaml $flags }}
 {{- end }}
 

@@ -1,0 +1,226 @@
+"""Request preparation: what is refused before it starts, where it runs, when it is dropped.
+
+Before a request reaches the engine its chat template is rendered, its text
+tokenized and its output constraint compiled. None of that may run on the
+event loop (a megabyte prompt would stall every stream and /health), and no
+request's preparation may hold up another's. So it runs in lanes of threads:
+
+    lane    work                                      threads                priority
+    light   chat templates, tokenizing                --prep-threads (4)     normal
+    heavy   grammar compiles (service/constraints.py)  --compile-threads (1)  lowest (nice 19)
+
+A compile can run for minutes (a JSON schema whose string pattern repeats a
+class thousands of times), so compiles have their own lane and a plain request
+always finds a light thread. The heavy lane's threads run at the lowest CPU
+priority (Linux: a thread's own nice value), so on a small CPU a compile gets
+what the engine's steps leave over and running streams keep their pace.
+
+A request is given up when its client disconnects while it is prepared
+(`unless_gone`, ClientGone: answered quietly). Its jobs still queued are
+dropped; a job already running, which Python cannot stop (xgrammar compiles
+in C++), runs to its end and its result is thrown away.
+
+Refused before any of that, by size alone: more messages than tokens, more
+tools than OpenAI takes (128) or tools whose JSON cannot fit the context,
+read from the raw body before it is decoded (`check_chat_body`: 3,000 tools
+take 28 ms to decode, holding the interpreter, and 0.3 ms to count); then
+messages whose text cannot fit (`check_chat_size`). 3,000 tools once spent
+15 s in the chat template before the rendered prompt was found too long.
+
+The lanes' threads are daemon threads of their own, not a ThreadPoolExecutor:
+the interpreter joins an executor's threads at exit, and a compile that runs
+for minutes would hold up the process's exit after SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+
+from service.errors import ClientGone, bad_request
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_TOOLS = 128  # OpenAI's own limit on functions in one request
+LOWEST_PRIORITY = 19  # nice value of the heavy lane's threads
+
+
+@dataclass(eq=False)
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    abandoned: bool = False
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Hand the outcome to the loop (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+        except RuntimeError:  # the loop has closed: nobody is waiting
+            pass
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # given up meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class Lane:
+    """`threads` worker threads taking jobs in order from one queue."""
+
+    def __init__(self, name: str, threads: int, nice: int = 0) -> None:
+        self.name = name
+        self.nice = nice
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on one of the lane's threads; its errors re-raise here.
+
+        Cancelled while it waits (its client left), the job is dropped if it
+        has not started, and its result is thrown away if it has.
+        """
+        loop = asyncio.get_running_loop()
+        job = _Job(fn, args, loop, loop.create_future())
+        self._jobs.put(job)
+        try:
+            return await job.future
+        finally:
+            job.abandoned = True  # done or given up: never started after this
+
+    def close(self) -> None:
+        """Stop the threads once the jobs queued before this are done."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        if self.nice:
+            lower_priority(self.nice)
+        while (job := self._jobs.get()) is not None:
+            if job.abandoned:
+                continue
+            try:
+                result = job.fn(*job.args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the loop
+                job.settle(error=exc)
+            else:
+                job.settle(result)
+            job = result = None  # hold nothing while waiting for the next job
+
+
+def lower_priority(nice: int) -> None:
+    """Give the calling thread (Linux: a task of its own) a nice value; elsewhere nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError) as exc:
+        logger.debug("cannot lower the priority of %s: %s", threading.current_thread().name, exc)
+
+
+@dataclass(eq=False)
+class Prep:
+    """The server's two lanes."""
+
+    light_threads: int = 4
+    heavy_threads: int = 1
+    light: Lane = field(init=False)
+    heavy: Lane = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.light = Lane("prep", self.light_threads)
+        self.heavy = Lane("prep-compile", self.heavy_threads, nice=LOWEST_PRIORITY)
+
+    def close(self) -> None:
+        self.light.close()
+        self.heavy.close()
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone as soon as the client disconnects.
+
+    `work` is then cancelled: its lane jobs are dropped or their results
+    thrown away, and it never reaches the engine. Only for a request whose
+    body has been read: what `receive` gives after that is the disconnect.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let it unwind; drop its error
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ChatShape(msgspec.Struct):
+    """What check_chat_body reads of a chat body: its lists, each item left undecoded."""
+
+    messages: list[msgspec.Raw] = []
+    tools: list[msgspec.Raw] | None = None
+
+
+_CHAT_SHAPE = msgspec.json.Decoder(_ChatShape)
+
+
+def check_chat_body(state, body: bytes) -> None:
+    """Refuse a chat body by its counts and sizes, before it is decoded (parse's
+    precheck): more messages than tokens, more than MAX_TOOLS tools, tools whose
+    JSON cannot fit. A body this cannot read is left to the decoder to refuse."""
+    try:
+        shape = _CHAT_SHAPE.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+        return
+    limit = state.engine.config.max_model_len
+    if len(shape.messages) >= limit:  # every message costs at least its role marker
+        raise bad_request(
+            f"this model's maximum context length is {limit} tokens; the conversation has "
+            f"{len(shape.messages)} messages, at least one token each", param="messages")
+    if shape.tools:
+        if len(shape.tools) > MAX_TOOLS:
+            raise bad_request(f"at most {MAX_TOOLS} tools per request, got {len(shape.tools)}",
+                              param="tools")
+        # The template shows the model every tool's JSON (or the system turn does).
+        state.check_text_size(sum(map(len, shape.tools)), "tools")
+
+
+def check_chat_size(state, body) -> None:
+    """Refuse a decoded chat whose messages cannot fit, by the size of their text,
+    before the chat template runs (seconds of work for megabytes of messages)."""
+    state.check_text_size(sum(map(_content_size, body.messages)), "messages")
+
+
+def _content_size(message) -> int:
+    """Characters of a message's content: text that any chat template writes out."""
+    content = message.content
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.text) for part in content)

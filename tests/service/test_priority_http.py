@@ -1,0 +1,49 @@
+"""`priority` over HTTP: refused by name unless the server schedules by priority;
+with --scheduling-policy priority, a high-priority request sent while
+low-priority streams fill every seat gets its first token without waiting for
+them to finish, and the same greedy tokens it gets alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from live_server import run_server, tiny_config
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_priority_needs_the_priority_policy(tiny_llama_path):
+    with run_server(tiny_config(tiny_llama_path)) as live:
+        body = {"prompt": "hello", "max_tokens": 1, "priority": 3}
+        refused = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+        assert httpx.post(f"{live.url}/v1/completions", json={**body, "priority": 0},
+                          timeout=30).status_code == 200
+
+
+def test_a_high_priority_request_overtakes_a_full_engine(tiny_llama_path):
+    config = tiny_config(tiny_llama_path, engine={"scheduling_policy": "priority",
+                                                  "max_num_seqs": 2})
+    urgent = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with run_server(config) as live:
+        url = f"{live.url}/v1/completions"
+        alone = httpx.post(url, json={**urgent, "priority": -1}, timeout=60).json()
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=120) as client:
+                batch = [asyncio.create_task(client.post(url, json={
+                    "prompt": [100 + i] * 8, "max_tokens": 200, "ignore_eos": True,
+                    "priority": 10})) for i in range(2)]
+                await asyncio.sleep(0.5)  # both seats taken by the batch
+                first = await client.post(url, json={**urgent, "priority": -1})
+                done_before = sum(task.done() for task in batch)
+                await asyncio.gather(*batch)
+                return first.json(), done_before
+
+        first, done_before = asyncio.run(scenario())
+        assert done_before == 0  # it did not wait for a seat to free up
+        assert first["choices"][0]["text"] == alone["choices"][0]["text"]
+        assert live.engine.scheduler.num_preemptions >= 1
