@@ -64,7 +64,8 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
                        help="threads that render chat templates and tokenize")
     group.add_argument("--compile-threads", type=int, default=1,
                        help="threads that compile output constraints (JSON schemas, "
-                            "regexes, grammars), apart and at the lowest CPU priority")
+                            "regexes, grammars), apart; one past 1 s goes on at the lowest CPU "
+                            "priority")
     group.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="past this many queued requests, answer 429")
     group.add_argument("--shutdown-grace-seconds", type=float, default=30.0)

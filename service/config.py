@@ -88,7 +88,7 @@ class ServiceConfig:
     # Open connections past this: an idle one is closed, or the new one gets 503.
     max_connections: int = 2048
     # Request preparation (service/prep.py): threads for chat templates and
-    # tokenizing, and, apart, for grammar compiles (at the lowest CPU priority).
+    # tokenizing, and, apart, for grammar compiles (lowest CPU priority past 1 s).
     prep_threads: int = 4
     compile_threads: int = 1
     # Back-pressure: past this many waiting requests new ones get 429.

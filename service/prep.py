@@ -7,13 +7,17 @@ request's preparation may hold up another's. So it runs in lanes of threads:
 
     lane    work                                      threads                priority
     light   chat templates, tokenizing                --prep-threads (4)     normal
-    heavy   grammar compiles (service/constraints.py)  --compile-threads (1)  lowest (nice 19)
+    heavy   grammar compiles (service/constraints.py)  --compile-threads (1)  normal, then
+                                                                             lowest after 1 s
 
-A compile can run for minutes (a JSON schema whose string pattern repeats a
-class thousands of times), so compiles have their own lane and a plain request
-always finds a light thread. The heavy lane's threads run at the lowest CPU
-priority (Linux: a thread's own nice value), so on a small CPU a compile gets
-what the engine's steps leave over and running streams keep their pace.
+A compile can run for seconds, unpriced for minutes (a JSON schema whose
+string pattern repeats a class thousands of times), so compiles have their
+own lane and a plain request always finds a light thread. A compile still
+running after a second (a schema or a tool list takes milliseconds to half
+a second) goes on at the lowest CPU priority (Linux: its thread's nice value
+19), so on a small CPU it gets what the engine's steps leave over and running
+streams keep their pace; its thread then retires, as a thread cannot raise
+its priority back without a privilege, and a fresh one takes its place.
 
 A request is given up when its client disconnects while it is prepared
 (`unless_gone`, ClientGone: answered quietly). Its jobs still queued are
@@ -35,6 +39,7 @@ for minutes would hold up the process's exit after SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import queue
@@ -53,7 +58,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_TOOLS = 128  # OpenAI's own limit on functions in one request
-LOWEST_PRIORITY = 19  # nice value of the heavy lane's threads
+# A compile still running after this long goes on at the lowest CPU priority.
+DEMOTE_AFTER_SECONDS = 1.0
+LOWEST_PRIORITY = 19  # its nice value
 
 
 @dataclass(eq=False)
@@ -82,16 +89,21 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 
 class Lane:
-    """`threads` worker threads taking jobs in order from one queue."""
+    """`threads` worker threads taking jobs in order from one queue.
 
-    def __init__(self, name: str, threads: int, nice: int = 0) -> None:
+    With `demote_after`, a job still running after that many seconds has its
+    thread lowered to the lowest CPU priority; that thread retires after the
+    job (raising a priority back takes a privilege) and a fresh one takes its place.
+    """
+
+    def __init__(self, name: str, threads: int, demote_after: float | None = None) -> None:
         self.name = name
-        self.nice = nice
+        self.demote_after = demote_after
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
+        self._numbers = itertools.count()
+        self._threads = threads
+        for _ in range(threads):
+            self._start_worker()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on one of the lane's threads; its errors re-raise here.
@@ -109,30 +121,58 @@ class Lane:
 
     def close(self) -> None:
         """Stop the threads once the jobs queued before this are done."""
-        for _ in self._threads:
+        for _ in range(self._threads):
             self._jobs.put(None)
 
+    def _start_worker(self) -> None:
+        threading.Thread(target=self._work, name=f"{self.name}-{next(self._numbers)}",
+                         daemon=True).start()
+
     def _work(self) -> None:
-        if self.nice:
-            lower_priority(self.nice)
         while (job := self._jobs.get()) is not None:
             if job.abandoned:
                 continue
-            try:
-                result = job.fn(*job.args)
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the loop
-                job.settle(error=exc)
-            else:
-                job.settle(result)
-            job = result = None  # hold nothing while waiting for the next job
+            if self._run(job):
+                # A thread starts at its creator's priority: the loop's thread
+                # starts the replacement, not this one.
+                try:
+                    job.loop.call_soon_threadsafe(self._start_worker)
+                except RuntimeError:  # the loop has closed: the server is stopping
+                    pass
+                return
+            job = None  # hold nothing while waiting for the next job
+
+    def _run(self, job: _Job) -> bool:
+        """Run one job and settle it; whether its thread was demoted meanwhile."""
+        demoted: list[bool] = []
+        timer = None
+        if self.demote_after is not None:
+            thread_id = threading.get_native_id()
+            timer = threading.Timer(self.demote_after, lambda: demoted.append(
+                lower_priority(thread_id, LOWEST_PRIORITY)))
+            timer.daemon = True
+            timer.start()
+        try:
+            result = job.fn(*job.args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the loop
+            job.settle(error=exc)
+        else:
+            job.settle(result)
+        if timer is not None:
+            timer.cancel()
+            timer.join()  # had it fired, it is done now
+        return any(demoted)
 
 
-def lower_priority(nice: int) -> None:
-    """Give the calling thread (Linux: a task of its own) a nice value; elsewhere nothing."""
+def lower_priority(thread_id: int, nice: int) -> bool:
+    """Give a thread of this process (Linux: a task of its own) a nice value;
+    elsewhere nothing. Whether it took."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        os.setpriority(os.PRIO_PROCESS, thread_id, nice)
     except (AttributeError, OSError) as exc:
-        logger.debug("cannot lower the priority of %s: %s", threading.current_thread().name, exc)
+        logger.debug("cannot lower the priority of thread %d: %s", thread_id, exc)
+        return False
+    return True
 
 
 @dataclass(eq=False)
@@ -146,7 +186,7 @@ class Prep:
 
     def __post_init__(self) -> None:
         self.light = Lane("prep", self.light_threads)
-        self.heavy = Lane("prep-compile", self.heavy_threads, nice=LOWEST_PRIORITY)
+        self.heavy = Lane("prep-compile", self.heavy_threads, demote_after=DEMOTE_AFTER_SECONDS)
 
     def close(self) -> None:
         self.light.close()
