@@ -92,11 +92,17 @@ class Replica:
         raise KeyError(name)
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_process(self.process, 60)
+
+
+def stop_process(process: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, `grace` seconds to exit, then SIGKILL."""
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(5)
 
 
 @dataclass

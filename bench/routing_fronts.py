@@ -26,12 +26,13 @@ from pathlib import Path
 
 import httpx
 
-from bench.fleet import Replica, _free_port
+from bench.fleet import Replica, _free_port, stop_process
 
 MODES = ("round_robin", "nginx", "cache_aware", "kv_aware")
 ROOT = Path(__file__).resolve().parents[1]
 NGINX_TEMPLATE = ROOT / "deploy" / "nginx" / "templates" / "pagedserve.conf.template"
-# What the nginx image's own nginx.conf adds around the template (tests/nginx_server.py).
+# What the nginx image's own nginx.conf adds around the template (tests/nginx_server.py
+# runs it too, with an access log of its own).
 NGINX_TOP_LEVEL = """
 {user}
 worker_processes 1;
@@ -39,7 +40,7 @@ pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
 events {{ worker_connections 1024; }}
 http {{
-    access_log off;
+    {access_log}
     client_body_temp_path {dir}/body;
     proxy_temp_path {dir}/proxy;
     fastcgi_temp_path {dir}/fastcgi;
@@ -105,12 +106,7 @@ class Front:
     log: Path
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
+        stop_process(self.process, 15)
 
 
 def router_binary() -> str | None:
@@ -177,24 +173,32 @@ def render_nginx(template: str, replicas: list[str], listen: str) -> str:
     return string.Template("\n".join(lines) + "\n").safe_substitute(PAGEDSERVE_LISTEN=listen)
 
 
+def nginx_command(binary: str, folder: Path, hosts: list[str], port: int,
+                  access_log: str = "access_log off;") -> list[str]:
+    """Write the load balancer's configuration for `hosts` (host:port) into `folder`
+    and check it (`nginx -t`); the command that runs it in the foreground."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pagedserve.conf").write_text(
+        render_nginx(NGINX_TEMPLATE.read_text(), hosts, f"127.0.0.1:{port}"))
+    user = "user root;" if os.geteuid() == 0 else ""  # workers must reach the temp dirs
+    conf = folder / "nginx.conf"
+    conf.write_text(NGINX_TOP_LEVEL.format(dir=folder, user=user, access_log=access_log))
+    # the startup log: before the configuration's own log opens
+    base = [binary, "-c", str(conf), "-p", str(folder), "-e", str(folder / "startup.log")]
+    check = subprocess.run([*base, "-t"], capture_output=True, text=True, check=False)
+    if check.returncode != 0:
+        raise RuntimeError(f"nginx refused its configuration: {check.stderr}")
+    return [*base, "-g", "daemon off;"]
+
+
 def start_nginx(replicas: list[EventReplica], folder: Path) -> Front:
     binary = nginx_binary()
     if binary is None:
         raise SystemExit("nginx is not installed (apt-get install nginx)")
     port = _free_port()
-    folder.mkdir(parents=True, exist_ok=True)
     hosts = [r.url.removeprefix("http://") for r in replicas]
-    (folder / "pagedserve.conf").write_text(
-        render_nginx(NGINX_TEMPLATE.read_text(), hosts, f"127.0.0.1:{port}"))
-    user = "user root;" if os.geteuid() == 0 else ""  # workers must reach the temp dirs
-    conf = folder / "nginx.conf"
-    conf.write_text(NGINX_TOP_LEVEL.format(dir=folder, user=user))
-    log = folder / "startup.log"
-    base = [binary, "-c", str(conf), "-p", str(folder), "-e", str(log)]
-    check = subprocess.run([*base, "-t"], capture_output=True, text=True, check=False)
-    if check.returncode != 0:
-        raise RuntimeError(f"nginx refused its configuration: {check.stderr}")
-    process = subprocess.Popen([*base, "-g", "daemon off;"], stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(nginx_command(binary, folder, hosts, port),
+                               stderr=subprocess.DEVNULL)
     return Front("nginx", f"http://127.0.0.1:{port}", process, folder / "error.log")
 
 

@@ -6,6 +6,9 @@ it whole, so a test, the CLI and a deployment build a server the same way.
 
 from __future__ import annotations
 
+import os
+import socket
+
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -28,7 +31,7 @@ class FleetConfig:
     """
 
     redis_url: str | None = None  # redis://[:password@]host:port/db or rediss:// (TLS)
-    replica_id: str | None = None  # default: host name and process id
+    replica_id: str | None = None  # default: host name and process id (resolved_replica_id)
     advertise_url: str | None = None  # how peers reach this replica (default: host:port)
     # The registry keeps a system prompt only once it was seen this often.
     min_seen: int = 2
@@ -61,6 +64,11 @@ class FleetConfig:
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def resolved_replica_id(fleet: FleetConfig) -> str:
+    """The replica's id: the configured one, else host name and process id."""
+    return fleet.replica_id or f"{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import time
 from collections import OrderedDict
@@ -28,7 +27,7 @@ from engine.frontend.async_engine import EngineDeadError
 from engine.core.block_hash import prefix_hashes, salt_digest
 from engine.frontend.chat_template import ChatTemplateError, render_chat_text
 from service.auth import cache_salt
-from service.config import FleetConfig
+from service.config import FleetConfig, resolved_replica_id
 from service.prefix_registry import REDIS_ERRORS, Namespace, PrefixRegistry, connect, salt_id
 from service.presence import ReplicaInfo, beat, leave
 from service.warmup import Budget, Tenant, WarmResult, fully_cached, warm
@@ -52,7 +51,7 @@ class Fleet:
             self.client, min_seen=config.min_seen, half_life_seconds=config.half_life_seconds,
             max_prefixes=config.max_prefixes, buffer_size=config.buffer_size,
         )
-        self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.replica_id = resolved_replica_id(config)
         self.url = config.advertise_url or _default_url(state.config.host, state.config.port)
         self.tenants = tenants(state)
         self.warming = True  # /health answers 503 "warming" until the first warm-up ends

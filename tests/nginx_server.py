@@ -2,56 +2,30 @@
 configuration (deploy/nginx/templates/pagedserve.conf.template, the file
 docker-compose.yml mounts) in front of replicas on loopback ports.
 
-The template is rendered as the official nginx image renders it at start:
-${NAME} placeholders from the environment, nginx's own $variables untouched.
-A test-only top-level file adds what the image's /etc/nginx/nginx.conf has
-(events, temp paths) and an access log that names the replica that served
+The template is rendered as the official nginx image renders it at start
+(bench/routing_fronts.py nginx_command, which the routing benchmark runs too):
+${NAME} placeholders from the environment, nginx's own $variables untouched,
+and a top-level file with what the image's /etc/nginx/nginx.conf has (events,
+temp paths). Here it adds an access log that names the replica that served
 each request, so tests can tell where a request went.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import string
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.fleet import stop_process
+from bench.routing_fronts import nginx_binary, nginx_command
 from live_server import accepts, free_port
 from need import need
 
-TEMPLATE = (Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "templates"
-            / "pagedserve.conf.template")
-
-TOP_LEVEL = """
-{user}
-worker_processes 1;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log warn;
-events {{ worker_connections 1024; }}
-http {{
-    log_format lb '$http_x_test_id $status "$upstream_addr" "$upstream_status"';
-    access_log {dir}/access.log lb;
-    client_body_temp_path {dir}/body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    include {dir}/pagedserve.conf;
-}}
-"""
-
-
-def render(replicas: list[str], listen: str) -> str:
-    """The template with the environment the compose file gives the nginx image."""
-    env = {"PAGEDSERVE_REPLICA_1": replicas[0], "PAGEDSERVE_REPLICA_2": replicas[1],
-           "PAGEDSERVE_LISTEN": listen}
-    text = TEMPLATE.read_text()
-    # envsubst replaces only the variables it is given: so does safe_substitute.
-    return string.Template(text).safe_substitute(env)
+# The log line that names the replica that served each request (served_by).
+ACCESS_LOG = """log_format lb '$http_x_test_id $status "$upstream_addr" "$upstream_status"';
+    access_log {dir}/access.log lb;"""
 
 
 @dataclass
@@ -75,29 +49,15 @@ class Nginx:
         return rows
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_process(self.process, 10)
 
 
 def start_nginx(folder: Path, replicas: list[str]) -> Nginx:
-    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
-                                       else None)
+    binary = nginx_binary()
     need(binary is not None, "nginx is not installed (apt-get install nginx)")
     port = free_port()
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "pagedserve.conf").write_text(render(replicas, f"127.0.0.1:{port}"))
-    user = "user root;" if os.geteuid() == 0 else ""  # workers must reach the temp dirs
-    conf = folder / "nginx.conf"
-    conf.write_text(TOP_LEVEL.format(dir=folder, user=user))
-    error_log = str(folder / "startup.log")  # before the configuration's own log opens
-    check = subprocess.run([binary, "-t", "-c", str(conf), "-p", str(folder), "-e", error_log],
-                           capture_output=True, text=True)
-    assert check.returncode == 0, check.stderr
-    process = subprocess.Popen([binary, "-c", str(conf), "-p", str(folder), "-e", error_log,
-                                "-g", "daemon off;"], stderr=subprocess.DEVNULL)
+    command = nginx_command(binary, folder, replicas, port, ACCESS_LOG.format(dir=folder))
+    process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while not accepts(port):
         if process.poll() is not None or time.monotonic() > deadline:

@@ -7,22 +7,22 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from bench import routing_fronts
+from bench.fleet import stop_process
 from need import need
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def router_binary() -> str:
-    found = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-    need(os.access(found, os.X_OK), "vllm-router is not installed (pip install vllm-router)")
+    found = routing_fronts.router_binary()
+    need(found is not None, "vllm-router is not installed (pip install vllm-router)")
     return found
 
 
@@ -53,9 +53,4 @@ class RouterProcess:
         return found
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
+        stop_process(self.process, 15)

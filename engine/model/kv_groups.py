@@ -49,18 +49,20 @@ class KVGroups:
     def hybrid(self) -> bool:
         return bool(self.window_layers)
 
+    def _window_blocks(self, config: EngineConfig) -> int:
+        """Blocks a running sequence's window spans, with the block it is filling."""
+        return -(-(self.window - 1) // config.block_size) + 2
+
     def window_blocks_per_sequence(self, config: EngineConfig) -> int:
         """Most window blocks one sequence holds in a step: its window, the block
         it is filling, and a chunk of up to max_num_batched_tokens."""
-        block = config.block_size
-        return -(-(self.window - 1) // block) + 2 + -(-config.max_num_batched_tokens // block)
+        return self._window_blocks(config) + -(-config.max_num_batched_tokens // config.block_size)
 
     def window_blocks_wanted(self, config: EngineConfig) -> int:
         """Window blocks that never make the window pool the one that runs out:
         every running sequence's window, plus one step's new tokens, plus the null block."""
-        block = config.block_size
-        per_sequence = -(-(self.window - 1) // block) + 2
-        return config.max_num_seqs * per_sequence + -(-config.max_num_batched_tokens // block) + 1
+        step_blocks = -(-config.max_num_batched_tokens // config.block_size)
+        return config.max_num_seqs * self._window_blocks(config) + step_blocks + 1
 
     def split(self, budget_bytes: int, layer_block_bytes: int,
               config: EngineConfig) -> tuple[int, int]:

@@ -40,10 +40,10 @@ class PreparedChat:
     token_ids: list[int]
 
     def admission_args(self) -> dict:
-        """What ServiceState.admit (and .validate) take besides the request and prompts."""
+        """What ServiceState.admit (and .validate) take besides the request, prompts and id prefix."""
         body = self.body
         return dict(
-            id_prefix="chatcmpl", prompt_param="messages",
+            prompt_param="messages",
             # `is None`, not `or`: a max_completion_tokens of 0 must never mean "no limit".
             max_tokens=(body.max_tokens if body.max_completion_tokens is None
                         else body.max_completion_tokens),
@@ -72,7 +72,8 @@ async def create(request: Request) -> Response:
     messages, token_ids = prepared.messages, prepared.token_ids
     thinking = plan_reasoning(state.config.reasoning_parser, prepared.prompt,
                               body.chat_template_kwargs, constrained=constraint is not None)
-    admission = state.admit(request, body, [token_ids], **prepared.admission_args())
+    admission = state.admit(request, body, [token_ids], id_prefix="chatcmpl",
+                            **prepared.admission_args())
     if state.fleet is not None and body.cache_salt is None:
         # A client's own salt is not recorded: no other replica could warm it.
         state.fleet.observe_chat(_system_turn(messages), token_ids,

@@ -32,7 +32,8 @@ MAX_PROMPTS = 64
 async def create(request: Request) -> Response:
     state: ServiceState = request.app.state.service
     body, prompts, constraint = await prepare(request, state)
-    admission = state.admit(request, body, prompts, **admission_args(body, constraint))
+    admission = state.admit(request, body, prompts, id_prefix="cmpl",
+                            **admission_args(body, constraint))
     if body.stream:
         return sse_response(_events(state, admission, body), admission,
                             state.config.sse_ping_seconds)
@@ -44,8 +45,8 @@ async def create(request: Request) -> Response:
 
 
 def admission_args(body: CompletionRequest, constraint) -> dict:
-    """What ServiceState.admit (and .validate) take besides the request and prompts."""
-    return dict(id_prefix="cmpl", prompt_param="prompt",
+    """What ServiceState.admit (and .validate) take besides the request, prompts and id prefix."""
+    return dict(prompt_param="prompt",
                 max_tokens=DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
                 logprobs=body.logprobs, constraint=constraint)
 

@@ -20,20 +20,19 @@ router has no tenant's key), and say nothing a port scan would not.
 
 from __future__ import annotations
 
-import os
-import socket
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from service.config import resolved_replica_id
 from service.serving import ServiceState
 
 
 async def server_info(request: Request) -> JSONResponse:
     state: ServiceState = request.app.state.service
     config = state.config
-    instance = config.fleet.replica_id or f"{socket.gethostname()}-{os.getpid()}"
-    return JSONResponse({"instance_id": instance, "kv_block_size": config.engine.block_size})
+    return JSONResponse({"instance_id": resolved_replica_id(config.fleet),
+                         "kv_block_size": config.engine.block_size})
 
 
 async def kv_event_sources(request: Request) -> JSONResponse:

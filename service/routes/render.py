@@ -41,20 +41,18 @@ INTERNAL_FIELDS = ("output_kind",)
 async def chat_render(request: Request) -> Response:
     state: ServiceState = request.app.state.service
     prepared = await chat.prepare(request, state)
-    args = prepared.admission_args()
-    prefix = args.pop("id_prefix")
-    [params], salt = state.validate(request, prepared.body, [prepared.token_ids], **args)
-    return _json(_generate_request(state, prefix, prepared.token_ids, params, salt,
+    [params], salt = state.validate(request, prepared.body, [prepared.token_ids],
+                                    **prepared.admission_args())
+    return _json(_generate_request(state, "chatcmpl", prepared.token_ids, params, salt,
                                    prepared.body.stream))
 
 
 async def completion_render(request: Request) -> Response:
     state: ServiceState = request.app.state.service
     body, prompts, constraint = await completions.prepare(request, state)
-    args = completions.admission_args(body, constraint)
-    prefix = args.pop("id_prefix")
-    all_params, salt = state.validate(request, body, prompts, **args)
-    return _json([_generate_request(state, prefix, token_ids, params, salt, body.stream)
+    all_params, salt = state.validate(request, body, prompts,
+                                      **completions.admission_args(body, constraint))
+    return _json([_generate_request(state, "cmpl", token_ids, params, salt, body.stream)
                   for token_ids, params in zip(prompts, all_params)])
 
 

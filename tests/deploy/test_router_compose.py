@@ -22,7 +22,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 
 from need import need
 from router_fakes import FakeReplica, Router, free_port

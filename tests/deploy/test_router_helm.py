@@ -328,7 +328,7 @@ def test_kv_aware_in_discovery_subscribes_to_pods_that_answer(tmp_path):
 
     with discovering_router(tmp_path, "kv_aware", routes) as (router, replicas, _):
         for replica in replicas:
-            router.wait_for(rf"kv_index subscriber for \S+ rank0 on "
+            router.wait_for(r"kv_index subscriber for \S+ rank0 on "
                             + re.escape(replica.publisher.endpoint))
         system = "s" * 800
         home, _ = router.chat("first", system)

@@ -21,7 +21,6 @@ import kernels
 from kernel_cases import (DTYPES, SHAPES, build_decode_inputs, build_prefill_inputs, compare,
                           feature_sets, make_paged_cache)
 from kernels.cpu import ops as cpu_ops
-from kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
 from test_kernels_reference import naive_decode, naive_prefill
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
