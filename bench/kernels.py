@@ -35,6 +35,10 @@ each side its own dtype: at small batches the layer is bound by reading them.
 
 ``window`` and ``softcap`` add one decode row each, with a sliding window or
 a logits soft cap against the same decode without (bench/kernel_features.py).
+
+``--floor`` measures instead the weight-read floor of one-stream decode (the
+machine's read bandwidth, a model's weight bytes) and the engine's one-stream
+ms/token against it (bench/floor.py).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from bench.floor import add_floor_args, run_floor
 from bench.kernel_features import FEATURE_KERNELS, add_feature_args, bench_feature, feature_plan
 from bench.kernel_timing import copy_bandwidth_gbps, make_timer, time_or_none
 from bench.report import print_table, write_json
@@ -331,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--copy-bytes", type=int, default=1 << 30,
                         help="tensor size for the copy-bandwidth measurement")
     add_feature_args(parser)
+    add_floor_args(parser)
     return parser
 
 
@@ -342,6 +348,8 @@ def _default_backend(cuda: bool, head_dim: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.floor:
+        return run_floor(args)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     kernels = [k for k in args.kernels.split(",") if k]

@@ -1,18 +1,18 @@
 """`pagedserve bench serve`: a load generator for any OpenAI-compatible server.
 
-It sends streaming /v1/completions requests and measures what a user feels,
-with vLLM's definitions (`vllm bench serve`), so the numbers compare:
+It sends streaming /v1/completions requests (chat datasets: /v1/chat/completions)
+and measures what a user feels, with vLLM's definitions (`vllm bench serve`),
+so the numbers compare:
 
     TTFT  time to first token: request sent -> first chunk with text
-    ITL   inter-token latency: every gap between two chunks of a request
+    ITL   inter-token latency: every gap between two chunks of a request; a
+          chunk of k tokens (speculative decoding) counts as k gaps of 1/k each
     TPOT  time per output token, per request: (E2E - TTFT) / (output tokens - 1)
     E2E   request sent -> last chunk
 
-Datasets:
-    random             token-id prompts of random lengths (exact input lengths)
-    prefix-repetition  a few shared prefixes, each followed by a unique suffix
-                       (the prefix-caching workload)
-    sharegpt           conversations from a ShareGPT-format JSON file
+Datasets: bench/datasets.py (random, prefix-repetition, sharegpt, grounded,
+open-chat). With speculative decoding on, the drafts' acceptance is read from
+the server's spec-decode counters.
 
 Arrivals: --request-rate R (Poisson, R per second) or inf (all at once),
 capped by --max-concurrency. Before the run the server's prefix cache is
@@ -35,15 +35,9 @@ from pathlib import Path
 import httpx
 from tqdm.auto import tqdm
 
+from bench.datasets import DATASETS, Request
 from bench.report import percentile, print_table
 from clients.python import APIError, AsyncClient
-
-
-@dataclass
-class Request:
-    prompt: str | list[int]
-    input_len: int
-    output_len: int
 
 
 @dataclass
@@ -57,75 +51,37 @@ class Result:
     input_len: int = 0
 
 
-# -- datasets --------------------------------------------------------------------------
-def random_dataset(args, rng: random.Random, vocab: int) -> list[Request]:
-    def length(mean: int) -> int:
-        low = max(1, int(mean * (1 - args.random_range_ratio)))
-        high = max(low, int(mean * (1 + args.random_range_ratio)))
-        return rng.randint(low, high)
-
-    requests = []
-    for _ in range(args.num_prompts):
-        n_in = length(args.random_input_len)
-        # Token ids away from the special tokens at the start of most vocabularies.
-        prompt = [rng.randrange(1000, vocab) for _ in range(n_in)]
-        requests.append(Request(prompt, n_in, length(args.random_output_len)))
-    return requests
-
-
-def prefix_repetition_dataset(args, rng: random.Random, vocab: int) -> list[Request]:
-    prefixes = [
-        [rng.randrange(1000, vocab) for _ in range(args.prefix_len)]
-        for _ in range(args.num_prefixes)
-    ]
-    requests = []
-    for i in range(args.num_prompts):
-        suffix = [rng.randrange(1000, vocab) for _ in range(args.suffix_len)]
-        prompt = prefixes[i % args.num_prefixes] + suffix
-        requests.append(Request(prompt, len(prompt), args.output_len))
-    rng.shuffle(requests)
-    return requests
-
-
-def sharegpt_dataset(args, rng: random.Random, vocab: int) -> list[Request]:
-    """First human turn as the prompt; the first reply's length (in words) bounds the output."""
-    data = json.loads(Path(args.dataset_path).read_text())
-    requests = []
-    for item in data:
-        turns = item.get("conversations") or item.get("conversation") or []
-        if len(turns) < 2:
-            continue
-        prompt, reply = turns[0]["value"], turns[1]["value"]
-        output_len = max(4, min(args.sharegpt_max_output, int(len(reply.split()) * 1.3)))
-        requests.append(Request(prompt, int(len(prompt.split()) * 1.3), output_len))
-    rng.shuffle(requests)
-    return requests[: args.num_prompts]
-
-
-DATASETS = {
-    "random": random_dataset,
-    "prefix-repetition": prefix_repetition_dataset,
-    "sharegpt": sharegpt_dataset,
-}
-
-
 # -- one request ---------------------------------------------------------------------------
-async def send(client: AsyncClient, model: str, request: Request) -> Result:
-    """One streamed completion, timed at the client as each piece of text arrives."""
+async def send(client: AsyncClient, model: str, request: Request,
+               usage_per_chunk: bool = True) -> Result:
+    """One streamed completion, timed at the client as each piece of text arrives.
+
+    A chunk may carry several tokens (speculative decoding accepts drafts):
+    with `usage_per_chunk` the server's running usage (vLLM's
+    continuous_usage_stats) says how many, and the gap before the chunk
+    counts as that many equal inter-token gaps, the latency a reader sees."""
     result = Result(input_len=request.input_len)
-    chunks = 0
+    chunks = seen = 0
     start = time.perf_counter()
     last = start
+    options = {"include_usage": True, "continuous_usage_stats": True} if usage_per_chunk else None
     try:
-        stream = await client.complete_stream(
-            request.prompt, model=model, max_tokens=request.output_len, temperature=0.0,
-            ignore_eos=True)  # exact output lengths (vLLM and llama.cpp both honour it)
+        params = dict(model=model, max_tokens=request.output_len, temperature=0.0,
+                      stream_options=options,
+                      # exact output lengths (vLLM and llama.cpp both honour it)
+                      ignore_eos=True if request.ignore_eos else None)
+        if request.messages is not None:
+            stream = await client.chat_stream(request.messages, **params)
+        else:
+            stream = await client.complete_stream(request.prompt, **params)
         async for _ in stream:
             now = time.perf_counter()
+            tokens = stream.usage.completion_tokens if stream.usage else seen + 1
+            new, seen = max(1, tokens - seen), max(tokens, seen + 1)
             if chunks == 0:
                 result.ttft = now - start
             else:
-                result.itl.append(now - last)
+                result.itl.extend([(now - last) / new] * new)
             last = now
             chunks += 1
     except APIError as exc:
@@ -149,7 +105,7 @@ async def run(args, requests: list[Request], model: str) -> tuple[list[Result], 
 
     async def one(client, request):
         async with semaphore:
-            result = await send(client, model, request)
+            result = await send(client, model, request, not args.no_usage_per_chunk)
         bar.update(1)
         return result
 
@@ -178,7 +134,8 @@ def server_counters(base_url: str, headers: dict) -> dict[str, float]:
     values = {}
     for line in text.splitlines():
         if line.startswith(("pagedserve:prefix_cache_", "vllm:prefix_cache_",
-                            "pagedserve:engine_step_seconds_bucket")):
+                            "pagedserve:engine_step_seconds_bucket",
+                            "pagedserve:spec_decode_num_", "vllm:spec_decode_num_")):
             name, value = line.rsplit(" ", 1)
             values[name.split(":", 1)[1]] = float(value)
     return values
@@ -206,6 +163,21 @@ def histogram_median(before: dict, after: dict, name: str) -> float | None:
             return lower_bound + (bound - lower_bound) * share
         lower_bound, lower_count = bound, count
     return None
+
+
+def spec_decode_summary(before: dict, after: dict) -> dict | None:
+    """Drafts, draft tokens and accepted tokens over the run (vLLM's counters),
+    with the acceptance rate; None when the server drafted nothing."""
+    def delta(name: str) -> float:
+        key = f"spec_decode_num_{name}_total"
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    drafts, drafted, accepted = delta("drafts"), delta("draft_tokens"), delta("accepted_tokens")
+    if not drafts:
+        return None
+    return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_per_draft": accepted / drafts}
 
 
 def first_model(base_url: str, headers: dict) -> str:
@@ -259,6 +231,10 @@ def print_summary(summary: dict) -> None:
     if step:
         rows.append(("server engine step median (ms)", f"{step * 1000:.1f}"))
         rows.append(("median ITL / engine step", f"{summary['itl_median_over_engine_step']:.2f}"))
+    spec = summary.get("spec_decode")
+    if spec:
+        rows.append(("draft acceptance rate", f"{spec['acceptance_rate']:.1%}"))
+        rows.append(("accepted tokens per draft", f"{spec['mean_accepted_per_draft']:.2f}"))
     print_table(["metric", "value"], rows)
     quantiles = ("mean", "median", "p90", "p99")
     print_table(["ms", *quantiles], [
@@ -306,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--sharegpt-max-output", type=int, default=256)
+    p.add_argument("--chat-max-tokens", type=int, default=256,
+                   help="max_tokens of the grounded and open-chat requests")
     p.add_argument("--vocab-size", type=int, default=32000,
                    help="random token ids are drawn below this (most vocabularies are larger)")
     p.add_argument("--request-rate", type=float, default=float("inf"))
@@ -313,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--no-reset-prefix-cache", action="store_true")
+    p.add_argument("--no-usage-per-chunk", action="store_true",
+                   help="do not ask for usage in every chunk (continuous_usage_stats, which "
+                        "splits a chunk of several tokens into per-token gaps)")
     p.add_argument("--output", default=None, help="write the summary (and settings) as JSON")
     p.add_argument("--plot", default=None, help="write latency CDFs as PNG")
     p.add_argument("--quiet", action="store_true")
@@ -341,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         hits = after["prefix_cache_hits_total"] - before.get("prefix_cache_hits_total", 0)
         hit_rate = hits / queries
     summary = report(results, duration, hit_rate)
+    summary["spec_decode"] = spec_decode_summary(before, after)
     step = histogram_median(before, after, "engine_step_seconds")
     summary["server_engine_step_median_s"] = step
     if step:

@@ -46,7 +46,7 @@ def _add_field(group, field: dataclasses.Field, hint) -> None:
     if kind is bool:
         options["action"] = argparse.BooleanOptionalAction
     else:
-        options["type"] = kind
+        options["type"] = _parser(field.metadata["parse"]) if "parse" in field.metadata else kind
         if kind in _METAVARS:
             options["metavar"] = _METAVARS[kind]
         if "choices" in field.metadata:
@@ -57,6 +57,17 @@ def _add_field(group, field: dataclasses.Field, hint) -> None:
     shown = options["default"] not in (None, "", argparse.SUPPRESS)  # "": nothing to show
     if action.help and shown and "%(default)" not in action.help:
         action.help += " (default: %(default)s)"
+
+
+def _parser(parse):
+    """A field's own parser (a JSON flag), its ValueError shown as argparse's error."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

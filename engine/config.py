@@ -12,6 +12,7 @@ EngineConfig with the model's limit filled in or refuses a value beyond it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")  # ZMQ transports a publisher can use
 MAX_BLOCK_SIZE = 128
 DEFAULT_MODEL = "smollm2-135m-instruct"
+SPECULATIVE_METHODS = ("ngram", "suffix")  # proposers that need no draft model
 
 
 def default_cache_dir() -> Path:
@@ -37,6 +39,93 @@ def default_cache_dir() -> Path:
 
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` for the methods that need no draft model
+    (engine/spec_decode/): the same keys, the same meaning.
+
+    ngram   draft the tokens that followed the latest earlier occurrence of the
+            context's last n tokens, n from prompt_lookup_max down to
+            prompt_lookup_min (both 5 when neither is given, as in vLLM)
+    suffix  Arctic's suffix decoding: continuations counted over the request's
+            own tokens and the outputs of recent requests, drafted while their
+            estimated probability stays above suffix_decoding_min_token_prob
+
+    disable_by_batch_size: no drafts in a step with more running sequences than
+    this. vLLM's default is never; ours is 8, because on a CPU a batch of that
+    size already spends its step computing, and drafts would only add work.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = 8
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10_000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method={self.method!r} is not supported: "
+                             f"choose one of {SPECULATIVE_METHODS} (draft models are not served)")
+        if self.method == "ngram":
+            self._fill_lookup()
+        elif self.num_speculative_tokens is None:  # vLLM: the tree depth for suffix
+            object.__setattr__(self, "num_speculative_tokens",
+                               self.suffix_decoding_max_tree_depth)
+        for name, minimum in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1),
+                              ("prompt_lookup_max", 1), ("disable_by_batch_size", 1),
+                              ("suffix_decoding_max_tree_depth", 1),
+                              ("suffix_decoding_max_cached_requests", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < minimum):
+                raise ValueError(f"speculative_config.{name}={value!r} must be an integer "
+                                 f">= {minimum}")
+        for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, None),
+                                ("suffix_decoding_min_token_prob", 0.0, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not value >= low or (high is not None and value > high):
+                raise ValueError(f"speculative_config.{name}={value!r} must be a number "
+                                 f">= {low}" + (f" and <= {high}" if high is not None else ""))
+
+    def _fill_lookup(self) -> None:
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config.num_speculative_tokens is required for "
+                             "method 'ngram'")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            raise ValueError(f"speculative_config.prompt_lookup_min={low} must be <= "
+                             f"prompt_lookup_max={high}")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig":
+        """From the flag's JSON text, a dict (the Python API's) or a SpeculativeConfig."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]} is not a supported key "
+                             f"(supported: {', '.join(sorted(known))})")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -107,6 +196,9 @@ class EngineConfig:
         "choices": KERNEL_BACKENDS})
     device: str = field(default="auto", metadata={
         "help": "auto, cpu or cuda[:N]; auto: cuda when available, else cpu"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "CUDA: run every step eagerly, without the decode steps' CUDA graphs "
+                "(engine/model/cuda_graphs.py; vLLM's flag); the CPU always runs eager"})
     num_threads: int = field(default=0, metadata={
         "help": "CPU: torch threads for the model; 0: torch's default, one per core"})
     # KV cache events for a KV-cache-aware router (engine/core/kv_events.py).
@@ -142,6 +234,12 @@ class EngineConfig:
     kv_offload_store_threshold: int = field(default=2, metadata={
         "help": "requests that must share a full prompt block before it is copied into "
                 "the KV tiers"})
+    # Speculative decoding without a draft model (engine/spec_decode/).
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata={
+        "help": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                "\"prompt_lookup_min\": 2}' or '{\"method\": \"suffix\"}'; unset: none",
+        "parse": SpeculativeConfig.parse})
     # Converted models live here; $XDG_CACHE_HOME already moves it, so no flag.
     cache_dir: Path = field(default_factory=default_cache_dir, metadata={"cli": False})
 
@@ -173,6 +271,9 @@ class EngineConfig:
             raise ValueError(f"schedule_conservativeness must be a number >= 0, "
                              f"got {conservativeness!r}")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.parse(self.speculative_config))
 
     def _check_ints(self) -> None:
         minimums = {

@@ -48,6 +48,19 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's logprob at a prompt position and its rank there (1: the likeliest)."""
+
+    logprob: float
+    rank: int
+
+
+# vLLM's shape: None for the first prompt token (nothing scores it), then per position
+# {prompt token: its Logprob, then the top-k by rank} (k entries when it is among them).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -56,6 +69,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: once the prefill is done (a DELTA output carries
+    # them once, the first after it; CUMULATIVE every output; FINAL_ONLY the last).
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, delta: "RequestOutput") -> None:
         """Fold a later DELTA output of the same request into this one, in place:
@@ -76,3 +92,5 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs

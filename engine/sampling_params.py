@@ -50,6 +50,10 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: each prompt token's logprob (the first's is None) with
+    # this many top tokens beside it, from the prefill's raw logits. Such a request
+    # recomputes its prompt: it takes no prefix-cache hits (it still fills the cache).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its
@@ -99,7 +103,9 @@ class SamplingParams:
             _check_float(name, getattr(self, name), lambda v: -2 <= v <= 2, "a number in [-2, 2]")
         _check_float("repetition_penalty", self.repetition_penalty, lambda v: v >= FLOAT32_TINY,
                      f"a number >= {FLOAT32_TINY:.3g} (float32's smallest normal number)")
-        _check_int("max_tokens", self.max_tokens, minimum=1, allowed="an integer >= 1")
+        # 0: the prompt is computed (its prompt_logprobs, if asked) and nothing is
+        # generated; finish_reason "length". The service allows it with echo only.
+        _check_int("max_tokens", self.max_tokens, minimum=0, allowed="an integer >= 0")
         _check_int(
             "min_tokens",
             self.min_tokens,
@@ -115,6 +121,10 @@ class SamplingParams:
                 maximum=MAX_LOGPROBS,
                 allowed=f"None or an integer in [0, {MAX_LOGPROBS}]",
             )
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=MAX_LOGPROBS,
+                       allowed=f"None or an integer in [0, {MAX_LOGPROBS}] (-1, the whole "
+                               f"vocabulary, is not served)")
         if self.seed is not None:
             _check_int(
                 "seed", self.seed, minimum=_SEED_MIN, maximum=_SEED_MAX,

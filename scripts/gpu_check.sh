@@ -9,8 +9,16 @@
 #                    without pytest, the same cases through the standalone runner
 #   3. kernel-bench  bench/kernels.py sweep -> OUTDIR/kernels.json
 #   4. e2e           python -m bench.gpu_check --output OUTDIR/e2e.json (if present)
+#   5. graphs-tests  tests/engine/test_cuda_graphs.py (its CUDA test replays real graphs)
+#   6. graphs-parity python -m bench.gpu_graphs --parts parity: CUDA graphs for the decode
+#                    step, eager vs graphs greedy tokens in float32 -> OUTDIR/graphs-parity.json
+#   7. graphs-speed  python -m bench.gpu_graphs --parts speed: one-stream ITL at Llama-3.1-8B's
+#                    shape against the HBM floor, 64/256-stream throughput, eager vs graphs
+#                    -> OUTDIR/graphs-speed.json (a process of its own: a fault in one part
+#                    cannot take the other with it)
 # Every step runs even if an earlier one fails; OUTDIR/summary.txt lists the
 # exit codes and the script exits non-zero if any step failed.
+# GPU_CHECK_STEPS="env kernel-tests graphs-parity" runs only the steps named (default: all).
 set -u -o pipefail
 
 if [ $# -ne 1 ]; then
@@ -30,6 +38,9 @@ FAILED=0
 step() {
     local name=$1
     shift
+    if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+        return 0
+    fi
     echo "== $name: $*"
     local start=$SECONDS
     "$@" >"$OUT/$name.log" 2>&1
@@ -45,7 +56,7 @@ env_report() {
     "$PY" - <<'PYEOF'
 import importlib, sys
 print("python", sys.version)
-for name in ("torch", "triton", "transformers", "pytest", "tqdm"):
+for name in ("torch", "triton", "transformers", "pytest", "tqdm", "msgspec", "jinja2"):
     try:
         print(name, importlib.import_module(name).__version__)
     except ImportError:
@@ -79,10 +90,22 @@ e2e() {
     fi
 }
 
+graphs_tests() {
+    if "$PY" -c "import pytest" 2>/dev/null; then
+        "$PY" -m pytest tests/engine/test_cuda_graphs.py -q -rfs -p no:cacheprovider
+    else
+        echo "pytest not installed: the graphs' tests not run (bench.gpu_graphs still checks parity)"
+        return 3
+    fi
+}
+
 step env env_report
 step kernel-tests kernel_tests
 step kernel-bench "$PY" -m bench.kernels --output "$OUT/kernels.json"
 step e2e e2e
+step graphs-tests graphs_tests
+step graphs-parity "$PY" -m bench.gpu_graphs --parts parity --output "$OUT/graphs-parity.json"
+step graphs-speed "$PY" -m bench.gpu_graphs --parts speed --output "$OUT/graphs-speed.json"
 
 echo "summary: $SUMMARY"
 exit $FAILED

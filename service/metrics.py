@@ -71,6 +71,7 @@ class EngineCollector:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.memory = engine.engine.memory_per_rank()  # fixed once the model is loaded
+        self.by_priority = engine.engine.config.scheduling_policy == "priority"
 
     def collect(self):
         for name, help_text, key in MEMORY_GAUGES:
@@ -88,6 +89,45 @@ class EngineCollector:
         )
         for name, help_text, key in COUNTERS:
             yield CounterMetricFamily(PREFIX + name, help_text, value=stats[key])
+        if "spec_decode_num_drafts" in stats:
+            yield from spec_decode_families(stats)
+        if self.by_priority:
+            yield priority_family(stats)
+
+
+# Speculative decoding, with --speculative-config only (vLLM's names).
+SPEC_COUNTERS = (
+    ("spec_decode_num_drafts", "Drafts verified (one per sequence and step that drafted)."),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+)
+PER_POSITION = "spec_decode_num_accepted_tokens_pos_"
+
+
+def priority_family(stats: dict) -> GaugeMetricFamily:
+    """--scheduling-policy priority: requests running and waiting per priority value
+    (a value with none of either is left out)."""
+    family = GaugeMetricFamily(PREFIX + "num_requests_by_priority",
+                               "Requests running or waiting, by state and priority.",
+                               labels=["state", "priority"])
+    for key, value in stats.items():
+        for state in ("running", "waiting"):
+            prefix = f"num_requests_{state}_priority_"
+            if key.startswith(prefix):
+                family.add_metric([state, key.removeprefix(prefix)], value)
+    return family
+
+
+def spec_decode_families(stats: dict):
+    for name, help_text in SPEC_COUNTERS:
+        yield CounterMetricFamily(PREFIX + name, help_text, value=stats[name])
+    family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by position in the draft.",
+                                 labels=["position"])
+    for key, value in stats.items():
+        if key.startswith(PER_POSITION):
+            family.add_metric([key.removeprefix(PER_POSITION)], value)
+    yield family
 
 
 # (metric, help, key of a tier's snapshot) for each KV offload tier, labelled by tier.

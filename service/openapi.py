@@ -13,6 +13,7 @@ from service.protocol import (
     CompletionResponse, DetokenizeRequest, ErrorResponse, Health, ModelCard, ModelList,
     TokenizeRequest,
 )
+from service.responses_protocol import ResponseObject, ResponsesRequest
 
 REF = "#/components/schemas/{name}"
 
@@ -84,13 +85,15 @@ def build_openapi(title: str, version: str) -> dict:
     _, components = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
          CompletionResponse, ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest,
-         DetokenizeRequest],
+         DetokenizeRequest, ResponsesRequest, ResponseObject],
         ref_template=REF,
     )
     paths = {
         "/v1/chat/completions": _generation(
             ChatCompletionRequest, ChatCompletionResponse, "Chat completion"),
         "/v1/completions": _generation(CompletionRequest, CompletionResponse, "Text completion"),
+        "/v1/responses": _generation(ResponsesRequest, ResponseObject,
+                                     "A response (OpenAI's Responses API; nothing stored)"),
         "/v1/chat/completions/render": _render(ChatCompletionRequest, False),
         "/v1/completions/render": _render(CompletionRequest, True),
         "/tokenize": _plain("A prompt or a chat as the token ids serving runs", TokenizeRequest,

@@ -21,6 +21,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from engine.sampling_params import MAX_LOGPROBS
+from service.logprob_types import PromptLogprobs
 
 # Ranges follow OpenAI's API reference where it gives one, vLLM's otherwise.
 Temperature = Annotated[float, Meta(ge=0, le=2)]
@@ -45,6 +46,12 @@ LogitBias = dict[str, Annotated[float, Meta(ge=-100, le=100)]]
 # -- requests ------------------------------------------------------------------------
 class StreamOptions(Struct):
     include_usage: bool = False
+    # vLLM's: every chunk also carries the usage so far (with include_usage).
+    continuous_usage_stats: bool = False
+
+    @property
+    def usage_per_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class TextPart(Struct):
@@ -150,6 +157,7 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     # values: served_defaults() refuses any other by name.
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    prompt_logprobs: TopLogprobs | None = None  # vLLM's: service/routes/echo.py
 
 
 # The router's additions this server takes only at their defaults (see above).
@@ -196,6 +204,7 @@ PromptInput = str | Annotated[list[Any], Meta(min_length=1)]
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: PromptInput
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None  # 0: only with echo
     logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
@@ -278,6 +287,7 @@ class ChatCompletionResponse(Struct):
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra
 
 
 class FunctionDelta(Struct, omit_defaults=True):
@@ -321,8 +331,8 @@ class ChatCompletionChunk(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -332,6 +342,7 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: on each choice
 
 
 class CompletionResponse(Struct):

@@ -308,6 +308,9 @@ def sampling_params(
         )
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs are not available with stream=true (as in vLLM)",
+                          "prompt_logprobs")
     options = dict(
         n=body.n,
         max_tokens=max_tokens,
@@ -317,6 +320,7 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=_prompt_logprobs(body, logprobs),
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
         logit_bias=_logit_bias(body.logit_bias),
@@ -344,6 +348,15 @@ def request_fields(body: SamplingFields, prompt_param: str) -> dict[str, str]:
         if body.max_completion_tokens is not None:
             fields["max_tokens"] = "max_completion_tokens"
     return fields
+
+
+def _prompt_logprobs(body: SamplingFields, logprobs: int | None) -> int | None:
+    """vLLM's prompt_logprobs; completions' echo with logprobs: k needs them too
+    (service/routes/echo.py), with at least k top tokens."""
+    wanted = body.prompt_logprobs
+    if getattr(body, "echo", False) and logprobs is not None:
+        wanted = max(wanted or 0, logprobs)
+    return wanted
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

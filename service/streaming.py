@@ -47,18 +47,20 @@ async def with_done(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield DONE
 
 
-def sse_response(events: AsyncIterator[bytes], admission: Admission,
-                 ping_seconds: float) -> EventSourceResponse:
+def sse_response(events: AsyncIterator[bytes], admission: Admission, ping_seconds: float,
+                 wrap=with_done) -> EventSourceResponse:
     """Stream `events`, then [DONE]; the admission is closed however the stream ends.
 
     Ended, failed, cancelled mid-await or closed by sse-starlette after a send
     failed: the body's `finally` runs. A client that disconnects before the
     body first ran would skip it, so the disconnect callback closes it too.
+    `wrap=None`: the events as they are, for a stream that reports its own
+    errors and has no [DONE] (the Responses API's).
     """
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for chunk in with_done(events):
+            async for chunk in (events if wrap is None else wrap(events)):
                 yield chunk
         finally:
             admission.close()

@@ -82,7 +82,9 @@ ROOM_MAY_IMPORT = MappingProxyType({
     "core": frozenset(),
     "sampling": frozenset(),
     "model": frozenset({"engine.sampling", "engine.core.sched_output"}),
-    "frontend": frozenset({"engine.core", "engine.sampling", "engine.model"}),
+    "frontend": frozenset({"engine.core", "engine.sampling", "engine.model",
+                           "engine.spec_decode"}),
+    "spec_decode": frozenset(),
     # SamplingParams holds a StructuredOutputsParams, the sampling room's request type.
     "": frozenset({"engine.sampling.structured_outputs"}),
 })

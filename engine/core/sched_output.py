@@ -34,6 +34,13 @@ class ScheduledSequence:
     # The sliding layers' own block table, in a model that mixes sliding and
     # global layers (engine/core/hybrid_blocks.py); None: every layer reads block_table.
     window_block_table: list[int] | None = None
+    # SamplingParams.prompt_logprobs of a sequence that asks for them: the runner
+    # scores the prompt tokens its chunk reaches (engine/model/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
+    # Speculative decoding: the last len(draft_token_ids) of token_ids are guessed
+    # tokens; the runner samples at the last real token and at each of them and
+    # keeps the guesses the model agrees with (engine/sampling/speculative.py).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:

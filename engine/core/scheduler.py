@@ -18,21 +18,8 @@ recomputes its prompt *and* the tokens it already generated (recompute, not
 swap), then carries on exactly where it stopped. Nothing new is admitted in a
 step that preempted, so the freed memory goes to the sequences that needed it.
 
-Recomputation is wasted work, so admission keeps headroom. Every sequence
-may still grow to min(prompt + max_tokens, max_model_len), max_tokens counted
-up to GROWTH_CAP_TOKENS; admission leaves free at least
-
-    conservativeness x ratio x (blocks the running sequences and the
-                                newcomer still lack to get there)
-
-where `ratio` guesses how much of that growth will be needed, as the smaller
-of two estimates. `growth_ratio` starts at 0.7, sinks by 0.002 each step that
-preempts nobody, down to 0.1, and rises by 0.3 on a step that had to preempt:
-sequences finish and give blocks back before the others need them all.
-`observed_ratio` starts at 0.3 and follows the share of their counted
-max_tokens that finished requests actually generated: requests without
-max_tokens mostly stop at EOS long before it. Preemption stays the safety
-net when the guess is wrong.
+Recomputation is wasted work, so admission keeps headroom for the growth
+the running sequences still expect (engine/core/headroom.py).
 
 Prefix caching enters at admission: a new sequence first looks up the longest
 chain of cached blocks matching its prompt and starts with
@@ -73,23 +60,11 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
+from engine.core.headroom import Headroom
 from engine.core.kv_offload.offload import KVOffload
 from engine.core.sched_output import ScheduledSequence, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
 
-
-# Admission headroom (see the module docstring): the share of the running
-# sequences' remaining growth to keep free is the smaller of two guesses.
-#   growth_ratio    how much of it tends to be needed at once: relaxes every
-#                   step that preempts nobody, jumps back up on a preemption
-#   observed_ratio  the share of their counted max_tokens that finished
-#                   requests generated (a moving average; most stop at EOS)
-GROWTH_RATIO_START, GROWTH_RATIO_FLOOR, GROWTH_RATIO_CEILING = 0.7, 0.1, 1.0
-GROWTH_RATIO_DECAY, GROWTH_RATIO_STEP_UP = 0.002, 0.3
-OBSERVED_START, OBSERVED_WEIGHT = 0.3, 0.1
-# A request without max_tokens may run to max_model_len (thousands of tokens)
-# but rarely does: at most this many of a sequence's max_tokens are counted.
-GROWTH_CAP_TOKENS = 2048
 
 LOADING = -1  # what _admit returns for a sequence that waits aside for its look-up or loads
 
@@ -113,11 +88,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prefill work done, recomputation included
         self.max_model_len = config.max_model_len
-        self.conservativeness = config.schedule_conservativeness
         self.by_priority = config.scheduling_policy == "priority"
         self.seated: Sequence | None = None  # a head that preempted others to be admitted
-        self.growth_ratio = GROWTH_RATIO_START
-        self.observed_ratio = OBSERVED_START
+        self.headroom = Headroom(config, block_manager)
 
     # -- queue management ----------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -152,10 +125,8 @@ class Scheduler:
         if self.offload is not None:
             self.offload.forget(seq)
         self.block_manager.free(seq.seq_id)
-        if reason != "abort":  # what it generated of what admission counted on
-            counted = min(seq.params.max_tokens, GROWTH_CAP_TOKENS)
-            share = min(1.0, len(seq.output_token_ids) / counted)
-            self.observed_ratio += OBSERVED_WEIGHT * (share - self.observed_ratio)
+        if reason != "abort":
+            self.headroom.note_finished(seq)
         seq.finish(reason, stop_reason)
 
     # -- one step ----------------------------------------------------------------------
@@ -163,10 +134,9 @@ class Scheduler:
         output = SchedulerOutput()
         made_room = self._make_room_for_priority(output) if self.by_priority else 0
         budget = self._schedule_running(output, self.max_num_batched_tokens)
-        if len(output.preempted_seq_ids) > made_room:
-            self.growth_ratio = min(GROWTH_RATIO_CEILING, self.growth_ratio + GROWTH_RATIO_STEP_UP)
-        else:
-            self.growth_ratio = max(GROWTH_RATIO_FLOOR, self.growth_ratio - GROWTH_RATIO_DECAY)
+        preempted = len(output.preempted_seq_ids) > made_room
+        self.headroom.after_step(preempted)
+        if not preempted:
             self._schedule_waiting(output, budget)
         output.window_blocks_to_copy = self.block_manager.take_window_copies()
         return output
@@ -176,12 +146,33 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, num_new, output):
+            draft = self._fitting_draft(seq, num_new, budget, len(self.running) - i - 1)
+            if not self._reserve(seq, num_new + len(draft), output):
                 break  # `seq` itself was preempted: everything after it is gone too
-            output.sequences.append(self._scheduled(seq, num_new))
-            budget -= num_new
+            output.sequences.append(self._scheduled(seq, num_new, draft))
+            budget -= num_new + len(draft)
             i += 1
         return budget
+
+    def _fitting_draft(self, seq: Sequence, num_new: int, budget: int, others: int) -> list[int]:
+        """The part of a decoding sequence's draft (engine/spec_decode/) that the
+        token budget and the free blocks allow. A draft is a guess: it never
+        preempts anyone, it is cut instead, and it leaves a free block for each
+        of the `others` running sequences scheduled after it (their next token
+        may need one)."""
+        draft, seq.draft_token_ids = seq.draft_token_ids, []
+        if not draft or num_new != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+            return []
+        room = self.max_model_len - seq.num_tokens if self.max_model_len else len(draft)
+        draft = draft[: min(budget - 1, room)]
+        manager = self.block_manager
+        held = len(manager.block_table(seq.seq_id))
+        spare = manager.num_free_blocks - others
+        while draft and manager.blocks_for(seq.num_tokens + len(draft)) - held > spare:
+            draft.pop()
+        if draft and manager.append_slots(seq.seq_id, seq.num_tokens + len(draft)) is None:
+            return []
+        return draft
 
     def _reserve(self, seq: Sequence, num_new: int, output: SchedulerOutput) -> bool:
         """Find blocks for `seq`'s next tokens, preempting the newest sequences if needed."""
@@ -243,7 +234,7 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         if self.loading:
             self._return_loaded()
-        growth = self._running_growth() if self.waiting and self.conservativeness else 0
+        growth = self.headroom.running_growth(self.running) if self.waiting else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_new = self._admit(seq, budget, output, growth)
@@ -258,44 +249,15 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             output.sequences.append(self._scheduled(seq, num_new))
-            growth += self._growth(seq, len(self.block_manager.block_table(seq.seq_id)))
+            growth += self.headroom.growth(seq, len(self.block_manager.block_table(seq.seq_id)))
             budget -= num_new
 
-    def _growth(self, seq: Sequence, num_blocks: int) -> int:
-        """Blocks `seq` may still take beyond the `num_blocks` it has, if it runs
-        to max_tokens (counting at most GROWTH_CAP_TOKENS of them)."""
-        return max(0, self._final_blocks(seq) - num_blocks)
-
-    def _final_blocks(self, seq: Sequence) -> int:
-        """Blocks `seq` holds if it runs to its expected end (fixed for its life)."""
-        final = len(seq.prompt_token_ids) + min(seq.params.max_tokens, GROWTH_CAP_TOKENS)
-        if self.max_model_len:
-            final = min(final, self.max_model_len)
-        # the last token is sampled but never fed back: its K/V is never stored
-        return self.block_manager.blocks_for(final - 1)
-
-    def _running_growth(self) -> int:
-        """_growth of every running sequence beyond its block table (which
-        already holds this step's blocks). Once per step with someone waiting."""
-        tables = self.block_manager.block_tables
-        return sum(self._growth(seq, len(tables[seq.seq_id])) for seq in self.running)
-
     def _has_headroom(self, seq: Sequence, num_tokens: int, num_hits: int, growth: int) -> bool:
-        """Would admitting `seq` with `num_tokens` covered leave enough free blocks
-        for the expected growth of everyone running, `seq` included?
-
-        Without this check admission fills the cache with prompts, and decodes
-        then preempt the newest sequences, whose recomputation is wasted work
-        (the chat benchmark at 1 GiB recomputed 63 % more prompt tokens).
-        The head of the queue is always admitted into an empty batch.
-        """
-        if not self.running or not self.conservativeness or seq is self.seated:
+        """Headroom.allows, except that the head of the queue always enters an
+        empty batch, and so does a head that preempted others for its seat."""
+        if not self.running or seq is self.seated:
             return True
-        manager = self.block_manager
-        num_blocks = manager.blocks_for(num_tokens)
-        ratio = min(self.growth_ratio, self.observed_ratio)
-        expected = ratio * (growth + self._growth(seq, num_blocks))
-        return manager.num_free_blocks - (num_blocks - num_hits) >= self.conservativeness * expected
+        return self.headroom.allows(seq, num_tokens, num_hits, growth)
 
     def _return_loaded(self) -> None:
         """Sequences whose loads have landed go back to the head of the queue, in order."""
@@ -317,9 +279,11 @@ class Scheduler:
                 return None
             return self._admit_fork(seq, parent, output)
         manager = self.block_manager
-        hits = manager.find_cached_prefix(seq.block_hashes, seq.num_tokens)
+        # A request for prompt logprobs recomputes its prompt (no hits, as in vLLM).
+        reach = seq.num_tokens if seq.params.prompt_logprobs is None else 1
+        hits = manager.find_cached_prefix(seq.block_hashes, reach)
         if self.offload is not None and manager.enable_caching and self.offload.start_loads(
-                seq, hits, (seq.num_tokens - 1) // self.block_size):
+                seq, hits, (reach - 1) // self.block_size):
             return LOADING
         cached = len(hits) * self.block_size
         num_new = min(seq.num_tokens - cached, budget)
@@ -347,7 +311,8 @@ class Scheduler:
         seq.num_cached_tokens = parent.num_cached_tokens
         return 1
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_new: int,
+                   draft: list[int] | None = None) -> ScheduledSequence:
         start = seq.num_computed_tokens
         reaches_end = start + num_new == seq.num_tokens
         decodes = reaches_end and start >= seq.num_prompt_tokens  # one new output token
@@ -360,7 +325,7 @@ class Scheduler:
         self.num_prompt_tokens_computed += num_new - (1 if decodes else 0)
         return ScheduledSequence(
             seq_id=seq.seq_id,
-            token_ids=seq.token_slice(start, start + num_new),
+            token_ids=seq.token_slice(start, start + num_new) + (draft or []),
             start_position=start,
             block_table=self.block_manager.block_table(seq.seq_id),
             sampling=seq.params if reaches_end else None,
@@ -369,26 +334,37 @@ class Scheduler:
             output_token_ids=seq.output_token_ids,
             grammar=seq.grammar,
             window_block_table=self.block_manager.window_table(seq.seq_id),
+            prompt_logprobs=seq.params.prompt_logprobs,
+            draft_token_ids=draft or [],
         )
 
     # -- after the model ran -----------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: dict[int, int],
+               accepted: dict[int, list[int]] | None = None) -> list[Sequence]:
         """Advance computed counts; release blocks that left a sliding window;
-        append sampled tokens; hash newly full blocks.
+        append the accepted draft tokens and the sampled token; hash newly
+        full blocks.
 
-        Returns the sequences that grew.
+        A draft's rejected tokens had their K/V written this step, but
+        `num_computed_tokens` stops before them: the next step writes over
+        their slots. Returns the sequences that grew.
         """
         grew = []
         by_id = {seq.seq_id: seq for seq in self.running}
         manager = self.block_manager
+        accepted = accepted or {}
         for scheduled in output.sequences:
             seq = by_id.get(scheduled.seq_id)
             if seq is None:  # finished or aborted while the step ran
                 continue
-            seq.num_computed_tokens += scheduled.num_new_tokens
+            kept = accepted.get(scheduled.seq_id, ())
+            rejected = len(scheduled.draft_token_ids) - len(kept)
+            seq.num_computed_tokens += scheduled.num_new_tokens - rejected
             manager.free_outside_window(seq.seq_id, seq.num_computed_tokens)
             token_id = sampled.get(scheduled.seq_id)
             if token_id is not None:
+                for draft_token in kept:
+                    seq.append_token(draft_token)
                 seq.append_token(token_id)
                 grew.append(seq)
             if manager.enable_caching:  # hash blocks the new token completed

@@ -64,6 +64,9 @@ class Sequence:
     cache_salt: bytes = b""  # per tenant, first block only
     # n > 1: the sample that computes the shared prompt (None for the first sample).
     fork_parent: Sequence | None = None
+    # Speculative decoding: tokens guessed to follow, set before each step by
+    # engine/spec_decode/; the scheduler gives them query slots after the last token.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,6 +93,12 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
+
+    def drop_last_outputs(self, count: int) -> None:
+        """Forget the last `count` output tokens: those a step accepted after a
+        token that stopped the sequence (the sequence finishes right away)."""
+        if count:
+            del self.output_token_ids[-count:]
 
     def update_block_hashes(self, block_size: int) -> None:
         """Hash the full blocks that have appeared since the last call."""

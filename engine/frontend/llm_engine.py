@@ -34,9 +34,14 @@ from engine.sampling.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
+from engine.core.sched_output import SchedulerOutput
+from engine.sampling.sampler import SamplerOutput
+from engine.spec_decode.speculator import Speculator
 from engine.sampling.stopping import StopChecker
 from engine.sampling.structured_outputs import StructuredOutputs
+from engine.frontend.engine_stats import engine_stats
 from engine.frontend.request_state import Request
+from engine.frontend.prompt_logprobs import prompt_ends, settle_prompts
 
 
 class LLMEngine:
@@ -82,6 +87,8 @@ class LLMEngine:
                 f"runner's {runner.num_blocks}"
             )
         self.kv_events = self._kv_event_publisher()
+        spec = config.speculative_config
+        self.speculator = None if spec is None else Speculator(spec, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = 0  # prompt tokens of every request added
@@ -208,7 +215,7 @@ class LLMEngine:
             return
         for seq in request.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+                self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -251,31 +258,30 @@ class LLMEngine:
         """Run one scheduler step and the model; report every request that moved."""
         if self.offload is not None:
             self.offload.poll()  # blocks that landed from the tiers join the prefix cache
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if self.offload is not None:
                 self.offload.wait_for_loads(timeout=0.01)  # only the tiers are left to wait for
             self._publish_events()
             return []
+        ends = prompt_ends(scheduled)  # max_tokens=0: the prompt is all; nothing samples
         result = self.runner.execute(scheduled)
-        sampled = result.sampled
-        tokens = dict(zip(result.seq_ids, sampled.token_ids))
-        row_of = {seq_id: row for row, seq_id in enumerate(result.seq_ids)}
+        rows_of: dict[int, list[int]] = {}  # a sequence's rows: accepted drafts, then its token
+        for row, seq_id in enumerate(result.seq_ids):
+            rows_of.setdefault(seq_id, []).append(row)
+        tokens = result.sampled.token_ids
+        sampled = {seq_id: tokens[rows[-1]] for seq_id, rows in rows_of.items()}
+        accepted = {seq_id: [tokens[row] for row in rows[:-1]]
+                    for seq_id, rows in rows_of.items() if len(rows) > 1}
+        self._record_drafts(scheduled, accepted)
         moved: dict[str, Request] = {}
-        grew = self.scheduler.update(scheduled, tokens)
-        self.num_generation_tokens += len(grew)
-        for seq in grew:
+        for seq in self.scheduler.update(scheduled, sampled, accepted):
             request = self.requests[seq.request_id]
-            row = row_of[seq.seq_id]
-            if seq.params.logprobs is not None:
-                seq.output_logprobs.append(sampled.logprobs[row])
-                seq.output_top_logprobs.append(sampled.top_logprobs[row])
-            stop = request.stop_checkers[seq.index].check(
-                seq.output_token_ids[-1], len(seq.output_token_ids)
-            )
-            if stop is not None:
-                self.scheduler.finish(seq, stop.finish_reason, stop.stop_reason)
+            self._take_tokens(request, seq, rows_of[seq.seq_id], result.sampled)
             moved[request.request_id] = request
+        moved |= settle_prompts(self.requests, result.prompt_logprobs, ends, self._finish)
         if self.offload is not None:
             self.offload.after_step()  # copy out the blocks to store while they still exist
         outputs = [request.output() for request in moved.values()]
@@ -285,6 +291,37 @@ class LLMEngine:
                 del self.requests[request.request_id]
         self._publish_events()  # the blocks this step cached, now computed
         return outputs
+
+    def _take_tokens(self, request: Request, seq: Sequence, rows: list[int],
+                     sampled: SamplerOutput) -> None:
+        """Check the step's new tokens of `seq` (appended by the scheduler) one by
+        one, as if decoded one per step: logprobs, then stops. Tokens after one
+        that stops the sequence are dropped."""
+        first = len(seq.output_token_ids) - len(rows)
+        for count, row in enumerate(rows, start=first + 1):
+            self.num_generation_tokens += 1
+            if seq.params.logprobs is not None:
+                seq.output_logprobs.append(sampled.logprobs[row])
+                seq.output_top_logprobs.append(sampled.top_logprobs[row])
+            stop = request.stop_checkers[seq.index].check(seq.output_token_ids[count - 1], count)
+            if stop is not None:
+                seq.drop_last_outputs(len(seq.output_token_ids) - count)
+                self._finish(seq, stop.finish_reason, stop.stop_reason)
+                return
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        self.scheduler.finish(seq, reason, stop_reason)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
+
+    def _record_drafts(self, scheduled: SchedulerOutput, accepted: dict[int, list[int]]) -> None:
+        """Tell the speculator how each draft fared."""
+        if self.speculator is None:
+            return
+        for item in scheduled.sequences:
+            if item.draft_token_ids:
+                self.speculator.record(item.seq_id, len(item.draft_token_ids),
+                                       len(accepted.get(item.seq_id, ())))
 
     # -- prefix cache and statistics -------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -306,22 +343,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges for monitoring (cumulative counters never go down)."""
-        cache = self.block_manager.stats
-        return {
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generation_tokens,
-            "prefix_cache_queries": cache.queries,
-            "prefix_cache_hits": cache.hits,
-            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
-            "evictions": cache.evictions,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "kv_blocks_free": self.block_manager.num_free_blocks,
-            "kv_blocks_total": self.block_manager.num_usable_blocks,
-            "kv_blocks_cached": self.block_manager.num_cached_blocks,
-            "prefix_warm_blocks": self.block_manager.num_popular_cached,
-        }
+        return engine_stats(self)
 
     def memory_per_rank(self) -> list[dict[str, int]]:
         """Bytes of weights and of KV cache held by each tensor-parallel rank

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.sequence import Sequence
+from engine.frontend.prompt_logprobs import PromptLogprobsState
 from engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling.stopping import StopChecker
@@ -31,6 +32,12 @@ class Request:
     stop_checkers: list[StopChecker]  # per seq; each feeds its detokenizer
     reported: list[int] = field(default_factory=list)  # tokens already handed out, per seq
     finish_reported: list[bool] = field(default_factory=list)  # per seq
+    # SamplingParams.prompt_logprobs: what the prefill scored so far (None: not asked).
+    prompt_logprobs: PromptLogprobsState | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_logprobs is None and self.seqs[0].params.prompt_logprobs is not None:
+            self.prompt_logprobs = PromptLogprobsState(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -60,6 +67,8 @@ class Request:
             outputs=completions,
             finished=self.finished,
             num_cached_tokens=min(seq.num_cached_tokens for seq in self.seqs),
+            prompt_logprobs=(None if self.prompt_logprobs is None
+                             else self.prompt_logprobs.take(kind, self.finished)),
         )
 
     def _progress(self, i: int, kind: RequestOutputKind) -> CompletionOutput:

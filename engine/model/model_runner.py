@@ -9,7 +9,7 @@ into the flat tensors the model wants:
     positions:  [  9   4 |  0  1  2  3 ]
     slots:      [ table_A[9 // bs] * bs + 9 % bs, ... ]     where each new K/V row is written
     logits:     only at the last token of each sequence that samples this step
-    sampling:   one SamplingRequest per such sequence, built here (build_sampling_batch)
+    sampling:   one SamplingRequest per such sequence (engine/model/sampling_batch.py)
                 from the SchedulerOutput; the tokens it may not draw come from stopping
 
 The KV cache is one tensor, [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim];
@@ -26,59 +26,28 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
 from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory
+from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.distributed.partition import Partition
 from engine.model.kv_groups import KVGroups
 from engine.model.models.registry import model_class
 from engine.model.models.loader import initialize_dummy_weights, iter_safetensors
+from engine.model.prompt_logprobs import prompt_logprob_rows
 from engine.model.runner import ModelRunnerOutput
-from engine.sampling.sampler import Sampler, SamplerOutput, SamplingRequest
-from engine.core.sched_output import ScheduledSequence, SchedulerOutput
+from engine.model.sampling_batch import build_sampling_batch
+from engine.sampling.sampler import Sampler, SamplerOutput
+from engine.sampling.speculative import verify
+from engine.core.sched_output import SchedulerOutput
 from engine.model.step_inputs import Op, decode_step, encode_step
-from engine.sampling.stopping import banned_token_ids
 from kernels import check_backend_support, compiled_bf16_linear, get_backend
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class SamplingBatch:
-    rows: list[int]  # the flat batch row of each sampled sequence's last token
-    seq_ids: list[int]
-    requests: list[SamplingRequest]  # the sampler's input, one per row
-
-
-def build_sampling_batch(
-    ordered: list[ScheduledSequence], eos_token_ids: frozenset[int]
-) -> SamplingBatch:
-    """The sampler's input for a step whose tokens are flattened in `ordered`
-    order: a row for every sequence that samples. Which tokens a row may not
-    draw is stopping's decision (min_tokens); the sampler only masks them."""
-    batch = SamplingBatch([], [], [])
-    end = 0
-    for s in ordered:
-        end += s.num_new_tokens
-        if s.sampling is None:
-            continue
-        batch.rows.append(end - 1)
-        batch.seq_ids.append(s.seq_id)
-        banned = banned_token_ids(s.sampling, len(s.output_token_ids), eos_token_ids)
-        batch.requests.append(SamplingRequest(
-            params=s.sampling,
-            generator=s.generator,
-            prompt_token_ids=s.prompt_token_ids,
-            output_token_ids=s.output_token_ids,
-            banned_token_ids=banned,
-            grammar=s.grammar,
-        ))
-    return batch
 
 
 def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
@@ -171,12 +140,15 @@ class ModelRunner:
         check_backend_support(
             config.kernel_backend, config.block_size, args.head_dim, self.dtype, self.device
         )
+        self.graphs = DecodeGraphs.for_runner(self)  # None: every step eager (CPU included)
         self.num_blocks, self.num_window_blocks = self._num_kv_blocks()
         self.kv_cache = self._new_cache(len(self.kv_groups.full_layers), self.num_blocks)
         self.window_cache = (self._new_cache(len(self.kv_groups.window_layers),
                                              self.num_window_blocks)
                              if self.kv_groups.hybrid else None)
         self.layer_caches = self.kv_groups.layer_caches(self.kv_cache, self.window_cache)
+        if self.graphs is not None:  # after the KV cache: the graphs hold its addresses
+            self.graphs.capture(self.layer_caches)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(args.vocab_size, seed=config.seed)
 
@@ -286,6 +258,8 @@ class ModelRunner:
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         available = total * self.config.gpu_memory_utilization - used_by_others - peak
+        if self.graphs is not None:  # the decode graphs' pool, captured after the KV cache
+            available -= self.graphs.reserve_bytes()
         return max(int(available), 0)
 
     def _dummy_forward(self, num_tokens: int) -> None:
@@ -309,12 +283,19 @@ class ModelRunner:
         decodes = [s for s in output.sequences if s.num_new_tokens == 1]
         prefills = [s for s in output.sequences if s.num_new_tokens > 1]
         batch = build_sampling_batch(decodes + prefills, self.eos_token_ids)
-        header, payload = encode_step(decodes, prefills, batch.rows, output.blocks_to_copy,
+        prompt = prompt_logprob_rows(decodes + prefills)  # their rows follow the sampled ones
+        header, payload = encode_step(decodes, prefills, batch.rows + prompt.rows,
+                                      output.blocks_to_copy,
                                       self.block_size, output.window_blocks_to_copy)
         logits = self.run_step(header, self.share(header, payload.to(self.device)))
+        logits, prompt_logprobs = prompt.split(logits, len(batch.rows))
         if not batch.rows:
-            return ModelRunnerOutput([], SamplerOutput([], [], []))
-        return ModelRunnerOutput(batch.seq_ids, self.sampler(logits, batch.requests))
+            return ModelRunnerOutput([], SamplerOutput([], [], []), prompt_logprobs)
+        if not batch.has_drafts:
+            return ModelRunnerOutput(batch.seq_ids, self.sampler(logits, batch.requests),
+                                     prompt_logprobs)
+        owners, sampled = verify(self.sampler, logits, batch.drafted(self.eos_token_ids))
+        return ModelRunnerOutput([batch.seq_ids[i] for i in owners], sampled, prompt_logprobs)
 
     def share(self, header: list[int], payload: torch.Tensor) -> torch.Tensor:
         """Hand the encoded step to the other tensor-parallel ranks (none here:
@@ -332,7 +313,10 @@ class ModelRunner:
         if inputs.window_copies is not None and inputs.window_copies.numel():
             pairs = inputs.window_copies
             self._copy_blocks(self.window_cache, pairs[:, 0], pairs[:, 1])
-        hidden = self.model(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
+        hidden = self.graphs.run(header, inputs) if self.graphs is not None else None
+        if hidden is None:  # not a decode-only step a graph holds (engine/model/cuda_graphs.py)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.layer_caches,
+                                inputs.meta)
         if not inputs.sample_rows.numel():
             return None
         return self.model.compute_logits(hidden[inputs.sample_rows])

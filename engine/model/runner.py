@@ -16,19 +16,24 @@ no K/V to copy) implements it trivially.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from engine.core.sched_output import SchedulerOutput
+from engine.model.prompt_logprobs import PromptChunk
 from engine.sampling.sampler import SamplerOutput
 
 
 @dataclass
 class ModelRunnerOutput:
-    seq_ids: list[int]  # the sequences that sampled, in the order of the sampler's rows
+    # The sequence of each sampled row. With speculative decoding a sequence may
+    # own several rows, in order: its accepted draft tokens, then its new token.
+    seq_ids: list[int]
     sampled: SamplerOutput
+    # Prompt logprobs its prefill chunk scored, by sequence (engine/model/prompt_logprobs.py).
+    prompt_logprobs: dict[int, PromptChunk] = field(default_factory=dict)
 
 
 class Runner(Protocol):

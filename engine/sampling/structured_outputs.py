@@ -247,6 +247,10 @@ class GrammarMatcher:
         """Advance by the drawn token; False if the constraint forbids it."""
         return self._matcher.accept_token(token_id)
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepts (drafts verified ahead of the stop checker)."""
+        self._matcher.rollback(num_tokens)
+
     @property
     def is_terminated(self) -> bool:
         """The constraint is complete and its end (an EOS token) was drawn."""

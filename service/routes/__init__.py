@@ -3,12 +3,14 @@
 from starlette.routing import Mount, Route
 
 from service.routes import (
-    admin, chat, completions, discovery, health, models, render, tokenize, web,
+    admin, chat, completions, discovery, health, models, render, responses, tokenize, web,
 )
 
 ROUTES = [
     Route("/v1/chat/completions", chat.create, methods=["POST"]),
     Route("/v1/completions", completions.create, methods=["POST"]),
+    # OpenAI's Responses API on the chat machinery; nothing stored (store=false).
+    Route("/v1/responses", responses.create, methods=["POST"]),
     # vLLM's render routes: a request's token ids, for a KV-cache-aware router.
     Route("/v1/chat/completions/render", render.chat_render, methods=["POST"]),
     Route("/v1/completions/render", render.completion_render, methods=["POST"]),

@@ -20,6 +20,7 @@ from service.protocol import (
     ChatCompletionResponse, Delta, FunctionCall, FunctionDelta, ToolCall, ToolCallDelta, encoder,
 )
 from service.reasoning import ReasoningParser, ReasoningPlan, plan_reasoning
+from service.routes.echo import wire_prompt_logprobs
 from service.routes.logprobs import chat_logprobs
 from service.routes.usage import usage
 from service.serving import ServiceState, parse
@@ -165,7 +166,9 @@ def _response(state, admission: Admission, output, body, plan,
             stop_reason=c.stop_reason,
         ))
     return ChatCompletionResponse(
-        admission.request_id, int(time.time()), state.model_name, choices, usage(admission)
+        admission.request_id, int(time.time()), state.model_name, choices, usage(admission),
+        prompt_logprobs=(wire_prompt_logprobs(state.tokenizer, output.prompt_logprobs)
+                         if body.prompt_logprobs is not None else None),
     )
 
 
@@ -211,7 +214,12 @@ async def _events(state: ServiceState, admission: Admission, body, plan: ToolPla
     parsers = [plan.new_parser() if plan is not None else None for _ in range(body.n)]
     thinkers = [thinking.new_parser() if thinking is not None else None for _ in range(body.n)]
 
+    # vLLM's continuous_usage_stats: every chunk with choices tells the usage so far.
+    per_chunk = body.stream_options is not None and body.stream_options.usage_per_chunk
+
     def chunk(choices, **extra) -> bytes:
+        if per_chunk and choices:
+            extra.setdefault("usage", usage(admission))
         return event(ChatCompletionChunk(admission.request_id, created, model, choices, **extra))
 
     # OpenAI opens every choice with the role and empty content. That chunk

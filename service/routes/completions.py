@@ -18,6 +18,8 @@ from service.prep import unless_gone
 from service.protocol import (
     CompletionChoice, CompletionRequest, CompletionResponse, encoder,
 )
+from service.routes.echo import Echo, echo_logprobs, echo_of, joined, prompt_texts, \
+    wire_prompt_logprobs
 from service.routes.logprobs import completion_logprobs
 from service.routes.usage import usage
 from service.serving import ServiceState, parse
@@ -55,8 +57,13 @@ async def prepare(request: Request, state: ServiceState):
     """Parse, check and tokenize a completions request (its constraint compiled):
     what serving and /render share. Returns (body, prompts as token ids, constraint)."""
     body = await parse(request, CompletionRequest)
-    if body.echo:
-        raise bad_request("echo is not supported", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens=0 is allowed only with echo=true (the prompt is then "
+                          "answered, with its logprobs if asked, and nothing generated)",
+                          param="max_tokens")
+    if body.echo and state.tokenizer is None:
+        raise bad_request("echo needs the model's tokenizer, which this model has not",
+                          param="echo")
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of not in (1, body.n):
@@ -111,14 +118,28 @@ def _is_token(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _choice(state, c, prompt_index: int, body, offsets: TextOffsets | None) -> CompletionChoice:
+def _choice(state, c, prompt_index: int, body, offsets: TextOffsets | None,
+            echo: Echo | None = None, prompt_logprobs=None) -> CompletionChoice:
     """Choice j of prompt i is choice i*n + j, with its output's text and logprobs:
-    a whole answer's (FINAL_ONLY), or a stream chunk's new part (DELTA)."""
+    a whole answer's (FINAL_ONLY), or a stream chunk's new part (DELTA); after
+    the prompt's (service/routes/echo.py) when it echoes."""
     logprobs = None
     if body.logprobs is not None:
+        prompt_part = None if echo is None else echo_logprobs(state.tokenizer, echo,
+                                                               body.logprobs, offsets)
         logprobs = completion_logprobs(state.tokenizer, c, offsets)
-    return CompletionChoice(prompt_index * body.n + c.index, c.text, logprobs, c.finish_reason,
-                            c.stop_reason)
+        if prompt_part is not None:
+            logprobs = joined(prompt_part, logprobs)
+    text = c.text if echo is None else echo.text + c.text
+    return CompletionChoice(prompt_index * body.n + c.index, text, logprobs, c.finish_reason,
+                            c.stop_reason, prompt_logprobs)
+
+
+def _echo(state, body, output, texts: list[str | None], index: int) -> Echo | None:
+    """Prompt `index`'s echo, when the request asks for it."""
+    if not body.echo:
+        return None
+    return echo_of(state.tokenizer, body.skip_special_tokens, output, texts[index])
 
 
 def _offsets(state, body) -> TextOffsets | None:
@@ -129,11 +150,14 @@ def _offsets(state, body) -> TextOffsets | None:
 
 
 def _response(state, admission: Admission, outputs, body) -> CompletionResponse:
-    choices = [
-        _choice(state, c, i, body, _offsets(state, body))
-        for i, output in enumerate(outputs)
-        for c in output.outputs
-    ]
+    texts = prompt_texts(body.prompt)
+    choices = []
+    for i, output in enumerate(outputs):
+        echo = _echo(state, body, output, texts, i)
+        extra = (wire_prompt_logprobs(state.tokenizer, output.prompt_logprobs)
+                 if body.prompt_logprobs is not None else None)
+        choices.extend(_choice(state, c, i, body, _offsets(state, body), echo, extra)
+                       for c in output.outputs)
     return CompletionResponse(admission.request_id, int(time.time()), state.model_name, choices,
                               usage=usage(admission))
 
@@ -143,14 +167,20 @@ async def _events(state, admission: Admission, body):
     # Legacy logprobs number each token by its text offset in the choice; the
     # offsets run on across chunks, so they match a non-streamed answer.
     offsets: dict[tuple[int, int], TextOffsets | None] = {}
+    texts = prompt_texts(body.prompt)
+    options = body.stream_options
     async for update in admission.updates():
         choices = []
         for c in update.choices:
-            key = (update.prompt_index, c.index)
-            if key not in offsets:
+            key, echo = (update.prompt_index, c.index), None
+            if key not in offsets:  # a choice's first chunk: it carries the echo
                 offsets[key] = _offsets(state, body)
-            choices.append(_choice(state, c, update.prompt_index, body, offsets[key]))
-        yield event(CompletionResponse(admission.request_id, created, model, choices))
+                echo = _echo(state, body, admission.latest[update.prompt_index], texts,
+                             update.prompt_index)
+            choices.append(_choice(state, c, update.prompt_index, body, offsets[key], echo))
+        running = usage(admission) if options is not None and options.usage_per_chunk else None
+        yield event(CompletionResponse(admission.request_id, created, model, choices,
+                                       usage=running))
     if body.stream_options is not None and body.stream_options.include_usage:
         yield event(CompletionResponse(admission.request_id, created, model, [],
                                        usage=usage(admission)))

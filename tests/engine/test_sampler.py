@@ -15,7 +15,7 @@ from engine.sampling.sampler import (
     make_generator,
     token_counts,
 )
-from engine.model.model_runner import build_sampling_batch
+from engine.model.sampling_batch import build_sampling_batch
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledSequence
 

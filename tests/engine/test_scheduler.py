@@ -558,15 +558,15 @@ def test_growth_ratio_relaxes_each_quiet_step_and_rises_on_preemption():
     sched.add(make_seq(0, 4, 100))
     for _ in range(5):
         step(sched)
-    assert sched.growth_ratio == pytest.approx(0.7 - 5 * 0.002)
+    assert sched.headroom.growth_ratio == pytest.approx(0.7 - 5 * 0.002)
     out = sched.schedule()
     assert out.preempted_seq_ids == [0]
-    assert sched.growth_ratio == pytest.approx(0.7 - 5 * 0.002 + 0.3)
+    assert sched.headroom.growth_ratio == pytest.approx(0.7 - 5 * 0.002 + 0.3)
     sched.schedule()  # a step with one preemption more would not pass the ceiling
-    assert sched.growth_ratio == pytest.approx(0.99 - 0.002)
+    assert sched.headroom.growth_ratio == pytest.approx(0.99 - 0.002)
     for _ in range(1000):
         sched.schedule()
-    assert sched.growth_ratio == pytest.approx(0.1)  # the floor
+    assert sched.headroom.growth_ratio == pytest.approx(0.1)  # the floor
     sched.finish(sched.waiting[0], "abort")
     assert_all_free(sched)
 
@@ -577,14 +577,14 @@ def test_observed_ratio_follows_what_finished_requests_generated():
     for seq in seqs:
         sched.add(seq)
     step(sched)  # every sequence has its first token
-    assert sched.observed_ratio == 0.3
+    assert sched.headroom.observed_ratio == 0.3
     sched.finish(seqs[0], "stop")  # 1 of 10 tokens
-    assert sched.observed_ratio == pytest.approx(0.3 + 0.1 * (0.1 - 0.3))
+    assert sched.headroom.observed_ratio == pytest.approx(0.3 + 0.1 * (0.1 - 0.3))
     sched.finish(seqs[1], "abort")  # says nothing about lengths
-    assert sched.observed_ratio == pytest.approx(0.28)
+    assert sched.headroom.observed_ratio == pytest.approx(0.28)
     for _ in range(9):
         step(sched)  # the other two run to max_tokens
-    assert sched.observed_ratio == pytest.approx(0.28 + 0.1 * 0.72 + 0.1 * (1 - 0.352))
+    assert sched.headroom.observed_ratio == pytest.approx(0.28 + 0.1 * 0.72 + 0.1 * (1 - 0.352))
     assert_all_free(sched)
 
 
@@ -593,7 +593,7 @@ def test_short_answers_let_admission_run_more_sequences():
     # 20 ends up holding 6 blocks (23 tokens of K/V)
     def admitted_beside_a_running_one(shares):
         sched = make_scheduler(num_blocks=9, max_num_batched_tokens=64)
-        sched.observed_ratio = shares
+        sched.headroom.observed_ratio = shares
         sched.add(make_seq(0, 4, 20))
         step(sched)
         for i in range(1, 6):
@@ -610,11 +610,11 @@ def test_expected_growth_is_capped_by_max_model_len_and_the_estimate_cap():
     sched = make_scheduler(num_blocks=64, max_model_len=64)
     seq = make_seq(0, 10, 1000)
     # 63 tokens of K/V at most (the 64th is sampled, never stored): 16 blocks, 3 held
-    assert sched._growth(seq, 3) == 13
+    assert sched.headroom.growth(seq, 3) == 13
     unbounded = make_scheduler(num_blocks=64)
     # no max_model_len: max_tokens counts up to GROWTH_CAP_TOKENS past the prompt
-    assert unbounded._growth(make_seq(1, 10, 100_000), 3) == (10 + 2048 - 1 + 3) // 4 - 3
-    assert unbounded._growth(make_seq(2, 10, 5), 3) == 1  # 14 tokens: 4 blocks
+    assert unbounded.headroom.growth(make_seq(1, 10, 100_000), 3) == (10 + 2048 - 1 + 3) // 4 - 3
+    assert unbounded.headroom.growth(make_seq(2, 10, 5), 3) == 1  # 14 tokens: 4 blocks
 
 
 # -- random scenarios -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.sampling.detokenizer import IncrementalDetokenizer
-from engine.model.model_runner import build_sampling_batch
+from engine.model.sampling_batch import build_sampling_batch
 from engine.sampling.sampler import Sampler, apply_banned_tokens
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledSequence

@@ -47,7 +47,8 @@ def test_the_message_is_the_text_and_the_field_is_data():
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": "x"}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),  # its message names max_tokens too
     ({"logprobs": 21}, "logprobs"),
     ({"seed": 2**64}, "seed"),

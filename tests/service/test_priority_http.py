@@ -40,10 +40,16 @@ def test_a_high_priority_request_overtakes_a_full_engine(tiny_llama_path):
                 await asyncio.sleep(0.5)  # both seats taken by the batch
                 first = await client.post(url, json={**urgent, "priority": -1})
                 done_before = sum(task.done() for task in batch)
+                metrics = (await client.get(f"{live.url}/metrics")).text
                 await asyncio.gather(*batch)
-                return first.json(), done_before
+                return first.json(), done_before, metrics
 
-        first, done_before = asyncio.run(scenario())
+        first, done_before, metrics = asyncio.run(scenario())
+        by_priority = [line for line in metrics.splitlines()
+                       if line.startswith("pagedserve:num_requests_by_priority{")]
+        # the batch's two streams, running (or one of them preempted and waiting)
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in by_priority
+                   if 'priority="10"' in line) == 2
         assert done_before == 0  # it did not wait for a seat to free up
         assert first["choices"][0]["text"] == alone["choices"][0]["text"]
         assert live.engine.scheduler.num_preemptions >= 1

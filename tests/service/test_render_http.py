@@ -84,7 +84,7 @@ def test_completion_render_gives_one_request_per_prompt(live):
                               "model": "other"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "max_tokens": 100_000}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0: echo only
 ])
 def test_render_refuses_what_serving_refuses(live, path, body, status, param):
     for route in (path, path + "/render"):

@@ -40,10 +40,12 @@ from service.app import VERSION
 from service.config import ServiceConfig
 from service.openapi import build_openapi
 from service.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
+from service.responses_protocol import ResponseObject
 from need import need
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 MODEL = "/v1/models/{model_id}"
 SERVED = "tiny"  # the fuzz server's model name
 # What /openapi.json serves (checked below), built here so that schemathesis can
@@ -95,13 +97,17 @@ def fuzz_server(tiny_llama_path):
 
 
 def check_stream(path: str, response) -> None:
-    """Every event of a stream is a chunk of the right type; it ends with [DONE]."""
+    """Every event of a stream is a chunk of the right type; it ends with [DONE]
+    (a Responses stream: with response.completed, .incomplete or .failed)."""
     if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         return
     assert not response.stream_cut_short, "schemathesis stopped reading this stream"
     content = response.content
     events = [line[len(b"data: "):] for line in content.split(b"\n")
               if line.startswith(b"data: ")]
+    if path == RESPONSES:
+        check_response_events(events, content)
+        return
     assert events and events[-1] == b"[DONE]", f"stream not terminated:\n{content[-500:]!r}"
     for payload in events[:-1]:
         if payload.startswith(b'{"error"'):
@@ -109,6 +115,18 @@ def check_stream(path: str, response) -> None:
             assert error.type != "server_error", f"in-band server error: {error.message}"
         else:
             msgspec.json.decode(payload, type=STREAM_TYPES[path])
+
+
+def check_response_events(events: list[bytes], content: bytes) -> None:
+    """A Responses stream: numbered events, no server error, one response to the end."""
+    decoded = [msgspec.json.decode(payload) for payload in events]
+    assert decoded and decoded[-1]["type"] in (
+        "response.completed", "response.incomplete", "response.failed"), content[-500:]
+    assert [e["sequence_number"] for e in decoded] == list(range(len(decoded)))
+    for event in decoded:
+        assert event["type"] != "error" or event["code"] != "server_error", event
+        if "response" in event:
+            msgspec.convert(event["response"], type=ResponseObject)
 
 
 # -- the schema ------------------------------------------------------------------------
@@ -142,7 +160,9 @@ def test_request_schemas_publish_the_bounds(fuzz_server):
             "type": "number", "minimum": -2, "maximum": 2}
         assert bounds(struct, "repetition_penalty") == {
             "type": "number", "exclusiveMinimum": 0, "maximum": 10}
-        assert bounds(struct, "max_tokens") == {"type": "integer", "minimum": 1}
+        # completions take 0 with echo (the prompt's logprobs, nothing generated)
+        minimum = 0 if struct == "CompletionRequest" else 1
+        assert bounds(struct, "max_tokens") == {"type": "integer", "minimum": minimum}
         assert bounds(struct, "top_k") == {"type": "integer", "minimum": -1, "maximum": 2**31 - 1}
         assert bounds(struct, "n") == {"type": "integer", "minimum": 1, "maximum": 16}
     chat = components["ChatCompletionRequest"]
