@@ -39,7 +39,7 @@ command_for() {  # engine -> the server's command line in CMD
             CMD=("$LLAMA_SERVER" -m "$gguf" --host 127.0.0.1 --port "$PORT" --alias smollm2
                  --parallel 32 --cont-batching -c 16384 -t 2 -tb 2 --jinja)
             # shellcheck disable=SC2206
-            [ "$1" = llama-ngram ] && CMD+=($LLAMA_SPEC) ;;
+            if [ "$1" = llama-ngram ]; then CMD+=($LLAMA_SPEC); fi ;;
     esac
 }
 

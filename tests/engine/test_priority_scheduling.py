@@ -68,6 +68,33 @@ def test_a_head_that_outranks_a_full_engine_preempts_the_lowest_ranked():
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_usable_blocks
 
 
+def test_lower_priorities_sit_out_the_steps_of_an_urgent_prompt():
+    # a 100-token urgent prompt takes two chunks of the 64-token budget
+    sched = make_scheduler(max_num_seqs=2)
+    for seq_id in (0, 1):
+        sched.add(make_seq(seq_id, 8, priority=10, max_tokens=20))
+    step(sched), step(sched)
+    sched.add(make_seq(2, 100, priority=0))
+    first, second, third = step(sched), step(sched), step(sched)
+    assert first.preempted_seq_ids == [1]
+    assert [(s.seq_id, s.num_new_tokens) for s in first.sequences] == [(2, 64)]
+    assert [(s.seq_id, s.num_new_tokens) for s in second.sequences] == [(2, 36)]
+    assert sorted((s.seq_id, s.num_new_tokens) for s in third.sequences) == [(0, 1), (2, 1)]
+    while sched.has_unfinished():
+        step(sched)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_usable_blocks
+
+
+def test_under_fcfs_an_urgent_prompt_shares_its_step():
+    sched = make_scheduler(max_num_seqs=3, policy="fcfs")
+    for seq_id in (0, 1):
+        sched.add(make_seq(seq_id, 8, priority=10, max_tokens=20))
+    step(sched), step(sched)
+    sched.add(make_seq(2, 100, priority=0))
+    out = step(sched)
+    assert sorted((s.seq_id, s.num_new_tokens) for s in out.sequences) == [(0, 1), (1, 1), (2, 62)]
+
+
 def test_out_of_blocks_the_victim_is_the_lowest_ranked():
     # 8 usable blocks of 4 tokens; all three admitted at once (no headroom kept)
     sched = make_scheduler(num_blocks=9, conservativeness=0)

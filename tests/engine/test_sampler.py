@@ -353,7 +353,7 @@ def test_generator_advances_by_one_fixed_draw_per_sampled_token():
     generator = make_generator(3)
     Sampler(vocab)(random_logits(1, vocab, 0), [request(generator=generator)])
     reference = make_generator(3)
-    torch.empty(vocab).exponential_(generator=reference)
+    torch.empty(vocab).uniform_(generator=reference)
     assert torch.equal(generator.get_state(), reference.get_state())
 
 
