@@ -49,10 +49,13 @@ import torch.nn.functional as F
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.moe import fused_moe, fused_moe_cpu, fused_moe_reference
+from kernels.packed_layout import (PACKED_DIMS, embedding, over_rows, pack_linear,
+                                   packed_linear, unpack_linear)
 from kernels.reference import (
     attention_features,
     gelu_tanh_and_mul_reference,
     keep_layout,
+    no_layer_op,
     linear_reference,
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
@@ -71,6 +74,7 @@ __all__ = [
     "fused_moe",
     "get_backend",
     "linear",
+    "llama_decode_layer_op",
     "pack_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -103,6 +107,8 @@ class KernelBackend:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_reference
     fused_moe: Callable[..., torch.Tensor] = fused_moe_reference
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul_reference
+    # widths -> a whole Llama decode layer in one op, or None (the layer runs op by op)
+    llama_decode_layer_op: Callable[..., Callable | None] = no_layer_op
 
 
 def _triton_modules():
@@ -183,72 +189,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # Called ~120 times per decode step: every check here is on the hot path
     # (a 2-D x skips the reshape and view, ~6 us a call on this machine).
     if weight.dim() == PACKED_DIMS:
-        return _packed_linear(x, weight, bias, float_out)
+        return packed_linear(x, weight, bias, float_out)
     if weight.dtype == torch.bfloat16 and x.is_cpu:
         ops = cpu_ops.ops_for(weight.shape[1])
         if ops is not None:
-            return _over_rows(ops.linear_bf16, x, weight.shape[1], weight, bias, float_out)
+            return over_rows(ops.linear_bf16, x, weight.shape[1], weight, bias, float_out)
     return linear_reference(x, weight, bias, float_out)
-
-
-def _over_rows(op, x, in_features, weight, bias, float_out):
-    """A compiled linear, which takes x as [tokens, in], over x of any leading shape."""
-    if x.dim() == 2:
-        return op(x, weight, bias, float_out)
-    out = op(x.reshape(-1, in_features), weight, bias, float_out)
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
-# -- weights packed for the bf16 dot product ------------------------------------------
-#
-#   W [out, in]  ->  packed [out / 16, in / 2, 16, 2]:  W[n][2p + j] = packed[n // 16][p][n % 16][j]
-#
-# One 64-byte vector of the packed weight is one input pair of 16 output
-# features, what AVX512-BF16's dot product multiplies by a broadcast pair of
-# x (kernels/cpu/csrc/linear_packed.h draws it).
-
-PACKED_DIMS = 4
-PACK_LANES = 16
-
-
-def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] in the layout ``linear`` multiplies fastest: packed
-    as above where the compiled ops have the packed linear (bf16 weights, a CPU
-    with AVX512-BF16, out a multiple of 16), else ``weight`` itself.  ``linear``,
-    ``unpack_linear`` and ``embedding`` take either."""
-    if weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.dim() != 2:
-        return weight
-    out_features, in_features = weight.shape
-    ops = cpu_ops.ops_for(in_features)
-    if ops is None or not hasattr(ops, "linear_bf16_packed") or out_features % PACK_LANES:
-        return weight
-    blocks = weight.reshape(out_features // PACK_LANES, PACK_LANES, in_features // 2, 2)
-    return blocks.transpose(1, 2).contiguous()
-
-
-def unpack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """nn.Linear's [out, in] layout back (a copy) from ``pack_linear``'s; any other weight as it is."""
-    if weight.dim() != PACKED_DIMS:
-        return weight
-    return weight.transpose(1, 2).reshape(-1, 2 * weight.shape[1])
-
-
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.embedding over a weight in either layout: a tied LM head is packed,
-    and the embedding reads its rows from there rather than keep a second copy."""
-    if weight.dim() != PACKED_DIMS:
-        return F.embedding(ids, weight)
-    flat = ids.reshape(-1)
-    rows = weight[flat // PACK_LANES, :, flat % PACK_LANES, :]  # [tokens, in / 2, 2]
-    return rows.reshape(*ids.shape, 2 * weight.shape[1])
-
-
-def _packed_linear(x, weight, bias, float_out):
-    in_features = 2 * weight.shape[1]
-    ops = cpu_ops.ops_for(in_features)
-    if ops is None:  # the ops were turned off after the weights were packed
-        return linear_reference(x, unpack_linear(weight), bias, float_out)
-    return _over_rows(ops.linear_bf16_packed, x, in_features, weight, bias, float_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -289,6 +235,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_reference(x)
 
 
+def llama_decode_layer_op(*widths: int):
+    """The compiled op that runs a whole Llama decoder layer over decode tokens
+    (kernels/cpu/csrc/decode_layer.h: this module's CPU ops chained in C++,
+    same order, same numbers), if this process's build takes rows of every
+    width given (head_dim and each linear's in_features); else None."""
+    ops = cpu_ops.current_ops()
+    if ops is None or not hasattr(ops, "llama_decode_layer"):
+        return None
+    if any(cpu_ops.ops_for(width) is None for width in widths):
+        return None
+    return ops.llama_decode_layer
+
+
 def compiled_bf16_linear(in_features: int) -> bool:
     """Whether ``linear`` multiplies bf16 weights of this width with the compiled op."""
     return cpu_ops.ops_for(in_features) is not None
@@ -311,7 +270,8 @@ def get_backend(name: str) -> KernelBackend:
     """Return the ``auto``, ``torch`` or ``triton`` backend (a new frozen object)."""
     if name == "auto":
         return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
-                             linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe)
+                             linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe,
+                             llama_decode_layer_op=llama_decode_layer_op)
     if name == "torch":
         return KernelBackend(
             "torch",
@@ -324,7 +284,8 @@ def get_backend(name: str) -> KernelBackend:
     if name == "cpu":
         return KernelBackend("cpu", store_kvcache, _compiled("paged_decode_attention"),
                              _compiled("paged_prefill_attention"), linear, rms_norm, pack_linear, embedding,
-                             rope, silu_and_mul, fused_moe=fused_moe_cpu)
+                             rope, silu_and_mul, fused_moe=fused_moe_cpu,
+                             llama_decode_layer_op=llama_decode_layer_op)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

@@ -312,6 +312,12 @@ def keep_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def no_layer_op(*widths: int) -> None:
+    """A backend's ``llama_decode_layer_op`` where no op runs a whole layer:
+    the model runs its layers op by op."""
+    return None
+
+
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      float_out: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias``: torch's own matmul, the ground truth of

@@ -113,7 +113,7 @@ def test_bf16_packed_weights_on_the_compiled_linear(family):
         expected = block(x[None])[0]
     torch.testing.assert_close(after, before, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(after.float(), expected.float(), atol=2e-2, rtol=2e-2)
-    if hasattr(compiled_cpu_ops, "linear_bf16_packed"):  # else (AVX2) nothing was repacked
+    if hasattr(compiled_cpu_ops, "linear_bf16_packed"):  # else (portable) nothing was repacked
         with pytest.raises(RuntimeError, match="before pack_weights"):
             layer.load_expert_weight("gate.weight", block.gate.weight)
 

@@ -1,10 +1,10 @@
 """The packed bf16 linear (kernels/cpu/csrc/linear_packed.h: weights laid out
-for AVX512-BF16's dot product) against float64 matmuls on fresh random
-inputs, and the layout's helpers: kernels.pack_linear / unpack_linear /
+for AVX512-BF16's dot product, read with fp32 FMAs on AVX2) against float64
+matmuls on fresh random inputs, and the layout's helpers: kernels.pack_linear / unpack_linear /
 embedding and linear's dispatch on a packed weight.
 
-Shapes cross the op's blocking: token counts around its 8-token panels and
-its chunks (280 tokens of 576 inputs, 104 of 1536), output blocks around its
+Shapes cross the op's blocking: token counts around its 8-token (AVX2: 4)
+panels and its chunks (280 tokens of 576 inputs, 104 of 1536), output blocks around its
 3-block tiles and 6-block strips.
 """
 
@@ -22,7 +22,7 @@ FEATURES = ((32, 16), (64, 48), (576, 112), (1536, 592))  # (in, out)
 @pytest.fixture(scope="module")
 def ops(compiled_cpu_ops):
     if not hasattr(compiled_cpu_ops, "linear_bf16_packed"):
-        pytest.skip(f"the {compiled_cpu_ops.isa()} build has no packed linear (needs AVX512-BF16)")
+        pytest.skip(f"the {compiled_cpu_ops.isa()} build has no packed linear (needs AVX512-BF16 or AVX2)")
     return compiled_cpu_ops
 
 

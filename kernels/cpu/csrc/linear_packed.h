@@ -1,5 +1,5 @@
-// Linear layers over bf16 weights packed for the bf16 dot-product
-// instruction (AVX512-BF16 builds): y = x W^T (+ bias), bf16 x, fp32 sums.
+// Linear layers over bf16 weights packed at load time (kernels.pack_linear):
+// y = x W^T (+ bias), bf16 x, fp32 sums.  AVX512-BF16 and AVX2 builds.
 //
 // Why: linear.h's dot-product tiles keep one vector accumulator per (token,
 // feature) whose lanes hold partial sums over different inputs, so every tile
@@ -16,6 +16,20 @@
 //     | W[16b][2p] W[16b][2p+1] | W[16b+1][2p] W[16b+1][2p+1] | ... | W[16b+15][..] |
 //   the token's pair (x[2p], x[2p+1]) broadcast to all 16 lanes
 //   dot_acc:  lane l += x[2p] * W[16b+l][2p] + x[2p+1] * W[16b+l][2p+1]
+//
+// AVX2 has no bf16 dot product, and a 256-bit vector holds half a block: a
+// block's pair is two vectors of 8 features, each split into its even and
+// odd inputs by one shift and one and (vec::load_pair), and the token's x[2p]
+// and x[2p + 1] (converted to fp32 once per call) each broadcast to 8 lanes:
+//
+//   lanes << 16          W[8h][2p]     ... W[8h+7][2p]      x[2p]     (fma)
+//   lanes & 0xffff0000   W[8h][2p + 1] ... W[8h+7][2p + 1]  x[2p + 1] (fma)
+//
+// Why the layout on AVX2 too: nn.Linear's rows are only 1,152 bytes at 576
+// inputs, so the unpacked tile for one token walks 6 short rows at once and
+// ends each in horizontal sums; it read 17.7 GB/s where the memory gives
+// 27-39.  A packed block is one 18 KB run read front to back, its sums are
+// finished in the lanes, and nothing is reduced.
 //
 // After the last pair each lane holds a finished sum, stored as it is.  A
 // (token, feature) sum always walks the pairs in order in one lane, so a
@@ -35,7 +49,10 @@
 // GFLOP/s a core for 8 tokens (207 with the prefetch).
 #pragma once
 
-#if defined(PAGEDSERVE_HAS_DPBF16)
+#include "vec.h"
+
+#if defined(PAGEDSERVE_HAS_DPBF16) || defined(PAGEDSERVE_ISA_AVX2)
+#define PAGEDSERVE_HAS_PACKED_LINEAR 1
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -46,15 +63,23 @@
 #include <optional>
 
 #include "prefetch.h"
-#include "vec.h"
 
 namespace pagedserve {
 namespace packed_linear {
 
-constexpr int64_t kLanes = vec::W;        // output features per block
-constexpr int kRows = 8;                  // tokens per tile
-constexpr int kCols = 3;                  // blocks per tile: 24 accumulators + 3 weights of 32 registers
-constexpr int kOneRowCols = 6;            // one token: more blocks, more dot_accs in flight
+constexpr int64_t kLanes = 16;         // output features per block: the layout's, on any ISA
+constexpr int kSubs = kLanes / vec::W;  // vectors per block and pair: 1 (AVX-512), 2 (AVX2)
+#if defined(PAGEDSERVE_HAS_DPBF16)
+using XT = bf16_t;                     // the tiles read bf16 tokens as they are
+constexpr int kRows = 8;               // tokens per tile
+constexpr int kCols = 3;               // blocks per tile: 24 accumulators + 3 weights of 32 registers
+constexpr int kOneRowCols = 6;         // one token: more blocks, more dot_accs in flight
+#else
+using XT = float;                      // tokens in fp32, converted once per call
+constexpr int kRows = 4;               // 4 x 2 accumulators + 2 x 2 weights + 2 broadcasts of 16
+constexpr int kCols = 1;
+constexpr int kOneRowCols = 3;         // one token: 6 accumulators, two dependent FMAs each per pair
+#endif
 constexpr int64_t kStripBlocks = 6;       // blocks per work item: whole tiles of either shape
 constexpr int64_t kChunkBytes = 320 << 10;  // a chunk's x, at most: L2 keeps it and a strip
 
@@ -69,17 +94,34 @@ struct Packed {
 inline void store_sums(float* out, vec::F sums) { vec::store(out, sums); }
 inline void store_sums(bf16_t* out, vec::F sums) { vec::store_bf16(out, sums); }
 
-// R tokens (rows of x, stride K) against blocks [b, b + C): out[r, (b + c) *
-// 16 + l] = the sum + bias, rounded to TOut once.  With `prefetch`, the
-// next tile's weights are fetched into L2 a line per line loaded.
+// The next tile's weights, if it is a whole one (prefetches never fault, but
+// a fetch past the end is a wasted line).
+template <int C>
+inline const bf16_t* next_tile(const Packed& pw, int64_t b, bool prefetch) {
+  return prefetch && b + 2 * C <= pw.blocks ? pw.block(b + C) : nullptr;
+}
+
+// acc[r][c * kSubs + s] (+ bias) -> out[r, (b + c) * 16 + s * W + lane], rounded to TOut once.
+template <int R, int C, typename TOut>
+inline void store_tile(const vec::F (&acc)[R][C * kSubs], int64_t b, const float* bias, TOut* out,
+                       int64_t N) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C * kSubs; ++v) {
+      const int64_t n = b * kLanes + v * vec::W;
+      const vec::F sums = bias ? vec::add(acc[r][v], vec::load(bias + n)) : acc[r][v];
+      store_sums(out + r * N + n, sums);
+    }
+}
+
+#if defined(PAGEDSERVE_HAS_DPBF16)
+// R tokens (rows of x, stride K) against blocks [b, b + C).  With
+// `prefetch`, the next tile's weights are fetched into L2 a line per line loaded.
 template <int R, int C, typename TOut>
 inline void tile(const bf16_t* x, const Packed& pw, int64_t b, bool prefetch, const float* bias,
                  TOut* out, int64_t N) {
   const int64_t stride = pw.block_elems(), K = pw.K;
   const bf16_t* w = pw.block(b);
-  // The next tile's weights, if it is a whole one (prefetches never fault,
-  // but a fetch past the end is a wasted line).
-  const bf16_t* next = prefetch && b + 2 * C <= pw.blocks ? pw.block(b + C) : nullptr;
+  const bf16_t* next = next_tile<C>(pw, b, prefetch);
   vec::F acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vec::zero();
@@ -94,17 +136,61 @@ inline void tile(const bf16_t* x, const Packed& pw, int64_t b, bool prefetch, co
       for (int c = 0; c < C; ++c) acc[r][c] = vec::dot_acc(acc[r][c], xv, wv[c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const int64_t n = (b + c) * kLanes;
-      const vec::F sums = bias ? vec::add(acc[r][c], vec::load(bias + n)) : acc[r][c];
-      store_sums(out + r * N + n, sums);
-    }
+  store_tile<R, C>(acc, b, bias, out, N);
 }
+#else
+// The same with fp32 FMAs: per pair and half-block, x[2p] times the even
+// inputs, then x[2p + 1] times the odd ones, into one accumulator, so a
+// (token, feature) sum still walks the inputs in order in one lane.
+//
+// One token keeps its two broadcasts in registers and walks 2C half-blocks
+// (C streams of weights), without software prefetch: the hardware's streams
+// alone read a long packed matrix at the memory's rate here (27 GB/s against
+// torch.sum's 26-28), and the prefetches only cost slots.  Several tokens
+// load a whole block (4 registers) and give each token's broadcasts to both
+// of its halves.
+template <int R, int C, typename TOut>
+inline void tile(const float* x, const Packed& pw, int64_t b, bool prefetch, const float* bias,
+                 TOut* out, int64_t N) {
+  const int64_t stride = pw.block_elems(), K = pw.K;
+  const bf16_t* w = pw.block(b);
+  const bf16_t* next = R > 1 ? next_tile<C>(pw, b, prefetch) : nullptr;
+  vec::F acc[R][C * kSubs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C * kSubs; ++v) acc[r][v] = vec::zero();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    const int64_t at = p * 2 * kLanes;
+    if constexpr (R == 1) {
+      const vec::F xe = vec::set1(x[2 * p]), xo = vec::set1(x[2 * p + 1]);
+      for (int v = 0; v < C * kSubs; ++v) {
+        vec::F even, odd;
+        vec::load_pair(w + (v / kSubs) * stride + at + (v % kSubs) * 2 * vec::W, even, odd);
+        acc[0][v] = vec::fma(xo, odd, vec::fma(xe, even, acc[0][v]));
+      }
+    } else {
+      if (next)
+        for (int c = 0; c < C; ++c) prefetch_l2(reinterpret_cast<const char*>(next + c * stride + at));
+      for (int c = 0; c < C; ++c) {
+        vec::F even[kSubs], odd[kSubs];
+        for (int s = 0; s < kSubs; ++s)
+          vec::load_pair(w + c * stride + at + s * 2 * vec::W, even[s], odd[s]);
+        for (int r = 0; r < R; ++r) {
+          const vec::F xe = vec::set1(x[r * K + 2 * p]), xo = vec::set1(x[r * K + 2 * p + 1]);
+          for (int s = 0; s < kSubs; ++s) {
+            vec::F& a = acc[r][c * kSubs + s];
+            a = vec::fma(xo, odd[s], vec::fma(xe, even[s], a));
+          }
+        }
+      }
+    }
+  }
+  store_tile<R, C>(acc, b, bias, out, N);
+}
+#endif
 
 // R tokens against blocks [b0, b1): whole tiles of C blocks, then one at a time.
 template <int R, int C, typename TOut>
-void panel(const bf16_t* x, const Packed& pw, int64_t b0, int64_t b1, bool prefetch,
+void panel(const XT* x, const Packed& pw, int64_t b0, int64_t b1, bool prefetch,
            const float* bias, TOut* out, int64_t N) {
   int64_t b = b0;
   for (; b + C <= b1; b += C) tile<R, C>(x, pw, b, prefetch, bias, out, N);
@@ -113,7 +199,7 @@ void panel(const bf16_t* x, const Packed& pw, int64_t b0, int64_t b1, bool prefe
 
 // The last rows < kRows tokens, as one panel of that height.
 template <int R, typename TOut>
-void leftover_rows(const bf16_t* x, const Packed& pw, int64_t rows, int64_t b0, int64_t b1,
+void leftover_rows(const XT* x, const Packed& pw, int64_t rows, int64_t b0, int64_t b1,
                    bool prefetch, const float* bias, TOut* out, int64_t N) {
   if constexpr (R == 1) {
     panel<1, kOneRowCols>(x, pw, b0, b1, prefetch, bias, out, N);
@@ -126,7 +212,7 @@ void leftover_rows(const bf16_t* x, const Packed& pw, int64_t rows, int64_t b0, 
 
 // Tokens [r0, r1) against blocks [b0, b1); the first panel prefetches.
 template <typename TOut>
-void rows_times_strip(const bf16_t* x, const Packed& pw, int64_t r0, int64_t r1, int64_t b0,
+void rows_times_strip(const XT* x, const Packed& pw, int64_t r0, int64_t r1, int64_t b0,
                       int64_t b1, const float* bias, TOut* out, int64_t N) {
   const int64_t K = pw.K;
   int64_t r = r0;
@@ -148,7 +234,7 @@ inline int64_t chunk_rows(int64_t M, int64_t K) {
 
 // Every chunk of tokens against every strip of blocks.
 template <typename TOut>
-void run(const bf16_t* x, const Packed& pw, const float* bias, int64_t M, TOut* out) {
+void run(const XT* x, const Packed& pw, const float* bias, int64_t M, TOut* out) {
   const int64_t N = pw.blocks * kLanes;
   const int64_t strips = (pw.blocks + kStripBlocks - 1) / kStripBlocks;
   const int64_t step = chunk_rows(M, pw.K);
@@ -160,6 +246,26 @@ void run(const bf16_t* x, const Packed& pw, const float* bias, int64_t M, TOut* 
                          std::min(pw.blocks, (s + 1) * kStripBlocks), bias, out, N);
     });
   }
+}
+
+// x as the tiles read it: bf16 as it is where the dot product takes it, else
+// fp32 (scratch holds the converted tokens and must outlive the call).
+inline const XT* tile_input(const at::Tensor& x, at::Tensor& scratch) {
+#if defined(PAGEDSERVE_HAS_DPBF16)
+  (void)scratch;
+  return reinterpret_cast<const bf16_t*>(x.data_ptr());
+#else
+  // A loop, not x.to(kFloat): this runs 120 times a decode step, and the
+  // dispatcher's copy costs more than converting 576 numbers.
+  scratch = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const auto* in = reinterpret_cast<const bf16_t*>(x.data_ptr());
+  float* out = scratch.data_ptr<float>();
+  const int64_t n = x.numel();
+  at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) out[i] = to_float(in[i]);
+  });
+  return out;
+#endif
 }
 
 }  // namespace packed_linear
@@ -187,7 +293,8 @@ inline at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& pack
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
-  const auto* xp = reinterpret_cast<const bf16_t*>(xc.data_ptr());
+  at::Tensor scratch;
+  const auto* xp = packed_linear::tile_input(xc, scratch);
   const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
   if (float_out) {
     packed_linear::run(xp, pw, bias_ptr, M, out.data_ptr<float>());
@@ -199,4 +306,4 @@ inline at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& pack
 
 }  // namespace pagedserve
 
-#endif  // PAGEDSERVE_HAS_DPBF16
+#endif  // PAGEDSERVE_HAS_PACKED_LINEAR

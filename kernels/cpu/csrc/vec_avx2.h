@@ -117,6 +117,13 @@ inline void store_pair(bf16_t* p, F a, F b) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_or_si256(even, odd));
 }
 
+// W fp32 lanes -> W bf16, rounded to nearest even; NaN stays NaN.
+inline void store_bf16(bf16_t* p, F a) {
+  __m256i high = _mm256_srli_epi32(round_to_bf16_high(a.v), 16);  // 0..0xffff: packus keeps it
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
 inline void store_pair(fp16_t* p, F a, F b) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p + W), _mm256_cvtps_ph(b.v, _MM_FROUND_TO_NEAREST_INT));

@@ -1,0 +1,91 @@
+"""A whole decoder layer in one compiled call, for steps of decode tokens only.
+
+Why: at one stream a small model's decode step is mostly glue. SmolLM2's
+30 layers made ~50 Python and aten calls each, ~6 of the ~18 ms a token
+took on an AVX2 EPYC, while its linears already read at the memory's rate.
+`kernels.llama_decode_layer_op` chains the same compiled ops in C++, in the
+same order, so a layer's numbers do not change (tests/engine/test_fused_decode.py
+holds the two paths to the bit) and a layer costs one call:
+
+    DecoderLayer.forward ──► fused_decode.run ──► one op ──► (hidden, residual)
+                        └──► (not eligible: None) ──► the modules, op by op
+
+Eligible: a layer built from the shared parts as they are (`Attention`
+without per-head norms, `MLP` with SiLU, `RMSNorm`, `Linear`), no tensor
+parallelism; then per step: bf16 on the CPU, every token a decode, caches of
+the model's dtype, and a build of the compiled ops that takes every width.
+Anything else (prefill chunks, Gemma's norms, MoE, int4, float32) runs the
+modules, whose kernels choose for themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.attention_metadata import AttentionMetadata
+from engine.model.layers.activation import MLP
+from engine.model.layers.attention import Attention
+from engine.model.layers.linear import Linear
+from engine.model.layers.norm import RMSNorm
+
+
+UNKNOWN = object()  # a layer's shape before its first step
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the op needs besides tensors, fixed when the layer is built."""
+
+    num_heads: int
+    num_kv_heads: int
+    widths: tuple[int, ...]  # head_dim and each linear's in_features
+    eps: float
+    scale: float
+    sliding_window: int
+    logits_soft_cap: float
+
+
+def shape_of(layer) -> Shape | None:
+    """The layer's Shape if it is built from the parts the op fuses, else None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if type(mlp) is MLP else ()
+    if (type(attn) is not Attention or attn.q_norm is not None or attn.group is not None
+            or type(mlp) is not MLP or mlp.group is not None or mlp.act_and_mul is not attn.kernels.silu_and_mul
+            or any(type(norm) is not RMSNorm for norm in norms) or norms[0].eps != norms[1].eps
+            or any(type(linear) is not Linear for linear in linears)):
+        return None
+    features = attn.attn.features
+    return Shape(attn.num_heads, attn.num_kv_heads,
+                 (attn.head_dim,) + tuple(linear.in_features for linear in linears),
+                 norms[0].eps, attn.attn.scale, features.get("sliding_window") or 0,
+                 features.get("logits_soft_cap") or 0.0)
+
+
+def run(layer, shape: Shape, rope_tables, hidden: torch.Tensor, residual: torch.Tensor | None,
+        kv_cache, meta: AttentionMetadata):
+    """(MLP output, residual) of the layer in one op, or None where this step
+    or this process cannot take it (then the caller runs the modules)."""
+    cos, sin = rope_tables
+    attn, mlp = layer.self_attn, layer.mlp
+    k_cache, v_cache = kv_cache[0][attn.attn.layer_index], kv_cache[1][attn.attn.layer_index]
+    if meta.window is not None and shape.sliding_window:
+        meta = meta.window  # this layer's K/V live in the sliding layers' own pool
+    if not (hidden.dtype == torch.bfloat16 and hidden.is_cpu and hidden.dim() == 2
+            and hidden.is_contiguous() and 0 < hidden.shape[0] == meta.num_decode_tokens
+            and cos.dtype == k_cache.dtype == v_cache.dtype == hidden.dtype
+            and cos.is_contiguous() and sin.is_contiguous()
+            and meta.slot_mapping.dtype == torch.int64
+            and (residual is None or residual.is_contiguous())):
+        return None
+    op = attn.kernels.llama_decode_layer_op(*shape.widths)
+    if op is None:
+        return None
+    return op(hidden, residual, layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+              attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+              mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
+              cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
+              meta.decode_context_lens, shape.num_heads, shape.num_kv_heads, shape.eps, shape.scale,
+              shape.sliding_window, shape.logits_soft_cap)

@@ -1,0 +1,72 @@
+"""nn.Linear's weights in the layout the compiled CPU linear reads fastest,
+and the helpers that take a weight in either layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import ops as cpu_ops
+from kernels.reference import linear_reference
+
+# -- weights packed for the bf16 dot product ------------------------------------------
+#
+#   W [out, in]  ->  packed [out / 16, in / 2, 16, 2]:  W[n][2p + j] = packed[n // 16][p][n % 16][j]
+#
+# One 64-byte vector of the packed weight is one input pair of 16 output
+# features, what AVX512-BF16's dot product multiplies by a broadcast pair of
+# x; AVX2 reads it as two vectors of 8 features and splits each pair with a
+# shift and an and (kernels/cpu/csrc/linear_packed.h draws both).
+
+PACKED_DIMS = 4
+PACK_LANES = 16
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in the layout ``linear`` multiplies fastest: packed
+    as above where the compiled ops have the packed linear (bf16 weights, a CPU
+    with AVX512-BF16 or AVX2, out a multiple of 16), else ``weight`` itself.  ``linear``,
+    ``unpack_linear`` and ``embedding`` take either."""
+    if weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.dim() != 2:
+        return weight
+    out_features, in_features = weight.shape
+    ops = cpu_ops.ops_for(in_features)
+    if ops is None or not hasattr(ops, "linear_bf16_packed") or out_features % PACK_LANES:
+        return weight
+    blocks = weight.reshape(out_features // PACK_LANES, PACK_LANES, in_features // 2, 2)
+    return blocks.transpose(1, 2).contiguous()
+
+
+def unpack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's [out, in] layout back (a copy) from ``pack_linear``'s; any other weight as it is."""
+    if weight.dim() != PACKED_DIMS:
+        return weight
+    return weight.transpose(1, 2).reshape(-1, 2 * weight.shape[1])
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding over a weight in either layout: a tied LM head is packed,
+    and the embedding reads its rows from there rather than keep a second copy."""
+    if weight.dim() != PACKED_DIMS:
+        return F.embedding(ids, weight)
+    flat = ids.reshape(-1)
+    rows = weight[flat // PACK_LANES, :, flat % PACK_LANES, :]  # [tokens, in / 2, 2]
+    return rows.reshape(*ids.shape, 2 * weight.shape[1])
+
+
+def packed_linear(x, weight, bias=None, float_out=False):
+    """``linear`` over a weight in this layout (the compiled op; the reference
+    on the unpacked copy where the ops were turned off after packing)."""
+    in_features = 2 * weight.shape[1]
+    ops = cpu_ops.ops_for(in_features)
+    if ops is None:  # the ops were turned off after the weights were packed
+        return linear_reference(x, unpack_linear(weight), bias, float_out)
+    return over_rows(ops.linear_bf16_packed, x, in_features, weight, bias, float_out)
+
+
+def over_rows(op, x, in_features, weight, bias, float_out):
+    """A compiled linear, which takes x as [tokens, in], over x of any leading shape."""
+    if x.dim() == 2:
+        return op(x, weight, bias, float_out)
+    out = op(x.reshape(-1, in_features), weight, bias, float_out)
+    return out.view(*x.shape[:-1], out.shape[-1])

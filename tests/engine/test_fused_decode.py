@@ -1,0 +1,105 @@
+"""A decoder layer in one compiled call (engine/model/layers/fused_decode.py)
+against the same layer run module by module: the same tokens and the same
+log-probabilities to the bit, in bf16 on the CPU's compiled ops.
+
+The families that take it: SmolLM2 (Llama, the real weights, tied head),
+Qwen2 with its q/k/v biases and a sliding layer, Mistral sliding on every
+layer; the prompts run past the tiny models' 20-token windows. Several
+prompts at once, so a step decodes a batch; chunked prefill, so decode rows
+share steps with prompt chunks (those steps run the modules). And the
+layers that must not take it (per-head norms, Gemma's norms, MoE, float32)
+never do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model.layers import fused_decode
+from kernels.cpu import ops as cpu_ops
+from need import need
+from tiny_models import make_tiny_family
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPTS = ["The sea is", "Write a short poem about a lighthouse keeper and the storm that came in",
+           "1, 2, 3, 4,"]
+
+
+def _compiled_ops_or_skip():
+    need(cpu_ops.ops_for(16) is not None, f"compiled CPU ops: {cpu_ops.unavailable_reason(16)}")
+    need(hasattr(cpu_ops.current_ops(), "llama_decode_layer"), "the build has no llama_decode_layer")
+
+
+def _generate(llm, fuse: bool, monkeypatch) -> tuple[list, int]:
+    """Greedy outputs with every layer fused (or not), and how many layer calls took the op."""
+    for layer in llm.engine.runner.model.layers:
+        layer.fuse_decode = fuse
+    taken = []
+    original = fused_decode.run
+
+    def counting(*args):
+        out = original(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_decode, "run", counting)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setattr(fused_decode, "run", original)
+    got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+    return got, sum(taken)
+
+
+def _same_with_and_without(llm, monkeypatch):
+    fused, taken = _generate(llm, True, monkeypatch)
+    modules, none = _generate(llm, False, monkeypatch)
+    assert taken > 0 and none == 0
+    for (ids, logprobs), (ids_m, logprobs_m) in zip(fused, modules):
+        assert ids == ids_m
+        assert logprobs == logprobs_m  # every float the same
+
+
+@pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=16, block_size=16)],
+                         ids=["plain", "chunked"])
+def test_smollm2_fused_layers_give_the_same_numbers(smollm2_path, engine_args, monkeypatch):
+    _compiled_ops_or_skip()
+    llm = LLM(str(smollm2_path), dtype="bfloat16", **engine_args)
+    _same_with_and_without(llm, monkeypatch)
+    shapes = {layer._fused_shape for layer in llm.engine.runner.model.layers}
+    assert len(shapes) == 1 and None not in shapes
+
+
+@pytest.mark.parametrize("family", ["qwen2-sliding", "mistral-sliding"])
+def test_biases_and_windows_give_the_same_numbers(family, tmp_path, smollm2_path, monkeypatch):
+    _compiled_ops_or_skip()
+    folder = make_tiny_family(tmp_path / family, family, smollm2_path)
+    llm = LLM(str(folder), dtype="bfloat16", block_size=16)
+    generator = torch.Generator().manual_seed(5)
+    for layer in llm.engine.runner.model.layers:  # HF initialises biases to zero: give them weight
+        bias = layer.self_attn.qkv_proj.bias
+        if bias is not None:
+            bias.data.copy_(torch.randn(bias.shape, generator=generator))
+    _same_with_and_without(llm, monkeypatch)
+    windows = {layer._fused_shape.sliding_window for layer in llm.engine.runner.model.layers}
+    assert max(windows) == 20
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "qwen3-moe"])
+def test_layers_the_op_does_not_fuse_run_their_modules(family, tmp_path, smollm2_path, monkeypatch):
+    folder = make_tiny_family(tmp_path / family, family, smollm2_path)
+    llm = LLM(str(folder), dtype="bfloat16", block_size=16)
+    _, taken = _generate(llm, True, monkeypatch)
+    assert taken == 0
+    for layer in llm.engine.runner.model.layers:
+        assert getattr(layer, "_fused_shape", None) in (None, fused_decode.UNKNOWN)
+
+
+def test_float32_runs_the_modules(smollm2_path, monkeypatch):
+    llm = LLM(str(smollm2_path), dtype="float32")
+    _, taken = _generate(llm, True, monkeypatch)
+    assert taken == 0
+    assert llm.engine.runner.model.layers[0]._fused_shape is not None  # eligible, but not this dtype
+    assert llm.engine.runner.dtype == torch.float32
