@@ -74,7 +74,7 @@ __all__ = [
     "fused_moe",
     "get_backend",
     "linear",
-    "llama_decode_layer_op",
+    "llama_layer_op",
     "pack_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -107,8 +107,8 @@ class KernelBackend:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_reference
     fused_moe: Callable[..., torch.Tensor] = fused_moe_reference
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul_reference
-    # widths -> a whole Llama decode layer in one op, or None (the layer runs op by op)
-    llama_decode_layer_op: Callable[..., Callable | None] = no_layer_op
+    # widths -> a whole Llama layer in one op, or None (the layer runs op by op)
+    llama_layer_op: Callable[..., Callable | None] = no_layer_op
 
 
 def _triton_modules():
@@ -235,17 +235,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_reference(x)
 
 
-def llama_decode_layer_op(*widths: int):
-    """The compiled op that runs a whole Llama decoder layer over decode tokens
-    (kernels/cpu/csrc/decode_layer.h: this module's CPU ops chained in C++,
-    same order, same numbers), if this process's build takes rows of every
-    width given (head_dim and each linear's in_features); else None."""
+def llama_layer_op(*widths: int):
+    """The compiled op that runs a whole Llama decoder layer over a step's
+    tokens (kernels/cpu/csrc/llama_layer.h: this module's CPU ops chained in
+    C++, same order, same numbers), if this process's build takes rows of
+    every width given (head_dim and each linear's in_features); else None."""
     ops = cpu_ops.current_ops()
-    if ops is None or not hasattr(ops, "llama_decode_layer"):
+    if ops is None or not hasattr(ops, "llama_layer"):
         return None
     if any(cpu_ops.ops_for(width) is None for width in widths):
         return None
-    return ops.llama_decode_layer
+    return ops.llama_layer
 
 
 def compiled_bf16_linear(in_features: int) -> bool:
@@ -271,7 +271,7 @@ def get_backend(name: str) -> KernelBackend:
     if name == "auto":
         return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
                              linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe,
-                             llama_decode_layer_op=llama_decode_layer_op)
+                             llama_layer_op=llama_layer_op)
     if name == "torch":
         return KernelBackend(
             "torch",
@@ -285,7 +285,7 @@ def get_backend(name: str) -> KernelBackend:
         return KernelBackend("cpu", store_kvcache, _compiled("paged_decode_attention"),
                              _compiled("paged_prefill_attention"), linear, rms_norm, pack_linear, embedding,
                              rope, silu_and_mul, fused_moe=fused_moe_cpu,
-                             llama_decode_layer_op=llama_decode_layer_op)
+                             llama_layer_op=llama_layer_op)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

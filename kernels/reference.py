@@ -313,7 +313,7 @@ def keep_layout(weight: torch.Tensor) -> torch.Tensor:
 
 
 def no_layer_op(*widths: int) -> None:
-    """A backend's ``llama_decode_layer_op`` where no op runs a whole layer:
+    """A backend's ``llama_layer_op`` where no op runs a whole layer:
     the model runs its layers op by op."""
     return None
 

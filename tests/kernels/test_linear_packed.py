@@ -3,7 +3,7 @@ for AVX512-BF16's dot product, read with fp32 FMAs on AVX2) against float64
 matmuls on fresh random inputs, and the layout's helpers: kernels.pack_linear / unpack_linear /
 embedding and linear's dispatch on a packed weight.
 
-Shapes cross the op's blocking: token counts around its 8-token (AVX2: 4)
+Shapes cross the op's blocking: token counts around its 8-token (AVX2: 5)
 panels and its chunks (280 tokens of 576 inputs, 104 of 1536), output blocks around its
 3-block tiles and 6-block strips.
 """
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import kernels
 from kernels.cpu import ops as cpu_ops
 
-TOKENS = (1, 2, 7, 8, 9, 131, 300)
+TOKENS = (1, 2, 5, 7, 8, 9, 131, 300)
 FEATURES = ((32, 16), (64, 48), (576, 112), (1536, 592))  # (in, out)
 
 

@@ -34,7 +34,7 @@ from engine.model.distributed.partition import Partition
 from engine.model.layers.activation import MLP
 from engine.model.layers.attention import Attention
 from engine.model.layers.embedding import VocabParallelEmbedding, compute_logits
-from engine.model.layers import fused_decode
+from engine.model.layers import fused_layer
 from engine.model.layers.linear import Linear, packed
 from engine.model.layers.moe import FusedMoE
 from engine.model.layers.norm import RMSNorm
@@ -63,18 +63,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args, part, layer_index, kernels, group, qk_norm)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.mlp = _mlp(args, part, layer_index, kernels, group)
-        self.fuse_decode = True  # steps of decodes in one compiled call where eligible
-        self._fused_shape = fused_decode.UNKNOWN
+        self.fuse = True  # the whole layer in one compiled call where eligible
+        self._fused_shape = fused_layer.UNKNOWN
 
     def forward(self, rope_tables, hidden, residual, kv_cache, meta):
         """(the previous layer's MLP output, the residual stream) -> the same for
         this layer. Each norm adds its input into the residual first, so
         `hidden + residual` after the last layer is HF's hidden state."""
-        if self.fuse_decode:
-            if self._fused_shape is fused_decode.UNKNOWN:  # the parts are final by the first step
-                self._fused_shape = fused_decode.shape_of(self)
+        if self.fuse:
+            if self._fused_shape is fused_layer.UNKNOWN:  # the parts are final by the first step
+                self._fused_shape = fused_layer.shape_of(self)
             if self._fused_shape is not None:
-                out = fused_decode.run(self, self._fused_shape, rope_tables, hidden, residual, kv_cache, meta)
+                out = fused_layer.run(self, self._fused_shape, rope_tables, hidden, residual, kv_cache, meta)
                 if out is not None:
                     return out
         if residual is None:  # the first layer: the embeddings are the residual

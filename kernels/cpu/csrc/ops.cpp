@@ -4,7 +4,7 @@
 // packed for the bf16 dot product: linear_packed.h); and the element-wise
 // ops of a Llama layer, one pass each: RMSNorm with its residual add
 // (rms_norm.h), RoPE (rope.h), SiLU(gate) * up (activation.h); and a whole
-// Llama layer over decode tokens, those ops chained in C++ (decode_layer.h).
+// Llama layer over a step's tokens, those ops chained in C++ (llama_layer.h).
 //
 // Both attention ops take two optional features: sliding_window W (a query
 // sees only its last W tokens; blocks before the window are never read) and
@@ -28,10 +28,10 @@
 
 #include "activation.h"
 #include "decode.h"
-#include "decode_layer.h"
 #include "kv_store.h"
 #include "linear.h"
 #include "linear_packed.h"
+#include "llama_layer.h"
 #include "prefill.h"
 #include "rms_norm.h"
 #include "rope.h"
@@ -64,13 +64,14 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
   m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()",
         &pagedserve::store_kvcache);
-  m.def("llama_decode_layer(Tensor hidden, Tensor(a!)? residual, Tensor input_norm, Tensor qkv_weight, "
+  m.def("llama_layer(Tensor hidden, Tensor(a!)? residual, Tensor input_norm, Tensor qkv_weight, "
         "Tensor? qkv_bias, Tensor o_weight, Tensor? o_bias, Tensor post_norm, Tensor gate_up_weight, "
         "Tensor? gate_up_bias, Tensor down_weight, Tensor? down_bias, Tensor cos, Tensor sin, "
-        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
-        "int sliding_window=0, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
-        &pagedserve::llama_decode_layer);
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_decode_tokens, "
+        "Tensor decode_block_tables, Tensor decode_context_lens, Tensor prefill_block_tables, "
+        "Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, int num_heads, int num_kv_heads, "
+        "float eps, float scale, int sliding_window=0, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
+        &pagedserve::llama_layer);
   m.def("isa() -> str", &pagedserve::isa_name);
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
   // AVX512-BF16 and AVX2 builds: kernels.pack_linear asks for it by name and

@@ -1,12 +1,14 @@
-"""A decoder layer in one compiled call (engine/model/layers/fused_decode.py)
+"""A decoder layer in one compiled call (engine/model/layers/fused_layer.py)
 against the same layer run module by module: the same tokens and the same
-log-probabilities to the bit, in bf16 on the CPU's compiled ops.
+log-probabilities to the bit, in bf16 on the CPU's compiled ops, for steps of
+decodes, of prompt chunks, of both, and of drafted rows (n-gram speculation).
 
 The families that take it: SmolLM2 (Llama, the real weights, tied head),
 Qwen2 with its q/k/v biases and a sliding layer, Mistral sliding on every
 layer; the prompts run past the tiny models' 20-token windows. Several
 prompts at once, so a step decodes a batch; chunked prefill, so decode rows
-share steps with prompt chunks (those steps run the modules). And the
+share steps with prompt chunks; n-gram drafts, so a sequence has several
+rows that the prefill kernel attends. And the
 layers that must not take it (per-head norms, Gemma's norms, MoE, float32)
 never do.
 """
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model.layers import fused_decode
+from engine.model.layers import fused_layer
 from kernels.cpu import ops as cpu_ops
 from need import need
 from tiny_models import make_tiny_family
@@ -30,32 +32,32 @@ PROMPTS = ["The sea is", "Write a short poem about a lighthouse keeper and the s
 
 def _compiled_ops_or_skip():
     need(cpu_ops.ops_for(16) is not None, f"compiled CPU ops: {cpu_ops.unavailable_reason(16)}")
-    need(hasattr(cpu_ops.current_ops(), "llama_decode_layer"), "the build has no llama_decode_layer")
+    need(hasattr(cpu_ops.current_ops(), "llama_layer"), "the build has no llama_layer")
 
 
-def _generate(llm, fuse: bool, monkeypatch) -> tuple[list, int]:
+def _generate(llm, fuse: bool, monkeypatch, prompts=PROMPTS) -> tuple[list, int]:
     """Greedy outputs with every layer fused (or not), and how many layer calls took the op."""
     for layer in llm.engine.runner.model.layers:
-        layer.fuse_decode = fuse
+        layer.fuse = fuse
     taken = []
-    original = fused_decode.run
+    original = fused_layer.run
 
     def counting(*args):
         out = original(*args)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(fused_decode, "run", counting)
+    monkeypatch.setattr(fused_layer, "run", counting)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    monkeypatch.setattr(fused_decode, "run", original)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(fused_layer, "run", original)
     got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
     return got, sum(taken)
 
 
-def _same_with_and_without(llm, monkeypatch):
-    fused, taken = _generate(llm, True, monkeypatch)
-    modules, none = _generate(llm, False, monkeypatch)
+def _same_with_and_without(llm, monkeypatch, prompts=PROMPTS):
+    fused, taken = _generate(llm, True, monkeypatch, prompts)
+    modules, none = _generate(llm, False, monkeypatch, prompts)
     assert taken > 0 and none == 0
     for (ids, logprobs), (ids_m, logprobs_m) in zip(fused, modules):
         assert ids == ids_m
@@ -70,6 +72,18 @@ def test_smollm2_fused_layers_give_the_same_numbers(smollm2_path, engine_args, m
     _same_with_and_without(llm, monkeypatch)
     shapes = {layer._fused_shape for layer in llm.engine.runner.model.layers}
     assert len(shapes) == 1 and None not in shapes
+
+
+def test_drafted_rows_give_the_same_numbers(smollm2_path, monkeypatch):
+    """Steps whose sequences carry n-gram drafts: several rows each, attended
+    by the prefill kernel inside the op, accepted or rolled back as before."""
+    _compiled_ops_or_skip()
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    llm = LLM(str(smollm2_path), dtype="bfloat16", speculative_config=spec)
+    repeat = ["Copy this line exactly: the quick brown fox jumps over the lazy dog, the quick brown fox",
+              "Repeat after me: one two three four five six seven eight nine ten one two three"]
+    _same_with_and_without(llm, monkeypatch, repeat)
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("family", ["qwen2-sliding", "mistral-sliding"])
@@ -94,7 +108,7 @@ def test_layers_the_op_does_not_fuse_run_their_modules(family, tmp_path, smollm2
     _, taken = _generate(llm, True, monkeypatch)
     assert taken == 0
     for layer in llm.engine.runner.model.layers:
-        assert getattr(layer, "_fused_shape", None) in (None, fused_decode.UNKNOWN)
+        assert getattr(layer, "_fused_shape", None) in (None, fused_layer.UNKNOWN)
 
 
 def test_float32_runs_the_modules(smollm2_path, monkeypatch):

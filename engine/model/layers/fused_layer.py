@@ -1,20 +1,23 @@
-"""A whole decoder layer in one compiled call, for steps of decode tokens only.
+"""A whole decoder layer in one compiled call.
 
 Why: at one stream a small model's decode step is mostly glue. SmolLM2's
 30 layers made ~50 Python and aten calls each, ~6 of the ~18 ms a token
-took on an AVX2 EPYC, while its linears already read at the memory's rate.
-`kernels.llama_decode_layer_op` chains the same compiled ops in C++, in the
-same order, so a layer's numbers do not change (tests/engine/test_fused_decode.py
-holds the two paths to the bit) and a layer costs one call:
+took on an AVX2 EPYC, while its linears already read at the memory's rate;
+a speculative step, a few rows per sequence, paid the same glue again.
+`kernels.llama_layer_op` chains the same compiled ops in C++, in the same
+order (decode rows through the decode kernel, prefill and drafted rows
+through the prefill kernel, as `PagedAttention` splits them), so a layer's
+numbers do not change (tests/engine/test_fused_layer.py holds the two paths
+to the bit) and a layer costs one call:
 
-    DecoderLayer.forward ──► fused_decode.run ──► one op ──► (hidden, residual)
+    DecoderLayer.forward ──► fused_layer.run ──► one op ──► (hidden, residual)
                         └──► (not eligible: None) ──► the modules, op by op
 
 Eligible: a layer built from the shared parts as they are (`Attention`
 without per-head norms, `MLP` with SiLU, `RMSNorm`, `Linear`), no tensor
-parallelism; then per step: bf16 on the CPU, every token a decode, caches of
-the model's dtype, and a build of the compiled ops that takes every width.
-Anything else (prefill chunks, Gemma's norms, MoE, int4, float32) runs the
+parallelism; then per step: bf16 on the CPU, caches of the model's dtype,
+and a build of the compiled ops that takes every width. Anything else
+(Gemma's norms, per-head norms, MoE, int4, float32, a GPU) runs the
 modules, whose kernels choose for themselves.
 """
 
@@ -74,18 +77,19 @@ def run(layer, shape: Shape, rope_tables, hidden: torch.Tensor, residual: torch.
     if meta.window is not None and shape.sliding_window:
         meta = meta.window  # this layer's K/V live in the sliding layers' own pool
     if not (hidden.dtype == torch.bfloat16 and hidden.is_cpu and hidden.dim() == 2
-            and hidden.is_contiguous() and 0 < hidden.shape[0] == meta.num_decode_tokens
+            and hidden.is_contiguous() and hidden.shape[0] > 0
             and cos.dtype == k_cache.dtype == v_cache.dtype == hidden.dtype
             and cos.is_contiguous() and sin.is_contiguous()
             and meta.slot_mapping.dtype == torch.int64
             and (residual is None or residual.is_contiguous())):
         return None
-    op = attn.kernels.llama_decode_layer_op(*shape.widths)
+    op = attn.kernels.llama_layer_op(*shape.widths)
     if op is None:
         return None
     return op(hidden, residual, layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
               attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
               mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
-              cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
-              meta.decode_context_lens, shape.num_heads, shape.num_kv_heads, shape.eps, shape.scale,
-              shape.sliding_window, shape.logits_soft_cap)
+              cos, sin, k_cache, v_cache, meta.slot_mapping, meta.num_decode_tokens,
+              meta.decode_block_tables, meta.decode_context_lens, meta.prefill_block_tables,
+              meta.prefill_cu_seqlens_q, meta.prefill_context_lens, shape.num_heads,
+              shape.num_kv_heads, shape.eps, shape.scale, shape.sliding_window, shape.logits_soft_cap)

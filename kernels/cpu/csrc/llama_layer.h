@@ -1,0 +1,125 @@
+// One Llama-style decoder layer over a step's tokens, in one op.
+//
+// Why: at one stream the step of a small model is not its weights' bytes but
+// the glue between them.  SmolLM2 (30 layers) made ~50 Python and aten calls
+// a layer, ~6 ms of a ~18 ms decode step on an AVX2 EPYC, while its linears
+// streamed at the memory's rate; a speculative step (a row per drafted token)
+// paid the same glue again.  This op runs the same compiled ops in the same
+// order as the Python layer, so its numbers are the layer's to the bit, and
+// a layer costs one call from Python:
+//
+//   hidden ─► RMSNorm(+residual) ─► qkv ─► RoPE(q, k) ─► K/V into the cache
+//          ─► attention: decode rows (one per sequence), then prefill rows
+//          ─► o_proj ─► RMSNorm(+residual) ─► gate_up ─► SiLU·mul ─► down
+//
+// The rows are as AttentionMetadata lays them out: the first num_decode
+// tokens one per decoding sequence, then each prefill (or drafted) span.
+// qkv's columns are [q heads | k heads | v heads]; q and k are rotated in
+// place inside it (rows of heads, any token stride), as the Python path does.
+// Only what that path would send to these same ops comes here
+// (engine/model/layers/fused_layer.py checks): bf16, no tensor parallelism,
+// no per-head norms, SiLU.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+#include "activation.h"
+#include "decode.h"
+#include "kv_store.h"
+#include "linear.h"
+#include "linear_packed.h"
+#include "prefill.h"
+#include "rms_norm.h"
+#include "rope.h"
+
+namespace pagedserve {
+namespace layer_parts {
+
+// x W^T (+ b) with W as kernels.linear would take it: packed or [out, in].
+inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+#if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
+  if (w.dim() == 4) return linear_bf16_packed(x, w, b, false);
+#endif
+  return linear_bf16(x, w, b, false);
+}
+
+// The step's attention rows, as AttentionMetadata gives them.
+struct Rows {
+  int64_t num_decode;
+  const at::Tensor& decode_tables;
+  const at::Tensor& decode_lens;
+  const at::Tensor& prefill_tables;
+  const at::Tensor& prefill_cu_seqlens_q;
+  const at::Tensor& prefill_lens;
+};
+
+// q [tokens, heads, dim] (contiguous) -> attention out of the same shape:
+// decode rows by the decode kernel, the rest by the prefill kernel.
+inline at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const Rows& rows, double scale, int64_t window, double cap) {
+  const int64_t tokens = q.size(0), d = rows.num_decode;
+  if (d == tokens)
+    return paged_decode_attention(q, k_cache, v_cache, rows.decode_tables, rows.decode_lens, scale, window, cap);
+  if (d == 0)
+    return paged_prefill_attention(q, k_cache, v_cache, rows.prefill_tables, rows.prefill_cu_seqlens_q,
+                                   rows.prefill_lens, scale, window, cap);
+  at::Tensor out = at::empty_like(q);
+  out.narrow(0, 0, d).copy_(paged_decode_attention(q.narrow(0, 0, d), k_cache, v_cache, rows.decode_tables,
+                                                   rows.decode_lens, scale, window, cap));
+  out.narrow(0, d, tokens - d)
+      .copy_(paged_prefill_attention(q.narrow(0, d, tokens - d), k_cache, v_cache, rows.prefill_tables,
+                                     rows.prefill_cu_seqlens_q, rows.prefill_lens, scale, window, cap));
+  return out;
+}
+
+}  // namespace layer_parts
+
+// Returns (this layer's MLP output, the residual stream).  Without a residual
+// (the first layer) `hidden` is the residual and is updated in place from the
+// second norm on, as the Python layer does with the embeddings.
+inline std::tuple<at::Tensor, at::Tensor> llama_layer(
+    const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& input_norm,
+    const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
+    const at::Tensor& o_weight, const std::optional<at::Tensor>& o_bias,
+    const at::Tensor& post_norm, const at::Tensor& gate_up_weight,
+    const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_weight,
+    const std::optional<at::Tensor>& down_bias, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    int64_t num_decode_tokens, const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
+    const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
+    const at::Tensor& prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+    double scale, int64_t sliding_window, double logits_soft_cap) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16,
+              "llama_layer: hidden must be bf16 [tokens, hidden]");
+  const int64_t tokens = hidden.size(0), head_dim = k_cache.size(-1);
+  TORCH_CHECK(num_decode_tokens >= 0 && num_decode_tokens <= tokens,
+              "llama_layer: num_decode_tokens ", num_decode_tokens, " of ", tokens, " tokens");
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const bool first = !(residual.has_value() && residual->defined());
+  const at::Tensor stream = first ? hidden : *residual;
+  at::Tensor x = first ? rms_norm(hidden, input_norm, eps, std::nullopt)
+                       : rms_norm(hidden, input_norm, eps, stream);
+
+  const at::Tensor qkv = layer_parts::linear(x, qkv_weight, qkv_bias);
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_layer: qkv_proj gives ", qkv.size(1),
+              " columns, the heads need ", q_size + 2 * kv_size);
+  const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
+  rotary_embedding(qk, cos, sin);
+  const at::Tensor q = qk.narrow(1, 0, num_heads).contiguous();
+  const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+  store_kvcache(k, v, k_cache, v_cache, slot_mapping);
+  const layer_parts::Rows rows{num_decode_tokens, decode_block_tables, decode_context_lens,
+                               prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens};
+  const at::Tensor attn = layer_parts::attend(q, k_cache, v_cache, rows, scale, sliding_window, logits_soft_cap);
+
+  const at::Tensor o = layer_parts::linear(attn.view({tokens, q_size}), o_weight, o_bias);
+  x = rms_norm(o, post_norm, eps, stream);
+  const at::Tensor gated = silu_and_mul(layer_parts::linear(x, gate_up_weight, gate_up_bias));
+  return {layer_parts::linear(gated, down_weight, down_bias), stream};
+}
+
+}  // namespace pagedserve
