@@ -37,11 +37,17 @@ class PagedAttention(nn.Module):
             ("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
             if value is not None}
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
+    def layer_view(self, kv_cache, meta: AttentionMetadata):
+        """(k_cache, v_cache, meta) this layer reads: its own slice of the cache,
+        and the sliding layers' view of the batch where they have their own pool."""
         k_cache, v_cache = kv_cache[0][self.layer_index], kv_cache[1][self.layer_index]
         if meta.window is not None and "sliding_window" in self.features:
             meta = meta.window  # this layer's K/V live in the sliding layers' own pool
+        return k_cache, v_cache, meta
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
+        k_cache, v_cache, meta = self.layer_view(kv_cache, meta)
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         d = meta.num_decode_tokens

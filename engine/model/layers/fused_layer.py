@@ -73,9 +73,7 @@ def run(layer, shape: Shape, rope_tables, hidden: torch.Tensor, residual: torch.
     or this process cannot take it (then the caller runs the modules)."""
     cos, sin = rope_tables
     attn, mlp = layer.self_attn, layer.mlp
-    k_cache, v_cache = kv_cache[0][attn.attn.layer_index], kv_cache[1][attn.attn.layer_index]
-    if meta.window is not None and shape.sliding_window:
-        meta = meta.window  # this layer's K/V live in the sliding layers' own pool
+    k_cache, v_cache, meta = attn.attn.layer_view(kv_cache, meta)
     if not (hidden.dtype == torch.bfloat16 and hidden.is_cpu and hidden.dim() == 2
             and hidden.is_contiguous() and hidden.shape[0] > 0
             and cos.dtype == k_cache.dtype == v_cache.dtype == hidden.dtype
