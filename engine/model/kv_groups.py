@@ -77,13 +77,13 @@ class KVGroups:
         return left // (layer_block_bytes * len(self.full_layers)), window
 
     def layer_caches(self, kv_cache, window_cache):
-        """What the model's layers index as kv_cache[0 or 1][layer]: the one tensor,
-        or (K of every layer, V of every layer) as views into the two pools."""
-        if not self.hybrid:
-            return kv_cache
+        """What the model's layers index as kv_cache[0 or 1][layer]: (K of every
+        layer, V of every layer), views into the pool or pools made once here.
+        Why not the pool tensor itself: indexing it twice a layer cost ~9 us,
+        ~0.3 ms of a one-stream SmolLM2 step on AVX2."""
         num_layers = len(self.full_layers) + len(self.window_layers)
         keys, values = [None] * num_layers, [None] * num_layers
         for pool, layers in ((kv_cache, self.full_layers), (window_cache, self.window_layers)):
             for slot, layer in enumerate(layers):
                 keys[layer], values[layer] = pool[0][slot], pool[1][slot]
-        return keys, values
+        return tuple(keys), tuple(values)

@@ -70,8 +70,8 @@ def test_smollm2_fused_layers_give_the_same_numbers(smollm2_path, engine_args, m
     _compiled_ops_or_skip()
     llm = LLM(str(smollm2_path), dtype="bfloat16", **engine_args)
     _same_with_and_without(llm, monkeypatch)
-    shapes = {layer._fused_shape for layer in llm.engine.runner.model.layers}
-    assert len(shapes) == 1 and None not in shapes
+    bound = [layer._fused for layer in llm.engine.runner.model.layers]
+    assert None not in bound and len({one.shape for one in bound}) == 1
 
 
 def test_drafted_rows_give_the_same_numbers(smollm2_path, monkeypatch):
@@ -97,7 +97,7 @@ def test_biases_and_windows_give_the_same_numbers(family, tmp_path, smollm2_path
         if bias is not None:
             bias.data.copy_(torch.randn(bias.shape, generator=generator))
     _same_with_and_without(llm, monkeypatch)
-    windows = {layer._fused_shape.sliding_window for layer in llm.engine.runner.model.layers}
+    windows = {layer._fused.shape.sliding_window for layer in llm.engine.runner.model.layers}
     assert max(windows) == 20
 
 
@@ -108,12 +108,12 @@ def test_layers_the_op_does_not_fuse_run_their_modules(family, tmp_path, smollm2
     _, taken = _generate(llm, True, monkeypatch)
     assert taken == 0
     for layer in llm.engine.runner.model.layers:
-        assert getattr(layer, "_fused_shape", None) in (None, fused_layer.UNKNOWN)
+        assert getattr(layer, "_fused", None) in (None, fused_layer.UNKNOWN)
 
 
 def test_float32_runs_the_modules(smollm2_path, monkeypatch):
     llm = LLM(str(smollm2_path), dtype="float32")
     _, taken = _generate(llm, True, monkeypatch)
     assert taken == 0
-    assert llm.engine.runner.model.layers[0]._fused_shape is not None  # eligible, but not this dtype
+    assert llm.engine.runner.model.layers[0]._fused is not None  # eligible, but not this dtype
     assert llm.engine.runner.dtype == torch.float32

@@ -64,17 +64,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.mlp = _mlp(args, part, layer_index, kernels, group)
         self.fuse = True  # the whole layer in one compiled call where eligible
-        self._fused_shape = fused_layer.UNKNOWN
+        self._fused = fused_layer.UNKNOWN
 
     def forward(self, rope_tables, hidden, residual, kv_cache, meta):
         """(the previous layer's MLP output, the residual stream) -> the same for
         this layer. Each norm adds its input into the residual first, so
         `hidden + residual` after the last layer is HF's hidden state."""
         if self.fuse:
-            if self._fused_shape is fused_layer.UNKNOWN:  # the parts are final by the first step
-                self._fused_shape = fused_layer.shape_of(self)
-            if self._fused_shape is not None:
-                out = fused_layer.run(self, self._fused_shape, rope_tables, hidden, residual, kv_cache, meta)
+            if self._fused is fused_layer.UNKNOWN:  # the parts are final by the first step
+                self._fused = fused_layer.bind(self)
+            if self._fused is not None:
+                out = fused_layer.run(self._fused, rope_tables, hidden, residual, kv_cache, meta)
                 if out is not None:
                     return out
         if residual is None:  # the first layer: the embeddings are the residual
