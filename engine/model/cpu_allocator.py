@@ -1,5 +1,5 @@
 """Where CPU tensors get their memory: freed activations stay in the heap, and
-the KV cache is backed by huge pages.
+the KV cache and the weights are backed by huge pages.
 
 Freed activations, so they are not faulted in again.
 
@@ -26,12 +26,24 @@ default "madvise" mode of /sys/kernel/mm/transparent_hugepage/enabled), if
 that happens before the pages are first touched. Measured on the 2-core
 CPU, SmolLM2's decode attention over 128 sequences x ~320 tokens in a 1 GiB
 cache: 17.5 -> 19.3 GB/s.
+
+The weights, on 2 MiB pages too, in one arena in the order the model
+registers them (a layer's norms and projections, layer by layer: the order
+a decode step reads them). A one-stream decode step streams every weight
+once; on 4 KiB pages that is a TLB miss every 4 KiB on each of the two
+threads' streams. Measured on the 2-core AVX2 EPYC, SmolLM2's 120 layer
+matrices through the packed one-token linear, alternated in one run: 22.1
+-> 25.3 GB/s (a float32 sum over 1 GiB: 25.7 -> 27.3).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from pathlib import Path
+
+import torch
+from torch import nn
 
 MADV_HUGEPAGE = 14  # Linux
 HUGE_PAGE_BYTES = 2 << 20
@@ -39,6 +51,8 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+TENSOR_ALIGN = 64  # bytes: each weight starts on a cache line, as the heap would place it
 
 
 def _libc_with(function: str):
@@ -73,3 +87,52 @@ def advise_huge_pages(tensor) -> bool:
         return False
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise(first, last - first, MADV_HUGEPAGE) == 0
+
+
+def huge_pages_offered() -> bool:
+    """Whether Linux gives madvise()d memory transparent huge pages ("always"
+    or "madvise" mode); False elsewhere (another OS, or "never")."""
+    try:
+        mode = THP_MODE.read_text()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
+
+
+def _weights(module: nn.Module) -> list[torch.Tensor]:
+    """Each parameter and buffer once, in registration order: CPU, dense,
+    contiguous and owning its memory. A view, and a tensor another one views,
+    stay put: moving one of the two would part them."""
+    everything = list(module.parameters()) + list(module.buffers())
+    viewed = {id(t._base) for t in everything if t._base is not None}
+    seen, tensors = set(), []
+    for tensor in everything:
+        if (id(tensor) in seen or id(tensor) in viewed or tensor._base is not None
+                or tensor.device.type != "cpu" or tensor.layout != torch.strided
+                or not tensor.is_contiguous() or tensor.numel() == 0):
+            continue
+        seen.add(id(tensor))
+        tensors.append(tensor)
+    return tensors
+
+
+def weights_on_huge_pages(module: nn.Module) -> bool:
+    """Move `module`'s weights into one arena advised onto huge pages (the
+    tensor objects stay, their `.data` moves; the old memory is freed as each
+    one moves, so the peak is the weights plus one tensor). False, and
+    nothing moved, where huge pages are not offered."""
+    tensors = _weights(module)
+    if not tensors or not huge_pages_offered():
+        return False
+    sizes = [-(-t.numel() * t.element_size() // TENSOR_ALIGN) * TENSOR_ALIGN for t in tensors]
+    arena = torch.empty(sum(sizes) + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    if not advise_huge_pages(arena):
+        return False
+    offset = -arena.data_ptr() % HUGE_PAGE_BYTES  # the first weight on a page boundary
+    for tensor, size in zip(tensors, sizes):
+        nbytes = tensor.numel() * tensor.element_size()
+        home = arena[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        home.copy_(tensor)
+        tensor.data = home
+        offset += size
+    return True

@@ -30,7 +30,7 @@ import os
 import torch
 
 from engine.config import EngineConfig
-from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory
+from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory, weights_on_huge_pages
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.distributed.partition import Partition
 from engine.model.kv_groups import KVGroups
@@ -178,6 +178,8 @@ class ModelRunner:
                 raise ValueError(f"quantization='int4' needs torch >= 2.6, this is {torch.__version__}")
             model.quantize_int4()
         model.pack_linear_weights()  # after int4: the layers it replaced stay as they are
+        if self.device.type == "cpu":
+            weights_on_huge_pages(model)  # last: every weight is in its final layout
         return model
 
     def _new_cache(self, num_layers: int, num_blocks: int) -> torch.Tensor:

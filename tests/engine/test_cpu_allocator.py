@@ -6,7 +6,10 @@ import platform
 import pytest
 import torch
 
-from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory
+from torch import nn
+
+from engine.model.cpu_allocator import (advise_huge_pages, huge_pages_offered, keep_freed_memory,
+                                      weights_on_huge_pages)
 
 
 def test_tuning_applies_on_glibc_and_tensors_still_work():
@@ -36,16 +39,15 @@ def _vm_flags_at(address: int) -> list[str]:
     return []
 
 
-def test_a_large_tensor_is_advised_onto_huge_pages():
+def _need_huge_pages():
     if platform.system() != "Linux" or ctypes.util.find_library("c") is None:
         pytest.skip("madvise(MADV_HUGEPAGE) is Linux's")
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            mode = f.read()
-    except OSError:
-        pytest.skip("this kernel has no transparent huge pages")
-    if "[never]" in mode:
-        pytest.skip("transparent huge pages are off on this machine")
+    if not huge_pages_offered():
+        pytest.skip("this kernel offers no transparent huge pages (none, or 'never')")
+
+
+def test_a_large_tensor_is_advised_onto_huge_pages():
+    _need_huge_pages()
     cache = torch.empty(64 << 20, dtype=torch.uint8)
     assert advise_huge_pages(cache) is True
     # The range is advised ("hg"); whether the kernel then finds free 2 MiB
@@ -55,3 +57,37 @@ def test_a_large_tensor_is_advised_onto_huge_pages():
     cache.zero_()
     assert int(cache.sum()) == 0
     assert advise_huge_pages(torch.empty(16)) is False  # no whole 2 MiB page inside
+
+
+def test_weights_move_into_one_advised_arena_unchanged():
+    """Every parameter and buffer keeps its object, values, shape and dtype;
+    their memory becomes consecutive slices of one advised mapping, in
+    registration order, each on a cache line; a tied weight moves once; a
+    view and the tensor it views stay where they are, still one memory."""
+    _need_huge_pages()
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.LayerNorm(1024), nn.Linear(1024, 300, bias=False))
+    model[2].weight.data = torch.randn(300, 1024, generator=generator).to(torch.bfloat16)
+    model.register_buffer("table", torch.arange(10, dtype=torch.int64))
+    model.register_buffer("view", model.table[2:5])
+    tied = nn.Linear(1024, 300, bias=False)
+    tied.weight = model[2].weight
+    model.add_module("tied", tied)
+    before = {name: (id(t), t.clone()) for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+    view_address, table_address = model.view.data_ptr(), model.table.data_ptr()
+    assert weights_on_huge_pages(model) is True
+    moved = list(model.parameters())
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        identity, values = before[name]
+        assert id(tensor) == identity and torch.equal(tensor, values) and tensor.dtype == values.dtype
+    addresses = [t.data_ptr() for t in moved]
+    assert addresses == sorted(addresses) and all(a % 64 == 0 for a in addresses)
+    assert addresses[0] % (2 << 20) == 0  # the first weight on a page boundary
+    assert addresses[-1] - addresses[0] < sum(t.numel() * t.element_size() + 64 for t in moved)
+    assert "hg" in _vm_flags_at(addresses[0])
+    assert (model.view.data_ptr(), model.table.data_ptr()) == (view_address, table_address)
+    model.table[3] = -1
+    assert int(model.view[1]) == -1
+    assert model.tied.weight is model[2].weight
+    x = torch.randn(3, 512, generator=generator)
+    assert model[1](model[0](x)).shape == (3, 1024)  # still a working module
