@@ -115,5 +115,7 @@ def test_float32_runs_the_modules(smollm2_path, monkeypatch):
     llm = LLM(str(smollm2_path), dtype="float32")
     _, taken = _generate(llm, True, monkeypatch)
     assert taken == 0
-    assert llm.engine.runner.model.layers[0]._fused is not None  # eligible, but not this dtype
+    layer = llm.engine.runner.model.layers[0]
+    assert layer._fused is fused_layer.UNKNOWN  # no step could take it: never bound
+    assert fused_layer.bind(layer) is not None  # though the layer itself is eligible
     assert llm.engine.runner.dtype == torch.float32

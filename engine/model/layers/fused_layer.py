@@ -8,10 +8,13 @@ a speculative step, a few rows per sequence, paid the same glue again.
 order (decode rows through the decode kernel, prefill and drafted rows
 through the prefill kernel, as `PagedAttention` splits them), so a layer's
 numbers do not change (tests/engine/test_fused_layer.py holds the two paths
-to the bit) and a layer costs one call:
+to the bit) and a layer costs one call. The model's layer loop is here too,
+so that what a step decides once (is it bf16 on the CPU, ...) is checked
+once, not per layer, and a layer costs no module call either:
 
-    DecoderLayer.forward ──► fused_layer.run ──► one op ──► (hidden, residual)
-                        └──► (not eligible: None) ──► the modules, op by op
+    LlamaForCausalLM.forward ──► run_layers ──► step_args (once a step)
+        per layer:  bound ──► run ──► one op ──► (hidden, residual)
+                    None  ──► the layer's modules, op by op
 
 Eligible: a layer built from the shared parts as they are (`Attention`
 without per-head norms, `MLP` with SiLU, `RMSNorm`, `Linear`), no tensor
@@ -101,20 +104,54 @@ def bind(layer) -> Bound | None:
     return Bound(shape, op, attn.attn, weights, numbers)
 
 
-def run(bound: Bound, rope_tables, hidden: torch.Tensor, residual: torch.Tensor | None,
-        kv_cache, meta: AttentionMetadata):
-    """(MLP output, residual) of the layer in one op, or None where this step
-    cannot take it (then the caller runs the modules)."""
+@dataclass(frozen=True)
+class StepArgs:
+    """What every layer's call shares within a step."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_cache: tuple  # (K of every layer, V of every layer), as the runner gives it
+    meta: AttentionMetadata
+
+
+def step_args(rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata) -> StepArgs | None:
+    """The step's shared arguments, or None where this step cannot take the op
+    (then every layer runs its modules): bf16 rows on the CPU, RoPE tables and
+    caches of that dtype, int64 slots."""
     cos, sin = rope_tables
-    k_cache, v_cache, meta = bound.paged.layer_view(kv_cache, meta)
     if not (hidden.dtype == torch.bfloat16 and hidden.is_cpu and hidden.dim() == 2
             and hidden.is_contiguous() and hidden.shape[0] > 0
-            and cos.dtype == k_cache.dtype == v_cache.dtype == hidden.dtype
+            and cos.dtype == kv_cache[0][0].dtype == kv_cache[1][0].dtype == hidden.dtype
             and cos.is_contiguous() and sin.is_contiguous()
-            and meta.slot_mapping.dtype == torch.int64
-            and (residual is None or residual.is_contiguous())):
+            and meta.slot_mapping.dtype == torch.int64):
         return None
-    return bound.op(hidden, residual, *bound.weights, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                    meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
-                    meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                    *bound.numbers)
+    return StepArgs(cos, sin, kv_cache, meta)
+
+
+def run(bound: Bound, step: StepArgs, hidden: torch.Tensor, residual: torch.Tensor | None):
+    """(MLP output, residual) of one layer, in one op."""
+    k_cache, v_cache, meta = bound.paged.layer_view(step.kv_cache, step.meta)
+    return bound.op(hidden, residual, *bound.weights, step.cos, step.sin, k_cache, v_cache,
+                    meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables,
+                    meta.decode_context_lens, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                    meta.prefill_context_lens, *bound.numbers)
+
+
+def run_layers(layers, rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
+    """(last MLP output, residual) after every layer: each in one op where it
+    is bound and the step allows, else by its modules. A layer is bound at
+    its first step (its parts and weights are final by then) unless its
+    `fuse` is False."""
+    step = step_args(rope_tables, hidden, kv_cache, meta) if len(layers) else None
+    residual = None
+    for layer in layers:
+        bound = None
+        if step is not None and layer.fuse:
+            if layer._fused is UNKNOWN:
+                layer._fused = bind(layer)
+            bound = layer._fused
+        if bound is None:
+            hidden, residual = layer(rope_tables, hidden, residual, kv_cache, meta)
+        else:
+            hidden, residual = run(bound, step, hidden, residual)
+    return hidden, residual

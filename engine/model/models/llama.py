@@ -63,20 +63,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args, part, layer_index, kernels, group, qk_norm)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.mlp = _mlp(args, part, layer_index, kernels, group)
-        self.fuse = True  # the whole layer in one compiled call where eligible
-        self._fused = fused_layer.UNKNOWN
+        self.fuse = True  # the whole layer in one compiled call where eligible (fused_layer.py)
+        self._fused = fused_layer.UNKNOWN  # its fused_layer.Bound, or None, from the first step
 
     def forward(self, rope_tables, hidden, residual, kv_cache, meta):
         """(the previous layer's MLP output, the residual stream) -> the same for
         this layer. Each norm adds its input into the residual first, so
         `hidden + residual` after the last layer is HF's hidden state."""
-        if self.fuse:
-            if self._fused is fused_layer.UNKNOWN:  # the parts are final by the first step
-                self._fused = fused_layer.bind(self)
-            if self._fused is not None:
-                out = fused_layer.run(self._fused, rope_tables, hidden, residual, kv_cache, meta)
-                if out is not None:
-                    return out
         if residual is None:  # the first layer: the embeddings are the residual
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -125,10 +118,9 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every scheduled token: [num_tokens, hidden_size]."""
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden = self.embed_tokens(input_ids)
         rope_tables = self.rope.tables(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden, residual = layer(rope_tables, hidden, residual, kv_cache, meta)
+        hidden, residual = fused_layer.run_layers(self.layers, rope_tables, hidden, kv_cache, meta)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
