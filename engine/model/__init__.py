@@ -4,7 +4,7 @@
     step_inputs.py        SchedulerOutput -> flat token batch + AttentionMetadata
     attention_metadata.py how the flat batch maps onto sequences and cache slots
     model_info.py         loads config, tokenizer and runner for an EngineConfig
-    cpu_allocator.py      glibc tuning and huge pages for the CPU KV cache
+    cpu_allocator.py      glibc tuning; huge pages for the CPU KV cache and weights
     layers/               shared building blocks, each calling kernels/
     models/               one short file per family, composed of layers/; loader.py
     distributed/          tensor parallelism on torch.distributed

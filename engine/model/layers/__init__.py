@@ -9,5 +9,5 @@ the backend it is given, so a family file only composes them.
     activation.py    the gated MLP (SiLU(gate) * up)
     moe.py           mixture-of-experts block: router + fused experts (Mixtral, Qwen3-MoE)
     quantization.py  int4 linear layers (GGUF Q4_1 weights)
-    fused_layer.py   a whole Llama layer over a step's tokens in one compiled call
+    fused_layer.py   the layer loop: a whole Llama layer in one compiled call where it can
 """
