@@ -135,4 +135,17 @@ def weights_on_huge_pages(module: nn.Module) -> bool:
         home.copy_(tensor)
         tensor.data = home
         offset += size
+    release_freed_heap()
+    return True
+
+
+def release_freed_heap() -> bool:
+    """Give the heap's free memory back to Linux (glibc's malloc_trim). Why:
+    with keep_freed_memory's thresholds the old copies of moved weights stay
+    in the heap as free chunks, still resident: SmolLM2 held 865 MB where it
+    holds 656 without the move, and 656 again after this."""
+    libc = _libc_with("malloc_trim")
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
     return True

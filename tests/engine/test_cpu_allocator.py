@@ -91,3 +91,23 @@ def test_weights_move_into_one_advised_arena_unchanged():
     assert model.tied.weight is model[2].weight
     x = torch.randn(3, 512, generator=generator)
     assert model[1](model[0](x)).shape == (3, 1024)  # still a working module
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib << 10
+
+
+def test_moving_weights_leaves_no_second_copy_resident():
+    """With the engine's malloc tuning, freed weights would stay in the heap,
+    still resident; after the move the process holds them once."""
+    _need_huge_pages()
+    assert keep_freed_memory() is True
+    model = nn.ModuleList(nn.Linear(1024, 2048, bias=False) for _ in range(16))  # 128 MiB, 8 MiB each
+    for layer in model:
+        layer.weight.data.normal_()
+    before = _resident_bytes()
+    assert weights_on_huge_pages(model) is True
+    grown = _resident_bytes() - before
+    assert grown < (24 << 20), f"resident memory grew {grown >> 20} MiB for 128 MiB of weights moved"
