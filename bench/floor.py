@@ -76,15 +76,15 @@ def read_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     pages where Linux offers them, as the engine holds its weights (they
     read faster: a float32 sum over 1 GiB 25.7 -> 27.3 GB/s on the 2-core
     AVX2 EPYC), so the floor is the best the memory gives."""
+    count = nbytes // 4
     if device.type != "cpu":
-        return torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    from engine.model.cpu_allocator import HUGE_PAGE_BYTES, advise_huge_pages
+        return torch.ones(count, dtype=torch.float32, device=device)
+    from engine.model.cpu_allocator import huge_page_bytes
 
-    count, page = nbytes // 4, HUGE_PAGE_BYTES // 4
-    buffer = torch.empty(count + page, dtype=torch.float32)
-    advise_huge_pages(buffer)  # before fill_() touches the pages
-    start = (-buffer.data_ptr() // 4) % page  # whole pages only
-    return buffer[start:start + count].fill_(1.0)
+    buffer = huge_page_bytes(count * 4)  # advised before fill_() touches the pages
+    if buffer is None:
+        return torch.ones(count, dtype=torch.float32)
+    return buffer.view(torch.float32).fill_(1.0)
 
 
 def time_reads(buffer: torch.Tensor, runs: int) -> list[float]:

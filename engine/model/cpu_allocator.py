@@ -90,6 +90,16 @@ def advise_huge_pages(tensor) -> bool:
     return libc.madvise(first, last - first, MADV_HUGEPAGE) == 0
 
 
+def huge_page_bytes(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of untouched uint8 memory starting on a 2 MiB boundary and
+    advised onto huge pages (each page is backed when first written); None
+    where madvise refuses."""
+    buffer = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    start = -buffer.data_ptr() % HUGE_PAGE_BYTES
+    aligned = buffer[start:start + nbytes]
+    return aligned if advise_huge_pages(aligned) else None
+
+
 def huge_pages_offered() -> bool:
     """Whether Linux gives madvise()d memory transparent huge pages ("always"
     or "madvise" mode); False elsewhere (another OS, or "never")."""
@@ -127,10 +137,10 @@ def weights_on_huge_pages(module: nn.Module) -> bool:
     if not tensors or not huge_pages_offered():
         return False
     sizes = [-(-t.numel() * t.element_size() // TENSOR_ALIGN) * TENSOR_ALIGN for t in tensors]
-    arena = torch.empty(sum(sizes) + HUGE_PAGE_BYTES, dtype=torch.uint8)
-    if not advise_huge_pages(arena):
+    arena = huge_page_bytes(sum(sizes))
+    if arena is None:
         return False
-    offset = -arena.data_ptr() % HUGE_PAGE_BYTES  # the first weight on a page boundary
+    offset = 0
     since_trim = 0
     for tensor, size in zip(tensors, sizes):
         nbytes = tensor.numel() * tensor.element_size()
