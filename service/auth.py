@@ -1,6 +1,8 @@
-"""API keys, tenant salts for the prefix cache, and the request-body limit.
+"""API keys, tenant salts for the prefix cache, the request-body limit, refusal pacing.
 
-One pure ASGI middleware does the checks that come before any route runs:
+One pure ASGI middleware does the checks that come before any route runs,
+and holds back refusals of a client that keeps being refused
+(service/pacing.py), whichever layer refuses:
 
     request ──► body limit (Content-Length, then bytes as they arrive) ──► 413
             ──► body not complete within --body-timeout-seconds          ──► 408
@@ -21,7 +23,8 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.config import ServiceConfig
-from service.errors import APIError, count_error, error_response
+from service.errors import APIError, count_error, count_paced, error_response
+from service.pacing import RefusalPacer
 
 # Probes and scrapers reach these without a key unless the config says otherwise.
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/get_server_info", "/kv_event_sources"})
@@ -64,11 +67,13 @@ class Guard:
     def __init__(self, app: ASGIApp, config: ServiceConfig) -> None:
         self.app = app
         self.config = config
+        self.pacer = RefusalPacer(config.refusal_rate, config.refusal_burst)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = self.pacer.paced_send(scope, send, lambda: count_paced(scope.get("app")))
         headers = Headers(scope=scope)
         limit = self.config.max_request_body_bytes
         error = self._check_length(headers, limit) or self._check_key(scope, headers)

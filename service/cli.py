@@ -60,6 +60,11 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-connections", type=int, default=2048,
                        help="open connections at most: past it the oldest idle one is "
                             "closed, or, none idle, the new one gets 503")
+    group.add_argument("--refusal-rate", type=float, default=ServiceConfig.refusal_rate,
+                       help="a client's refused requests (4xx) past --refusal-burst are "
+                            "answered at this rate a second, the rest wait; 0: off")
+    group.add_argument("--refusal-burst", type=int, default=ServiceConfig.refusal_burst,
+                       help="refusals a client gets at once before pacing starts")
     group.add_argument("--prep-threads", type=int, default=4,
                        help="threads that render chat templates and tokenize")
     group.add_argument("--compile-threads", type=int, default=1,
@@ -182,6 +187,8 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         header_timeout_seconds=args.header_timeout_seconds,
         body_timeout_seconds=args.body_timeout_seconds,
         max_connections=args.max_connections,
+        refusal_rate=args.refusal_rate,
+        refusal_burst=args.refusal_burst,
         prep_threads=args.prep_threads,
         compile_threads=args.compile_threads,
         max_waiting_requests=args.max_waiting_requests,

@@ -95,6 +95,10 @@ class ServiceConfig:
     body_timeout_seconds: float = 30.0
     # Open connections past this: an idle one is closed, or the new one gets 503.
     max_connections: int = 2048
+    # Refusal pacing (service/pacing.py): a client's 4xx answers past this burst
+    # go out at this rate a second, the rest wait; 0 turns it off.
+    refusal_rate: float = 20.0
+    refusal_burst: int = 40
     # Request preparation (service/prep.py): threads for chat templates and
     # tokenizing, and, apart, for grammar compiles (lowest CPU priority past 1 s).
     prep_threads: int = 4
@@ -135,13 +139,13 @@ class ServiceConfig:
         if any(not key for key in self.api_keys + self.admin_keys):
             raise ValueError("api_keys and admin_keys must not contain an empty key")
         for name in ("max_request_body_bytes", "max_waiting_requests", "retry_after_seconds",
-                     "max_connections", "prep_threads", "compile_threads"):
+                     "max_connections", "prep_threads", "compile_threads", "refusal_burst"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("header_timeout_seconds", "body_timeout_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be > 0")
-        for name in ("shutdown_grace_seconds", "sse_ping_seconds"):
+        for name in ("shutdown_grace_seconds", "sse_ping_seconds", "refusal_rate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a number >= 0")

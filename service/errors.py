@@ -124,11 +124,24 @@ def error_response(error: APIError) -> Response:
     )
 
 
-def count_error(app, error: APIError) -> None:
-    """Count an error answer in the app's metrics (http_errors_total), once it serves."""
+def _metrics(app):
+    """The app's metrics, or None before it serves."""
     state = getattr(getattr(app, "state", None), "service", None)
-    if state is not None:
-        state.metrics.count_error(error.status, error.code)
+    return None if state is None else state.metrics
+
+
+def count_error(app, error: APIError) -> None:
+    """Count an error answer in the app's metrics (http_errors_total)."""
+    metrics = _metrics(app)
+    if metrics is not None:
+        metrics.count_error(error.status, error.code)
+
+
+def count_paced(app) -> None:
+    """Count a refusal held back by pacing (refusals_paced_total)."""
+    metrics = _metrics(app)
+    if metrics is not None:
+        metrics.refusals_paced.inc()
 
 
 def counted_response(request: Request, error: APIError) -> Response:

@@ -11,7 +11,8 @@ Two sources feed one registry (per app, so two servers in one process never mix)
   by its reason, `pagedserve:request_success_total{finished_reason}` as vLLM's
   (stop, length, abort, error), and every error answer by status and code,
   `pagedserve:http_errors_total{status="400",code="unknown_parameter"}` (code
-  "" when the error has none).
+  "" when the error has none), and the error answers that refusal pacing held
+  back, `pagedserve:refusals_paced_total`.
 
 `pagedserve:kv_cache_usage_perc` is a fraction in [0, 1], as vLLM's is.
 Cached blocks that no request holds count as free: they are evictable.
@@ -239,6 +240,11 @@ class Metrics:
             PREFIX + "http_errors", "Error answers, by HTTP status and error code (\"\" "
             "when it has none); an error inside a started stream is a finished \"error\".",
             ["status", "code"], registry=self.registry,
+        )
+
+        self.refusals_paced = Counter(
+            PREFIX + "refusals_paced", "Error answers held back because their client had "
+            "used its burst of refusals (service/pacing.py).", registry=self.registry,
         )
 
     def count_error(self, status: int, code: str | int | None) -> None:

@@ -92,7 +92,10 @@ def fuzz_server(tiny_llama_path):
     # tokens after the chat template), which keeps the hundreds of cases quick.
     engine = EngineConfig(model=str(tiny_llama_path), max_model_len=96, max_num_seqs=64,
                           kv_cache_memory_bytes=64 << 20, seed=0)
-    with run_server(ServiceConfig(engine=engine, served_model_name=SERVED)) as live:
+    # Fuzzing sends hundreds of refusals back to back: unpaced here, so each
+    # case is answered at once (pacing has its own tests, test_pacing.py).
+    config = ServiceConfig(engine=engine, served_model_name=SERVED, refusal_rate=0.0)
+    with run_server(config) as live:
         yield live
 
 
