@@ -54,17 +54,20 @@ class Conversation:
     def ask(self, text: str, out) -> None:
         """Stream one answer to `out`; Ctrl-C stops it and keeps what arrived."""
         self.messages.append({"role": "user", "content": text})
-        stream = self.client.chat_stream(self.messages, model=self.args.model,
-                                         max_tokens=self.args.max_tokens,
-                                         temperature=self.args.temperature)
-        pieces = []
+        pieces, stream = [], None
         try:
+            # Inside the try: a Ctrl-C while the answer's first byte is awaited (a
+            # long prompt's prefill) stops the answer too, not the whole chat.
+            stream = self.client.chat_stream(self.messages, model=self.args.model,
+                                             max_tokens=self.args.max_tokens,
+                                             temperature=self.args.temperature)
             for piece in stream:
                 pieces.append(piece)
                 out.write(piece)
                 out.flush()
         except KeyboardInterrupt:
-            stream.close()  # the server aborts the request
+            if stream is not None:
+                stream.close()  # the server aborts the request
             out.write(" [stopped]")
         finally:
             out.write("\n")
