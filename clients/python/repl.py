@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import uuid
 
 from clients.python.client import DEFAULT_URL, Client
@@ -78,6 +80,11 @@ class Conversation:
 def main(argv: list[str] | None = None, stdin=None, out=None) -> int:
     args = build_parser().parse_args(argv)
     stdin, out = stdin or sys.stdin, out or sys.stdout
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C is how an answer is stopped, so it must raise KeyboardInterrupt
+        # here even where the chat was started with SIGINT ignored (a background
+        # job of a shell without job control passes that on to its children).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     with Client(args.base_url, args.api_key, max_retries=2) as client:
         conversation = Conversation(client, args)
         out.write(f"chatting with {args.base_url}; {COMMANDS}\n")
