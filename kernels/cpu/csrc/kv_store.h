@@ -30,6 +30,26 @@ inline void check_pair(const at::Tensor& rows, const at::Tensor& cache, const ch
               " and its cache must have one dtype");
 }
 
+// Every slot is -1 (not stored) or inside the cache; checked before anything is written.
+inline void check_slots(const int64_t* slot, int64_t tokens, int64_t slots) {
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= -1 && slot[t] < slots, "store_kvcache: slot ", slot[t], " of token ", t,
+                " is outside the cache's ", slots, " slots");
+}
+
+// Token t's K and V rows (row_bytes each, k_stride / v_stride bytes apart)
+// into cache slot slot[t]; the slots are checked.
+inline void rows(const char* kp, int64_t k_stride, const char* vp, int64_t v_stride, char* kc, char* vc,
+                 const int64_t* slot, int64_t tokens, int64_t row_bytes) {
+  at::parallel_for(0, tokens, 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slot[t] < 0) continue;
+      std::memcpy(kc + slot[t] * row_bytes, kp + t * k_stride, row_bytes);
+      std::memcpy(vc + slot[t] * row_bytes, vp + t * v_stride, row_bytes);
+    }
+  });
+}
+
 }  // namespace kv_store
 
 inline void store_kvcache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
@@ -43,22 +63,11 @@ inline void store_kvcache(const at::Tensor& key, const at::Tensor& value, const 
               "store_kvcache: slot_mapping must be a contiguous int64 [tokens] tensor");
   const int64_t tokens = key.size(0), slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)  // checked before anything is written
-    TORCH_CHECK(slot[t] >= -1 && slot[t] < slots, "store_kvcache: slot ", slot[t], " of token ", t,
-                " is outside the cache's ", slots, " slots");
-  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
-  const char* kp = static_cast<const char*>(key.data_ptr());
-  const char* vp = static_cast<const char*>(value.data_ptr());
-  char* kc = static_cast<char*>(k_cache.data_ptr());
-  char* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
-  at::parallel_for(0, tokens, 256, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      if (slot[t] < 0) continue;
-      std::memcpy(kc + slot[t] * row_bytes, kp + t * k_stride, row_bytes);
-      std::memcpy(vc + slot[t] * row_bytes, vp + t * v_stride, row_bytes);
-    }
-  });
+  kv_store::check_slots(slot, tokens, slots);
+  kv_store::rows(static_cast<const char*>(key.data_ptr()), key.stride(0) * key.element_size(),
+                 static_cast<const char*>(value.data_ptr()), value.stride(0) * value.element_size(),
+                 static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()), slot, tokens,
+                 key.size(1) * key.size(2) * key.element_size());
 }
 
 }  // namespace pagedserve

@@ -23,6 +23,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -44,6 +45,50 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
   if (w.dim() == 4) return linear_bf16_packed(x, w, b, false);
 #endif
   return linear_bf16(x, w, b, false);
+}
+
+// q, k and v are column ranges of qkv's rows ([q heads | k heads | v heads]).
+// q and k are rotated in place and k and v stored into the cache through
+// pointers, as rotary_embedding and store_kvcache would do on narrowed views
+// of qkv (aten's narrow, view and contiguous cost ~1 us each, and the Python
+// layer's path took seven of them a layer); returns q, contiguous, for the
+// attention kernels.
+inline at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                                   int64_t head_dim) {
+  const int64_t tokens = qkv.size(0), width = qkv.size(1), q_size = num_heads * head_dim;
+  const int64_t kv_size = num_kv_heads * head_dim;  // width is q_size + 2 * kv_size (checked by the caller)
+  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16 && head_dim % 2 == 0,
+              "llama_layer: qkv must be contiguous bf16 and head_dim even");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) == head_dim && t->is_contiguous() &&
+                    t->scalar_type() == at::kBFloat16,
+                "llama_layer: cos and sin must be contiguous bf16 [tokens, head_dim] tensors");
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(2) == num_kv_heads && c->size(3) == head_dim &&
+                    c->sizes() == k_cache.sizes() && c->scalar_type() == at::kBFloat16,
+                "llama_layer: the K and V caches must be contiguous bf16 [blocks, block_size, kv_heads, "
+                "head_dim] tensors of one shape");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "llama_layer: slot_mapping must be a contiguous int64 [tokens] tensor");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  kv_store::check_slots(slot, tokens, k_cache.size(0) * k_cache.size(1));
+
+  auto* rows = reinterpret_cast<bf16_t*>(qkv.data_ptr());
+  rope::rows(rows, tokens, num_heads + num_kv_heads, head_dim, width,
+             reinterpret_cast<const bf16_t*>(cos.data_ptr()), reinterpret_cast<const bf16_t*>(sin.data_ptr()));
+  const int64_t row_bytes = width * int64_t(sizeof(bf16_t)), kv_bytes = kv_size * int64_t(sizeof(bf16_t));
+  kv_store::rows(reinterpret_cast<const char*>(rows + q_size), row_bytes,
+                 reinterpret_cast<const char*>(rows + q_size + kv_size), row_bytes,
+                 static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()), slot, tokens,
+                 kv_bytes);
+  at::Tensor q = at::empty({tokens, num_heads, head_dim}, qkv.options());
+  auto* qp = reinterpret_cast<bf16_t*>(q.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t)
+    std::memcpy(qp + t * q_size, rows + t * width, size_t(q_size) * sizeof(bf16_t));
+  return q;
 }
 
 // The step's attention rows, as AttentionMetadata gives them.
@@ -106,12 +151,8 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
   const at::Tensor qkv = layer_parts::linear(x, qkv_weight, qkv_bias);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_layer: qkv_proj gives ", qkv.size(1),
               " columns, the heads need ", q_size + 2 * kv_size);
-  const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
-  rotary_embedding(qk, cos, sin);
-  const at::Tensor q = qk.narrow(1, 0, num_heads).contiguous();
-  const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
-  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-  store_kvcache(k, v, k_cache, v_cache, slot_mapping);
+  const at::Tensor q = layer_parts::rotate_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                                                     num_kv_heads, head_dim);
   const layer_parts::Rows rows{num_decode_tokens, decode_block_tables, decode_context_lens,
                                prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens};
   const at::Tensor attn = layer_parts::attend(q, k_cache, v_cache, rows, scale, sliding_window, logits_soft_cap);

@@ -62,6 +62,19 @@ void head(T* x, const T* cos, const T* sin, int64_t half) {
   }
 }
 
+// Every head of every token: x's rows `stride` elements apart, each `heads`
+// heads of `dim` packed; cos / sin [tokens, dim] packed.  No checks: the
+// callers (below, and the layer op on its qkv rows) check the shapes.
+template <typename T>
+void rows(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride, const T* cos, const T* sin) {
+  // A decode step's few thousand elements cost less than waking a thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, heads * dim));
+  at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < heads; ++h) head(x + t * stride + h * dim, cos + t * dim, sin + t * dim, dim / 2);
+  });
+}
+
 }  // namespace rope
 
 // x [tokens, heads, head_dim] (heads and head_dim packed, any token stride:
@@ -78,18 +91,10 @@ inline void rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const a
                     t->is_contiguous() && t->scalar_type() == x.scalar_type(),
                 "rotary_embedding: cos and sin must be contiguous [tokens, head_dim] tensors of x's dtype");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), stride = x.stride(0);
-  // A decode step's few thousand elements cost less than waking a thread.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, heads * dim));
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    T* xp = reinterpret_cast<T*>(x.data_ptr());
-    const T* cp = reinterpret_cast<const T*>(cos.data_ptr());
-    const T* sp = reinterpret_cast<const T*>(sin.data_ptr());
-    at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t h = 0; h < heads; ++h)
-          rope::head(xp + t * stride + h * dim, cp + t * dim, sp + t * dim, dim / 2);
-    });
+    rope::rows(reinterpret_cast<T*>(x.data_ptr()), tokens, heads, dim, stride,
+               reinterpret_cast<const T*>(cos.data_ptr()), reinterpret_cast<const T*>(sin.data_ptr()));
   };
   if (x.scalar_type() == at::kFloat) run(float{});
   else run(bf16_t{});

@@ -1,0 +1,126 @@
+"""The compiled layer op (kernels/cpu/csrc/llama_layer.h) against the same
+compiled ops called one by one, on fresh random bf16 inputs: the same numbers
+to the bit, the same K/V written into the cache, and its own input checks
+(it rotates and stores q, k and v through pointers into qkv's rows, so the
+checks rotary_embedding and store_kvcache would make are its own).
+
+The engine-level tests (tests/engine/test_fused_layer.py) hold it against
+the Python layer on real models; these hold the op itself, decode and
+prefill rows, with and without a residual.
+"""
+
+import pytest
+import torch
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 64, 4, 2, 16, 96
+BLOCKS, BLOCK_SIZE, EPS = 6, 16, 1e-5
+SCALE = HEAD_DIM ** -0.5
+
+
+@pytest.fixture(scope="module")
+def ops(compiled_cpu_ops):
+    if not hasattr(compiled_cpu_ops, "llama_layer"):
+        pytest.skip(f"the {compiled_cpu_ops.isa()} build has no layer op")
+    return compiled_cpu_ops
+
+
+def _weights(g):
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.2).bfloat16()
+    qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    return dict(input_norm=1 + w(HIDDEN), qkv=w(qkv, HIDDEN), qkv_bias=w(qkv), o=w(HIDDEN, HEADS * HEAD_DIM),
+                post_norm=1 + w(HIDDEN), gate_up=w(2 * INTERMEDIATE, HIDDEN), down=w(HIDDEN, INTERMEDIATE))
+
+
+def _step(g, lens, decode):
+    """A step's rows: `decode` sequences decoding one token each, then one
+    prefill span per remaining length (its last `new` tokens are new)."""
+    tables = torch.randperm(BLOCKS, generator=g).int().view(-1, 2)[: len(lens)].contiguous()
+    new = [1] * decode + [3] * (len(lens) - decode)
+    slots = [int(tables[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+             for s, length in enumerate(lens) for p in range(length - new[s], length)]
+    positions = [p for s, length in enumerate(lens) for p in range(length - new[s], length)]
+    cu = torch.tensor([0] + list(torch.tensor(new[decode:]).cumsum(0)), dtype=torch.int32)
+    return dict(slots=torch.tensor(slots), positions=torch.tensor(positions), tables=tables,
+                lens=torch.tensor(lens, dtype=torch.int32), decode=decode, cu=cu)
+
+
+def _rope(positions):
+    inv = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    angles = positions.float()[:, None] * inv[None, :]
+    angles = torch.cat([angles, angles], dim=1)
+    return angles.cos().bfloat16(), angles.sin().bfloat16()
+
+
+def _layer_args(w, step, cos, sin, caches):
+    d = step["decode"]
+    return (w["input_norm"], w["qkv"], w["qkv_bias"], w["o"], None, w["post_norm"], w["gate_up"], None,
+            w["down"], None, cos, sin, caches[0], caches[1], step["slots"], d, step["tables"][:d],
+            step["lens"][:d], step["tables"][d:], step["cu"], step["lens"][d:], HEADS, KV_HEADS, EPS, SCALE)
+
+
+def _one_by_one(ops, hidden, residual, w, step, cos, sin, caches):
+    """The layer as the Python path runs it: each compiled op in turn."""
+    tokens, q_size, kv_size = hidden.shape[0], HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    stream = hidden.clone() if residual is None else residual
+    x = ops.rms_norm(hidden, w["input_norm"], EPS, None if residual is None else stream)
+    qkv = ops.linear_bf16(x, w["qkv"], w["qkv_bias"])
+    qk = qkv[:, : q_size + kv_size].view(tokens, HEADS + KV_HEADS, HEAD_DIM)
+    ops.rotary_embedding(qk, cos, sin)
+    q = qk[:, :HEADS].contiguous()
+    ops.store_kvcache(qk[:, HEADS:], qkv[:, q_size + kv_size:].view(tokens, KV_HEADS, HEAD_DIM),
+                      caches[0], caches[1], step["slots"])
+    d = step["decode"]
+    attn = torch.cat([
+        ops.paged_decode_attention(q[:d], *caches, step["tables"][:d], step["lens"][:d], SCALE),
+        ops.paged_prefill_attention(q[d:], *caches, step["tables"][d:], step["cu"], step["lens"][d:], SCALE),
+    ])
+    o = ops.linear_bf16(attn.reshape(tokens, q_size), w["o"], None)
+    x = ops.rms_norm(o, w["post_norm"], EPS, stream)
+    return ops.linear_bf16(ops.silu_and_mul(ops.linear_bf16(x, w["gate_up"], None)), w["down"], None), stream
+
+
+def _caches(g):
+    shape = (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return [torch.randn(*shape, generator=g).bfloat16() for _ in range(2)]
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("lens,decode", [([7], 1), ([20, 9], 2), ([5, 18, 30], 1), ([12], 0)])
+def test_layer_op_is_the_ops_one_by_one(ops, session_seed, lens, decode, with_residual):
+    g = torch.Generator().manual_seed(session_seed)
+    w, step, caches = _weights(g), _step(g, lens, decode), _caches(g)
+    tokens = len(step["slots"])
+    hidden = torch.randn(tokens, HIDDEN, generator=g).bfloat16()
+    residual = torch.randn(tokens, HIDDEN, generator=g).bfloat16() if with_residual else None
+    cos, sin = _rope(step["positions"])
+    theirs_caches = [c.clone() for c in caches]
+    expected, expected_stream = _one_by_one(ops, hidden.clone(), None if residual is None else residual.clone(),
+                                            w, step, cos, sin, theirs_caches)
+    stream_in = None if residual is None else residual.clone()
+    hidden_in = hidden.clone()
+    out, stream = ops.llama_layer(hidden_in, stream_in, *_layer_args(w, step, cos, sin, caches))
+    assert torch.equal(out, expected)
+    assert torch.equal(stream, expected_stream)
+    assert torch.equal(caches[0], theirs_caches[0]) and torch.equal(caches[1], theirs_caches[1])
+
+
+def test_layer_op_checks_what_it_writes_through_pointers(ops, session_seed):
+    g = torch.Generator().manual_seed(session_seed)
+    w, step, caches = _weights(g), _step(g, [20, 9], 2), _caches(g)
+    hidden = torch.randn(2, HIDDEN, generator=g).bfloat16()
+    cos, sin = _rope(step["positions"])
+    before = [c.clone() for c in caches]
+
+    outside = dict(step, slots=torch.tensor([0, BLOCKS * BLOCK_SIZE]))
+    with pytest.raises(RuntimeError, match="slot 96 of token 1 is outside the cache's 96 slots"):
+        ops.llama_layer(hidden, None, *_layer_args(w, outside, cos, sin, caches))
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])  # nothing written
+
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous bf16"):
+        ops.llama_layer(hidden, None, *_layer_args(w, step, cos[:1], sin[:1], caches))
+    strided = torch.zeros(BLOCKS, BLOCK_SIZE, KV_HEADS, 2 * HEAD_DIM).bfloat16()[..., :HEAD_DIM]
+    with pytest.raises(RuntimeError, match="caches must be contiguous bf16"):
+        ops.llama_layer(hidden, None, *_layer_args(w, step, cos, sin, [caches[0], strided]))
+    with pytest.raises(RuntimeError, match="slot_mapping must be a contiguous int64"):
+        ops.llama_layer(hidden, None, *_layer_args(w, dict(step, slots=step["slots"].int()), cos, sin, caches))
