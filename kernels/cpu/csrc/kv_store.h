@@ -18,23 +18,36 @@
 namespace pagedserve {
 namespace kv_store {
 
-inline void check_pair(const at::Tensor& rows, const at::Tensor& cache, const char* name) {
+inline void check_rows(const at::Tensor& rows, const char* name) {
   TORCH_CHECK(rows.device().is_cpu() && rows.dim() == 3 && rows.stride(2) == 1 &&
                   rows.stride(1) == rows.size(2),
               "store_kvcache: ", name, " must be a CPU [tokens, kv_heads, head_dim] tensor, heads and head_dim packed");
-  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.size(2) == rows.size(1) &&
-                  cache.size(3) == rows.size(2),
-              "store_kvcache: the ", name, " cache must be a contiguous [blocks, block_size, kv_heads, head_dim] "
-              "tensor with the rows' heads and head_dim");
-  TORCH_CHECK(cache.scalar_type() == rows.scalar_type(), "store_kvcache: ", name,
-              " and its cache must have one dtype");
 }
 
-// Every slot is -1 (not stored) or inside the cache; checked before anything is written.
-inline void check_slots(const int64_t* slot, int64_t tokens, int64_t slots) {
+// The K and V caches as `rows` writes them: contiguous, one shape, heads and
+// head_dim as given, of the rows' dtype (`dtype_name` says which in the message).
+inline void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kv_heads,
+                         int64_t head_dim, at::ScalarType dtype, const char* dtype_name, const char* op) {
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(2) == kv_heads && c->size(3) == head_dim &&
+                    c->sizes() == k_cache.sizes() && c->scalar_type() == dtype,
+                op, ": the K and V caches must be contiguous ", dtype_name, " tensors of one shape; a cache "
+                "must be [blocks, block_size, kv_heads, head_dim] with the rows' kv_heads (", kv_heads,
+                ") and head_dim (", head_dim, ")");
+}
+
+// slot_mapping is a contiguous int64 [tokens] tensor and every slot is -1 (not
+// stored) or inside the cache: checked before anything is written.
+inline const int64_t* checked_slots(const at::Tensor& slot_mapping, int64_t tokens, int64_t slots,
+                                    const char* op) {
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              op, ": slot_mapping must be a contiguous int64 [tokens] tensor");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(slot[t] >= -1 && slot[t] < slots, "store_kvcache: slot ", slot[t], " of token ", t,
+    TORCH_CHECK(slot[t] >= -1 && slot[t] < slots, op, ": slot ", slot[t], " of token ", t,
                 " is outside the cache's ", slots, " slots");
+  return slot;
 }
 
 // Token t's K and V rows (row_bytes each, k_stride / v_stride bytes apart)
@@ -54,16 +67,15 @@ inline void rows(const char* kp, int64_t k_stride, const char* vp, int64_t v_str
 
 inline void store_kvcache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  kv_store::check_pair(key, k_cache, "key");
-  kv_store::check_pair(value, v_cache, "value");
-  TORCH_CHECK(value.size(0) == key.size(0) && k_cache.sizes() == v_cache.sizes(),
-              "store_kvcache: key and value (and their caches) must match in shape");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
-                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
-              "store_kvcache: slot_mapping must be a contiguous int64 [tokens] tensor");
-  const int64_t tokens = key.size(0), slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  kv_store::check_slots(slot, tokens, slots);
+  kv_store::check_rows(key, "key");
+  kv_store::check_rows(value, "value");
+  TORCH_CHECK(value.sizes() == key.sizes() && value.scalar_type() == key.scalar_type(),
+              "store_kvcache: key and value must match in shape and dtype");
+  kv_store::check_caches(k_cache, v_cache, key.size(1), key.size(2), key.scalar_type(),
+                         c10::toString(key.scalar_type()), "store_kvcache");
+  const int64_t tokens = key.size(0);
+  const int64_t* slot =
+      kv_store::checked_slots(slot_mapping, tokens, k_cache.size(0) * k_cache.size(1), "store_kvcache");
   kv_store::rows(static_cast<const char*>(key.data_ptr()), key.stride(0) * key.element_size(),
                  static_cast<const char*>(value.data_ptr()), value.stride(0) * value.element_size(),
                  static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()), slot, tokens,

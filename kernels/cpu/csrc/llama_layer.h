@@ -61,21 +61,10 @@ inline at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos,
   const int64_t kv_size = num_kv_heads * head_dim;  // width is q_size + 2 * kv_size (checked by the caller)
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16 && head_dim % 2 == 0,
               "llama_layer: qkv must be contiguous bf16 and head_dim even");
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) == head_dim && t->is_contiguous() &&
-                    t->scalar_type() == at::kBFloat16,
-                "llama_layer: cos and sin must be contiguous bf16 [tokens, head_dim] tensors");
-  for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(2) == num_kv_heads && c->size(3) == head_dim &&
-                    c->sizes() == k_cache.sizes() && c->scalar_type() == at::kBFloat16,
-                "llama_layer: the K and V caches must be contiguous bf16 [blocks, block_size, kv_heads, "
-                "head_dim] tensors of one shape");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
-                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
-              "llama_layer: slot_mapping must be a contiguous int64 [tokens] tensor");
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  kv_store::check_slots(slot, tokens, k_cache.size(0) * k_cache.size(1));
-
+  rope::check_tables(cos, sin, tokens, head_dim, at::kBFloat16, "bf16", "llama_layer");
+  kv_store::check_caches(k_cache, v_cache, num_kv_heads, head_dim, at::kBFloat16, "bf16", "llama_layer");
+  const int64_t* slot =
+      kv_store::checked_slots(slot_mapping, tokens, k_cache.size(0) * k_cache.size(1), "llama_layer");
   auto* rows = reinterpret_cast<bf16_t*>(qkv.data_ptr());
   rope::rows(rows, tokens, num_heads + num_kv_heads, head_dim, width,
              reinterpret_cast<const bf16_t*>(cos.data_ptr()), reinterpret_cast<const bf16_t*>(sin.data_ptr()));

@@ -75,6 +75,16 @@ void rows(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride, cons
   });
 }
 
+// cos / sin as `rows` takes them: contiguous [tokens, dim] in the rows'
+// dtype (`dtype_name` says which in the message).
+inline void check_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t tokens, int64_t dim,
+                         at::ScalarType dtype, const char* dtype_name, const char* op) {
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) == dim && t->is_contiguous() &&
+                    t->scalar_type() == dtype,
+                op, ": cos and sin must be contiguous ", dtype_name, " [tokens, head_dim] tensors");
+}
+
 }  // namespace rope
 
 // x [tokens, heads, head_dim] (heads and head_dim packed, any token stride:
@@ -86,10 +96,8 @@ inline void rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const a
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "rotary_embedding: x must be float32 or bf16");
   TORCH_CHECK(x.size(2) % 2 == 0, "rotary_embedding: head_dim must be even");
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == x.size(2) &&
-                    t->is_contiguous() && t->scalar_type() == x.scalar_type(),
-                "rotary_embedding: cos and sin must be contiguous [tokens, head_dim] tensors of x's dtype");
+  rope::check_tables(cos, sin, x.size(0), x.size(2), x.scalar_type(),
+                     x.scalar_type() == at::kFloat ? "float32" : "bf16", "rotary_embedding");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), stride = x.stride(0);
   auto run = [&](auto tag) {
     using T = decltype(tag);
