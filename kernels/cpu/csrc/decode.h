@@ -133,7 +133,7 @@ void decode_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_c
                          float(scale) * kLog2e, !std::is_same_v<T, float> && l.group > kRowBlock,
                          f.window, f.cap_scale, f.cap2},
                         part_ml.data_ptr<float>(), part_acc.data_ptr<float>()};
-  auto make = [&] { return Scratch<T, QT>(int(l.heads), int(l.head_dim)); };
+  auto make = [&] { return Scratch<T, QT>(int(l.heads), int(l.head_dim), a.convert); };
   run_items(int64_t(plan.items.size()), make,
             [&](Scratch<T, QT>& s, int64_t i) { decode_item(s, a, plan.items[i]); });
   run_items(int64_t(plan.split_seqs.size()), make,

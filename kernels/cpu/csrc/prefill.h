@@ -113,7 +113,7 @@ void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_
                           !std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock,
                           f.window, f.cap_scale, f.cap2},
                          cu.data_ptr<int32_t>()};
-  auto make = [&] { return Scratch<T, QT>(int(tokens_per_item * l.group), int(l.head_dim)); };
+  auto make = [&] { return Scratch<T, QT>(int(tokens_per_item * l.group), int(l.head_dim), a.convert); };
   run_items(int64_t(items.size()), make,
             [&](Scratch<T, QT>& s, int64_t i) { prefill_item(s, a, items[i]); });
 }
