@@ -75,6 +75,7 @@ __all__ = [
     "get_backend",
     "linear",
     "llama_layer_op",
+    "llama_layers_op",
     "pack_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -109,6 +110,8 @@ class KernelBackend:
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul_reference
     # widths -> a whole Llama layer in one op, or None (the layer runs op by op)
     llama_layer_op: Callable[..., Callable | None] = no_layer_op
+    # widths -> a stack of such layers in one op, or None (a call per layer)
+    llama_layers_op: Callable[..., Callable | None] = no_layer_op
 
 
 def _triton_modules():
@@ -248,6 +251,15 @@ def llama_layer_op(*widths: int):
     return ops.llama_layer.default  # the overload itself: one lookup less a layer
 
 
+def llama_layers_op(*widths: int):
+    """The compiled op that runs a stack of such layers in one call
+    (llama_layer.h's llama_layers: the layer op for each in turn), under the
+    same conditions as ``llama_layer_op``; else None."""
+    if llama_layer_op(*widths) is None or not hasattr(cpu_ops.current_ops(), "llama_layers"):
+        return None
+    return cpu_ops.current_ops().llama_layers.default
+
+
 def compiled_bf16_linear(in_features: int) -> bool:
     """Whether ``linear`` multiplies bf16 weights of this width with the compiled op."""
     return cpu_ops.ops_for(in_features) is not None
@@ -271,7 +283,7 @@ def get_backend(name: str) -> KernelBackend:
     if name == "auto":
         return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
                              linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe,
-                             llama_layer_op=llama_layer_op)
+                             llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op)
     if name == "torch":
         return KernelBackend(
             "torch",
@@ -285,7 +297,7 @@ def get_backend(name: str) -> KernelBackend:
         return KernelBackend("cpu", store_kvcache, _compiled("paged_decode_attention"),
                              _compiled("paged_prefill_attention"), linear, rms_norm, pack_linear, embedding,
                              rope, silu_and_mul, fused_moe=fused_moe_cpu,
-                             llama_layer_op=llama_layer_op)
+                             llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

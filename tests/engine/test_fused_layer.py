@@ -1,5 +1,6 @@
-"""A decoder layer in one compiled call (engine/model/layers/fused_layer.py)
-against the same layer run module by module: the same tokens and the same
+"""A decoder layer in one compiled call, and every layer of the model in one
+call (engine/model/layers/fused_layer.py), against the same layers run
+module by module: the same tokens and the same
 log-probabilities to the bit, in bf16 on the CPU's compiled ops, for steps of
 decodes, of prompt chunks, of both, and of drafted rows (n-gram speculation).
 
@@ -35,33 +36,47 @@ def _compiled_ops_or_skip():
     need(hasattr(cpu_ops.current_ops(), "llama_layer"), "the build has no llama_layer")
 
 
-def _generate(llm, fuse: bool, monkeypatch, prompts=PROMPTS) -> tuple[list, int]:
-    """Greedy outputs with every layer fused (or not), and how many layer calls took the op."""
-    for layer in llm.engine.runner.model.layers:
-        layer.fuse = fuse
+def _generate(llm, mode: str, monkeypatch, prompts=PROMPTS) -> tuple[list, int]:
+    """Greedy outputs with the layers in one op for the stack ("stack"), in
+    one op each ("layer") or module by module ("modules"), and how many layer
+    calls took an op (a stack call counts every layer)."""
+    model = llm.engine.runner.model
+    for layer in model.layers:
+        layer.fuse = mode != "modules"
+    model.layer_stack.whole = mode == "stack"
     taken = []
-    original = fused_layer.run
+    run, run_stacked = fused_layer.run, fused_layer.run_stacked
 
     def counting(*args):
-        out = original(*args)
-        taken.append(out is not None)
-        return out
+        taken.append(1)
+        return run(*args)
+
+    def counting_stack(*args):
+        taken.append(len(model.layers))
+        return run_stacked(*args)
 
     monkeypatch.setattr(fused_layer, "run", counting)
+    monkeypatch.setattr(fused_layer, "run_stacked", counting_stack)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    monkeypatch.setattr(fused_layer, "run", original)
+    monkeypatch.setattr(fused_layer, "run", run)
+    monkeypatch.setattr(fused_layer, "run_stacked", run_stacked)
     got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
     return got, sum(taken)
 
 
-def _same_with_and_without(llm, monkeypatch, prompts=PROMPTS):
-    fused, taken = _generate(llm, True, monkeypatch, prompts)
-    modules, none = _generate(llm, False, monkeypatch, prompts)
-    assert taken > 0 and none == 0
-    for (ids, logprobs), (ids_m, logprobs_m) in zip(fused, modules):
-        assert ids == ids_m
-        assert logprobs == logprobs_m  # every float the same
+def _same_with_and_without(llm, monkeypatch, prompts=PROMPTS, stacked: bool = True):
+    """Modules, then an op a layer, then (where the layers stack) one op for
+    all: every token and every log-probability the same."""
+    modules, none = _generate(llm, "modules", monkeypatch, prompts)
+    per_layer, taken = _generate(llm, "layer", monkeypatch, prompts)
+    whole, taken_whole = _generate(llm, "stack", monkeypatch, prompts)
+    assert none == 0 and taken > 0 and taken_whole > 0
+    assert (llm.engine.runner.model.layer_stack.stacked is not None) == stacked
+    for got in (per_layer, whole):
+        for (ids, logprobs), (ids_m, logprobs_m) in zip(got, modules):
+            assert ids == ids_m
+            assert logprobs == logprobs_m  # every float the same
 
 
 @pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=16, block_size=16)],
@@ -96,7 +111,8 @@ def test_biases_and_windows_give_the_same_numbers(family, tmp_path, smollm2_path
         bias = layer.self_attn.qkv_proj.bias
         if bias is not None:
             bias.data.copy_(torch.randn(bias.shape, generator=generator))
-    _same_with_and_without(llm, monkeypatch)
+    # Qwen2's sliding layer differs from its others in shape: a call per layer.
+    _same_with_and_without(llm, monkeypatch, stacked=family == "mistral-sliding")
     windows = {layer._fused.shape.sliding_window for layer in llm.engine.runner.model.layers}
     assert max(windows) == 20
 
@@ -105,15 +121,16 @@ def test_biases_and_windows_give_the_same_numbers(family, tmp_path, smollm2_path
 def test_layers_the_op_does_not_fuse_run_their_modules(family, tmp_path, smollm2_path, monkeypatch):
     folder = make_tiny_family(tmp_path / family, family, smollm2_path)
     llm = LLM(str(folder), dtype="bfloat16", block_size=16)
-    _, taken = _generate(llm, True, monkeypatch)
+    _, taken = _generate(llm, "stack", monkeypatch)
     assert taken == 0
+    assert llm.engine.runner.model.layer_stack.stacked in (None, fused_layer.UNKNOWN)
     for layer in llm.engine.runner.model.layers:
         assert getattr(layer, "_fused", None) in (None, fused_layer.UNKNOWN)
 
 
 def test_float32_runs_the_modules(smollm2_path, monkeypatch):
     llm = LLM(str(smollm2_path), dtype="float32")
-    _, taken = _generate(llm, True, monkeypatch)
+    _, taken = _generate(llm, "stack", monkeypatch)
     assert taken == 0
     layer = llm.engine.runner.model.layers[0]
     assert layer._fused is fused_layer.UNKNOWN  # no step could take it: never bound

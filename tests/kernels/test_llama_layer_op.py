@@ -124,3 +124,48 @@ def test_layer_op_checks_what_it_writes_through_pointers(ops, session_seed):
         ops.llama_layer(hidden, None, *_layer_args(w, step, cos, sin, [caches[0], strided]))
     with pytest.raises(RuntimeError, match="slot_mapping must be a contiguous int64"):
         ops.llama_layer(hidden, None, *_layer_args(w, dict(step, slots=step["slots"].int()), cos, sin, caches))
+
+
+def _stack_args(ws, step, cos, sin, caches):
+    """llama_layers' arguments: ten weights a layer, a K and a V cache a layer."""
+    d = step["decode"]
+    weights = [t for w in ws for t in (w["input_norm"], w["qkv"], w["qkv_bias"], w["o"], None, w["post_norm"],
+                                       w["gate_up"], None, w["down"], None)]
+    return (weights, cos, sin, [c[0] for c in caches], [c[1] for c in caches], step["slots"], d,
+            step["tables"][:d], step["lens"][:d], step["tables"][d:], step["cu"], step["lens"][d:], HEADS,
+            KV_HEADS, EPS, SCALE)
+
+
+@pytest.mark.parametrize("lens,decode", [([7], 1), ([5, 18, 30], 1), ([12], 0)])
+def test_stack_op_is_the_layer_op_layer_by_layer(ops, session_seed, lens, decode):
+    """Three layers with their own weights and caches: the stack op against
+    the layer op called for each in turn (the first without a residual)."""
+    g = torch.Generator().manual_seed(session_seed)
+    step = _step(g, lens, decode)
+    ws, caches = [_weights(g) for _ in range(3)], [_caches(g) for _ in range(3)]
+    hidden = torch.randn(len(step["slots"]), HIDDEN, generator=g).bfloat16()
+    cos, sin = _rope(step["positions"])
+    theirs = [[c.clone() for c in pair] for pair in caches]
+    expected, stream = hidden.clone(), None
+    for w, pair in zip(ws, theirs):
+        expected, stream = ops.llama_layer(expected, stream, *_layer_args(w, step, cos, sin, pair))
+    out, out_stream = ops.llama_layers(hidden.clone(), *_stack_args(ws, step, cos, sin, caches))
+    assert torch.equal(out, expected) and torch.equal(out_stream, stream)
+    for mine, their in zip(caches, theirs):
+        assert torch.equal(mine[0], their[0]) and torch.equal(mine[1], their[1])
+
+
+def test_stack_op_checks_its_lists(ops, session_seed):
+    g = torch.Generator().manual_seed(session_seed)
+    step = _step(g, [7], 1)
+    ws, caches = [_weights(g) for _ in range(2)], [_caches(g) for _ in range(2)]
+    hidden = torch.randn(1, HIDDEN, generator=g).bfloat16()
+    cos, sin = _rope(step["positions"])
+    args = list(_stack_args(ws, step, cos, sin, caches))
+    with pytest.raises(ValueError, match="2 K caches, 1 V caches and 20 weights"):
+        ops.llama_layers(hidden, *args[:4], args[4][:1], *args[5:])
+    with pytest.raises(ValueError, match="2 K caches, 2 V caches and 19 weights"):
+        ops.llama_layers(hidden, args[0][:19], *args[1:])
+    args[0][10 + 3] = None  # the second layer's o_proj
+    with pytest.raises(ValueError, match="layer 1 weight 3 is None"):
+        ops.llama_layers(hidden, *args)

@@ -12,9 +12,17 @@ to the bit) and a layer costs one call. The model's layer loop is here too,
 so that what a step decides once (is it bf16 on the CPU, ...) is checked
 once, not per layer, and a layer costs no module call either:
 
-    LlamaForCausalLM.forward ──► run_layers ──► step_args (once a step)
-        per layer:  bound ──► run ──► one op ──► (hidden, residual)
-                    None  ──► the layer's modules, op by op
+    LlamaForCausalLM.forward ──► LayerStack ──► step_args (once a step)
+        every layer bound alike:  Stacked ──► run_stacked ──► one op for all
+        else run_layers, per layer:  bound ──► run ──► one op ──► (hidden, residual)
+                                     None  ──► the layer's modules, op by op
+
+A call from Python is dear here: ~21 us of a SmolLM2 layer's ~300 on AVX2
+(29 arguments parsed and boxed, on code and data the weight stream of the
+layer before pushed out of the caches), so once every layer has been bound
+to the same op build and the same numbers, a step makes one call for the
+whole stack (`kernels.llama_layers_op`: the layer op for each in turn in
+C++, so again the same numbers).
 
 Eligible: a layer built from the shared parts as they are (`Attention`
 without per-head norms, `MLP` with SiLU, `RMSNorm`, `Linear`), no tensor
@@ -137,12 +145,12 @@ def run(bound: Bound, step: StepArgs, hidden: torch.Tensor, residual: torch.Tens
                     meta.prefill_context_lens, *bound.numbers)
 
 
-def run_layers(layers, rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
+def run_layers(layers, step: StepArgs | None, rope_tables, hidden: torch.Tensor, kv_cache,
+               meta: AttentionMetadata):
     """(last MLP output, residual) after every layer: each in one op where it
-    is bound and the step allows, else by its modules. A layer is bound at
-    its first step (its parts and weights are final by then) unless its
-    `fuse` is False."""
-    step = step_args(rope_tables, hidden, kv_cache, meta) if len(layers) else None
+    is bound and the step allows (`step` is not None), else by its modules.
+    A layer is bound at its first step (its parts and weights are final by
+    then) unless its `fuse` is False."""
     residual = None
     for layer in layers:
         bound = None
@@ -155,3 +163,70 @@ def run_layers(layers, rope_tables, hidden: torch.Tensor, kv_cache, meta: Attent
         else:
             hidden, residual = run(bound, step, hidden, residual)
     return hidden, residual
+
+
+@dataclass(frozen=True, eq=False)
+class Stacked:
+    """Every layer of a model bound to one op build with one Shape, gathered
+    for the stack op: its weights in layer order (ten a layer, as Bound holds
+    them) and which cache and batch view the layers read."""
+
+    op: Callable
+    weights: list  # the layers' Bound.weights, one after another
+    numbers: tuple
+    indices: tuple[int, ...] | None  # each layer's cache index, None when they are 0, 1, 2, ...
+    window: bool  # the layers read the sliding layers' view of the batch (meta.window)
+
+
+def stack(layers) -> Stacked | None:
+    """The layers as one Stacked, or None: some layer is not bound, the
+    layers differ in shape or in the view of the batch they read, or the
+    build has no stack op."""
+    bounds = [layer._fused for layer in layers]
+    if not bounds or any(b is None or b is UNKNOWN for b in bounds):
+        return None
+    first = bounds[0]
+    windows = {"sliding_window" in b.paged.features for b in bounds}
+    if any(b.shape != first.shape or b.op is not first.op for b in bounds) or len(windows) > 1:
+        return None
+    op = first.paged.kernels.llama_layers_op(*first.shape.widths)
+    if op is None:
+        return None
+    indices = tuple(b.paged.layer_index for b in bounds)
+    return Stacked(op, [w for b in bounds for w in b.weights], first.numbers,
+                   None if indices == tuple(range(len(bounds))) else indices, windows.pop())
+
+
+def run_stacked(stacked: Stacked, step: StepArgs, hidden: torch.Tensor):
+    """(last MLP output, residual) after every layer, in one op."""
+    meta = step.meta
+    if stacked.window and meta.window is not None:
+        meta = meta.window
+    keys, values = step.kv_cache
+    if stacked.indices is not None:
+        keys, values = [keys[i] for i in stacked.indices], [values[i] for i in stacked.indices]
+    return stacked.op(hidden, stacked.weights, step.cos, step.sin, keys, values, meta.slot_mapping,
+                      meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
+                      meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+                      *stacked.numbers)
+
+
+class LayerStack:
+    """A model's layer loop: all its layers in one op once each has been
+    bound alike at its first step (`stacked`), else run_layers. `whole`
+    False keeps a call per layer (the tests compare the two)."""
+
+    def __init__(self, layers) -> None:
+        self.layers = layers
+        self.stacked = UNKNOWN  # a Stacked, or None, once every layer has had its first step
+        self.whole = True
+
+    def __call__(self, rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
+        layers = self.layers
+        step = step_args(rope_tables, hidden, kv_cache, meta) if len(layers) else None
+        if step is not None and self.whole and all(layer.fuse for layer in layers):
+            if self.stacked is UNKNOWN and all(layer._fused is not UNKNOWN for layer in layers):
+                self.stacked = stack(layers)
+            if self.stacked is not UNKNOWN and self.stacked is not None:
+                return run_stacked(self.stacked, step, hidden)
+        return run_layers(layers, step, rope_tables, hidden, kv_cache, meta)

@@ -106,6 +106,7 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         self.embed_tokens = VocabParallelEmbedding(part, args.hidden_size, kernels, group)
         self.layers = nn.ModuleList(
             self.LAYER(args, part, i, kernels, group, self.QK_NORM) for i in range(args.num_layers))
+        self.layer_stack = fused_layer.LayerStack(self.layers)  # the loop over them, in one op where it can
         self.norm = self.NORM(args.hidden_size, args.rms_norm_eps, kernels)
         self.rope = self.make_rope(hf_config, max_positions)
         self.kernels = kernels
@@ -120,7 +121,7 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         """Hidden states of every scheduled token: [num_tokens, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
         rope_tables = self.rope.tables(positions, hidden.dtype)
-        hidden, residual = fused_layer.run_layers(self.layers, rope_tables, hidden, kv_cache, meta)
+        hidden, residual = self.layer_stack(rope_tables, hidden, kv_cache, meta)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]

@@ -4,7 +4,8 @@
 // packed for the bf16 dot product: linear_packed.h); and the element-wise
 // ops of a Llama layer, one pass each: RMSNorm with its residual add
 // (rms_norm.h), RoPE (rope.h), SiLU(gate) * up (activation.h); and a whole
-// Llama layer over a step's tokens, those ops chained in C++ (llama_layer.h).
+// Llama layer over a step's tokens, those ops chained in C++, and a stack of
+// such layers in one call (llama_layer.h).
 //
 // Both attention ops take two optional features: sliding_window W (a query
 // sees only its last W tokens; blocks before the window are never read) and
@@ -72,6 +73,12 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         "Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, int num_heads, int num_kv_heads, "
         "float eps, float scale, int sliding_window=0, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
         &pagedserve::llama_layer);
+  m.def("llama_layers(Tensor hidden, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, Tensor slot_mapping, int num_decode_tokens, Tensor decode_block_tables, "
+        "Tensor decode_context_lens, Tensor prefill_block_tables, Tensor prefill_cu_seqlens_q, "
+        "Tensor prefill_context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
+        "int sliding_window=0, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
+        &pagedserve::llama_layers);
   m.def("isa() -> str", &pagedserve::isa_name);
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
   // AVX512-BF16 and AVX2 builds: kernels.pack_linear asks for it by name and
