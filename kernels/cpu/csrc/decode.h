@@ -126,13 +126,19 @@ void decode_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_c
   using QT = QueryOf<T>;
   const DecodePlan plan =
       plan_decode(lens.data_ptr<int32_t>(), query.size(0), at::get_num_threads(), f.window);
-  at::Tensor part_ml = at::empty({plan.num_partials, l.heads, 2}, query.options().dtype(at::kFloat));
-  at::Tensor part_acc = at::empty({plan.num_partials, l.heads, l.head_dim}, part_ml.options());
+  at::Tensor part_ml, part_acc;  // only where the plan split a sequence
+  float *ml = nullptr, *acc = nullptr;
+  if (plan.num_partials > 0) {
+    part_ml = at::empty({plan.num_partials, l.heads, 2}, query.options().dtype(at::kFloat));
+    part_acc = at::empty({plan.num_partials, l.heads, l.head_dim}, part_ml.options());
+    ml = part_ml.data_ptr<float>();
+    acc = part_acc.data_ptr<float>();
+  }
   const DecodeArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
                          k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                          float(scale) * kLog2e, !std::is_same_v<T, float> && l.group > kRowBlock,
                          f.window, f.cap_scale, f.cap2},
-                        part_ml.data_ptr<float>(), part_acc.data_ptr<float>()};
+                        ml, acc};
   auto make = [&] { return Scratch<T, QT>(int(l.heads), int(l.head_dim), a.convert); };
   run_items(int64_t(plan.items.size()), make,
             [&](Scratch<T, QT>& s, int64_t i) { decode_item(s, a, plan.items[i]); });
