@@ -8,6 +8,7 @@ model runner. Tests that need a separate process (SIGTERM) start one themselves.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -121,3 +122,11 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool
             return True
         time.sleep(interval)
     return predicate()
+
+
+def is_error_event(line: str) -> bool:
+    """Whether an SSE line is an in-band error event (`data: {"error": ...}`),
+    not a chunk whose generated text happens to say "error" (a tiny random
+    model does write that word now and then)."""
+    payload = line.removeprefix("data:").strip()
+    return payload.startswith("{") and "error" in json.loads(payload)

@@ -174,6 +174,7 @@ def check_schema(schema) -> None:
                     total += sum(check_pattern(p, f"{inner}/{p}") for p in value)
                 elif key == "$ref" and isinstance(value, str):
                     _resolve(schema, value, inner)
+                    _check_ref_chain(schema, node, where)
                 if key not in VALUES:
                     stack.append((value, inner, key in MAPS))
     if total > MAX_PATTERNS_SIZE:
@@ -181,9 +182,10 @@ def check_schema(schema) -> None:
                       f"server's limit of {MAX_PATTERNS_SIZE}")
 
 
-def _resolve(schema, ref: str, where: str) -> None:
+def _resolve(schema, ref: str, where: str):
+    """The node a $ref points to; Refused unless it is a pointer into `schema` that resolves."""
     if ref == "#":
-        return
+        return schema
     if not ref.startswith("#/"):
         raise Refused(f"the $ref {ref!r} at {where} is not a JSON pointer into this schema "
                       "('#' or '#/...'): remote, file and anchor references are never fetched")
@@ -196,6 +198,27 @@ def _resolve(schema, ref: str, where: str) -> None:
             node = node[int(part)]
         else:
             raise Refused(f"the $ref {ref!r} at {where} does not resolve inside this schema")
+    return node
+
+
+# Keys that hold no schema content of their own: a node with only these and a
+# $ref stands for its target and nothing else.
+NO_CONTENT = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title",
+                        "description"})
+
+
+def _check_ref_chain(schema, node, where: str) -> None:
+    """A schema that is only a $ref to a schema that is only a $ref ... and
+    back accepts no output. Refused here in the words check_grammar uses for
+    any grammar that cannot finish (xgrammar 0.2.9 and later refuse such a
+    chain themselves when converting, in words of their own)."""
+    seen: list = []
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and set(node) <= NO_CONTENT:
+        if any(node is earlier for earlier in seen):
+            raise Refused(f"it accepts no output at all: the $ref at {where} only leads back "
+                          "to itself through schemas with no content of their own")
+        seen.append(node)
+        node = _resolve(schema, node["$ref"], where)
 
 
 # -- xgrammar's normalised EBNF ---------------------------------------------------------

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from engine.frontend.async_engine import Command
-from live_server import LiveServer, run_server, tiny_config, wait_until
+from live_server import LiveServer, is_error_event, run_server, tiny_config, wait_until
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -146,7 +146,7 @@ def test_queue_full_gets_429_with_retry_after(tiny_llama_path):
             if lines is not None:  # a stream that was admitted runs to the end
                 payloads = data_lines(lines)
                 assert payloads[-1] == "[DONE]"
-                assert not any('"error"' in p for p in payloads), payloads
+                assert not any(is_error_event(p) for p in payloads), payloads
                 finish = [c["finish_reason"] for p in payloads[:-1]
                           for c in json.loads(p)["choices"]]
                 assert finish[-1] == "length"
@@ -293,7 +293,7 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(long_server):
                 while chunks < 4:  # a few chunks of generated text, then walk away
                     line = await asyncio.wait_for(anext(lines), 10)
                     chunks += line.startswith("data: ")
-                    assert "[DONE]" not in line and '"error"' not in line, line
+                    assert "[DONE]" not in line and not is_error_event(line), line
                 # Keep the line iterator alive: dropping it closes the response early.
                 return response, lines
 
@@ -402,7 +402,7 @@ def test_requests_dropped_while_queued_are_aborted(tiny_llama_path):
             lines = first.aiter_lines()
             for _ in range(6):
                 line = await asyncio.wait_for(anext(lines), 10)
-                assert "[DONE]" not in line and '"error"' not in line, line
+                assert "[DONE]" not in line and not is_error_event(line), line
             await first.aclose()
             return step_when_released(live)
 
