@@ -169,13 +169,14 @@ def run_layers(layers, step: StepArgs | None, rope_tables, hidden: torch.Tensor,
 class Stacked:
     """Every layer of a model bound to one op build with one Shape, gathered
     for the stack op: its weights in layer order (ten a layer, as Bound holds
-    them) and which cache and batch view the layers read."""
+    them) and which caches the layers read; they all read the first layer's
+    view of the batch (`stack` checks)."""
 
     op: Callable
     weights: list  # the layers' Bound.weights, one after another
     numbers: tuple
     indices: tuple[int, ...] | None  # each layer's cache index, None when they are 0, 1, 2, ...
-    window: bool  # the layers read the sliding layers' view of the batch (meta.window)
+    paged: PagedAttention  # the first layer's attention: the batch view every layer reads
 
 
 def stack(layers) -> Stacked | None:
@@ -194,14 +195,12 @@ def stack(layers) -> Stacked | None:
         return None
     indices = tuple(b.paged.layer_index for b in bounds)
     return Stacked(op, [w for b in bounds for w in b.weights], first.numbers,
-                   None if indices == tuple(range(len(bounds))) else indices, windows.pop())
+                   None if indices == tuple(range(len(bounds))) else indices, first.paged)
 
 
 def run_stacked(stacked: Stacked, step: StepArgs, hidden: torch.Tensor):
     """(last MLP output, residual) after every layer, in one op."""
-    meta = step.meta
-    if stacked.window and meta.window is not None:
-        meta = meta.window
+    _, _, meta = stacked.paged.layer_view(step.kv_cache, step.meta)
     keys, values = step.kv_cache
     if stacked.indices is not None:
         keys, values = [keys[i] for i in stacked.indices], [values[i] for i in stacked.indices]
