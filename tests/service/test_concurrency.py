@@ -30,7 +30,7 @@ import openai
 import pytest
 
 from live_server import LiveServer, is_error_event, wait_until
-from service.admission import merge
+from service.serving.admitted import merge
 
 SUBJECTS = [
     "the sea", "a mountain", "an old library", "the moon", "a train station", "bread",

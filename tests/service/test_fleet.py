@@ -15,8 +15,8 @@ from engine.frontend.async_engine import Command
 from live_server import LiveServer, run_server, tiny_config, wait_until
 from redis_server import start_redis
 from service.config import FleetConfig
-from service.presence import fleet_report, replicas
-from service.prefix_registry import connect
+from service.fleet.presence import fleet_report, replicas
+from service.fleet.registry import connect
 
 ONE_OFF = "A one-off system prompt that nobody repeats, about the weather in Lisbon. " * 3
 SYSTEM = ("You are the help desk of a bicycle shop. Answer in two sentences, name the part, "
@@ -263,7 +263,7 @@ def test_fleet_command_prints_the_fleet(tiny_llama_path, redis_server, capsys):
 
 
 def test_common_blocks_is_the_shared_head_cut_to_full_blocks():
-    from service.fleet import common_blocks
+    from service.fleet.replica import common_blocks
 
     prompt = list(range(100))
     assert common_blocks(list(range(40)), prompt, 16) == 32

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from live_server import run_server, tiny_config
-from service.pacing import MAX_WAIT_SECONDS, RefusalPacer
+from service.guards.pacing import MAX_WAIT_SECONDS, RefusalPacer
 
 
 class Clock:

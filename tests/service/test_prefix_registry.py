@@ -12,8 +12,8 @@ import pytest
 
 from engine.core.block_hash import prefix_hashes
 from redis_server import start_redis
-from service.presence import ReplicaInfo, beat, leave
-from service.prefix_registry import REDIS_ERRORS, Namespace, PrefixRegistry, connect, salt_id
+from service.fleet.presence import ReplicaInfo, beat, leave
+from service.fleet.registry import REDIS_ERRORS, Namespace, PrefixRegistry, connect, salt_id
 
 FP = hashlib.sha256(b"model A").digest()
 NS = Namespace(FP, 4, "bfloat16")

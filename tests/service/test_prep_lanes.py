@@ -19,9 +19,9 @@ import time
 import httpx
 import pytest
 
-import service.routes.chat as chat_route
+import service.serving.chat as chat_route
 from live_server import LiveServer, run_server, tiny_config, wait_until
-from service.prep import LOWEST_PRIORITY, Lane
+from service.serving.lanes import LOWEST_PRIORITY, Lane
 
 CHAT = "/v1/chat/completions"
 PLAIN = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,

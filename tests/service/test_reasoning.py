@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from service.reasoning import (
+from service.serving.reasoning import (
     ReasoningPlan, Split, check_tokenizer, partial_tag, plan_reasoning,
 )
 
@@ -162,13 +162,13 @@ THOUGHT_WITH_CALL = f"Maybe {CALL}? No, first think.</think>Let me check.{CALL}"
 
 
 def hermes_plan():
-    from service.tools import ToolPlan
+    from service.tool_calls.plan import ToolPlan
 
     return ToolPlan(choice="auto", tools=(), parser="hermes")
 
 
 def test_a_whole_answer_reads_calls_only_after_the_thought():
-    from service.routes.chat import _message
+    from service.serving.chat_answer import assistant_message as _message
 
     message, calls = _message(THOUGHT_WITH_CALL, hermes_plan(), plan("qwen3", OPENED))
     assert message.reasoning_content == message.reasoning == f"Maybe {CALL}? No, first think."
@@ -187,7 +187,7 @@ class Choice:
 
 
 def test_a_stream_reads_calls_only_after_the_thought():
-    from service.routes.chat import _choice_delta
+    from service.serving.chat_answer import choice_delta as _choice_delta
 
     tools, thinking = hermes_plan(), plan("qwen3", OPENED)
     thinker, parser = thinking.new_parser(), tools.new_parser()
@@ -203,8 +203,8 @@ def test_a_stream_reads_calls_only_after_the_thought():
 
 
 def test_a_thought_sent_back_in_the_history_reaches_the_template():
-    from service.protocol import ChatMessage
-    from service.tools import template_messages
+    from service.protocol.requests import ChatMessage
+    from service.tool_calls.plan import template_messages
 
     history = [ChatMessage("user", "2+2?"),
                ChatMessage("assistant", "4", reasoning="Two and two."),

@@ -13,12 +13,15 @@ import random
 import msgspec
 import pytest
 
-from service.protocol import ChatCompletionRequest
-from service.tool_parsers import (
-    ArgumentsParser, CallListParser, HermesParser, Llama3JsonParser, MistralParser, Parsed,
-    detect_parser, parse_text,
-)
-from service.tools import plan_tools
+from service.protocol.requests import ChatCompletionRequest
+from service.tool_calls.arguments import ArgumentsParser
+from service.tool_calls.base import Parsed, parse_text
+from service.tool_calls.call_list import CallListParser
+from service.tool_calls.hermes import HermesParser
+from service.tool_calls.llama3_json import Llama3JsonParser
+from service.tool_calls.mistral import MistralParser
+from service.tool_calls.registry import detect_parser
+from service.tool_calls.plan import plan_tools
 
 CALLS = ('[{"name": "get_weather", "arguments": {"city": "Paris {\\"old\\"}", "days": [1, 2]}}, '
          '{"name": "get_time", "arguments": {}}]')
@@ -237,9 +240,9 @@ def test_a_mistral_model_keeps_its_marker_and_gets_its_ids(choice, text):
 
 
 def test_foreign_call_ids_take_mistrals_form_and_still_pair_up():
-    from service.protocol import ChatMessage
-    from service.tool_parsers import mistral_history_id
-    from service.tools import template_messages
+    from service.protocol.requests import ChatMessage
+    from service.tool_calls.mistral import mistral_history_id
+    from service.tool_calls.plan import template_messages
 
     body = msgspec.convert({"messages": [
         {"role": "user", "content": "Ping twice"},

@@ -13,8 +13,8 @@ import pytest
 
 from engine.frontend.chat_template import render_chat_text, renders_tools
 from service.errors import APIError
-from service.protocol import ChatCompletionRequest
-from service.tools import plan_tools, template_messages, template_tools
+from service.protocol.requests import ChatCompletionRequest
+from service.tool_calls.plan import plan_tools, template_messages, template_tools
 from tiny_models import HERMES_CHAT_TEMPLATE
 
 WEATHER = {"type": "function", "function": {
