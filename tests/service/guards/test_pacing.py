@@ -1,4 +1,4 @@
-"""Refusal pacing (service/pacing.py; issue 38, row 1's flood).
+"""Refusal pacing (service/guards/pacing.py; issue 38, row 1's flood).
 
 3,000 tools sent again the moment each was refused were answered ~400 times a
 second; on 2 cores that took a core from the engine and every stream slowed

@@ -3,8 +3,8 @@
 Thirty connections that sent a header line or a body byte every 3 s were all
 still open after 75 s: the body timeout restarted at every byte, the headers
 had no deadline at all (uvicorn starts the app only once they are complete),
-and nothing capped the connections. Now (service/connections.py,
-service/auth.py) the headers have a deadline from a request's first byte,
+and nothing capped the connections. Now (service/guards/connections.py,
+service/guards/auth.py) the headers have a deadline from a request's first byte,
 the body one from the end of the headers, and past --max-connections an idle
 connection makes room or the new one gets 503. Real slow clients here: raw
 sockets that dribble bytes at a live server.

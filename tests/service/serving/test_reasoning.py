@@ -1,4 +1,4 @@
-"""Reasoning parsers on text (service/reasoning.py): whole outputs, and the same
+"""Reasoning parsers on text (service/serving/reasoning.py): whole outputs, and the same
 outputs fed in pieces cut at every place a stream could cut them.
 
 Whatever the cuts, the pieces must join to what the whole text gives, and no

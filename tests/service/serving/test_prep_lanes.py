@@ -1,7 +1,7 @@
 """One request's preparation never holds up another's (issue 38, row 1).
 
 Before a request reaches the engine its chat template is rendered, its text
-tokenized and its constraint compiled (service/prep.py). All of it once
+tokenized and its constraint compiled (service/serving/lanes.py). All of it once
 shared one thread, so a hostile JSON schema compiling for 100 s stalled
 every new request, and went on compiling after its client had left. Here a
 compile or a render is made slow on purpose (a sleep, which like xgrammar's

@@ -4,7 +4,7 @@ SmolLM2's chat template has no tools, so tool_choice "auto" is refused and
 "required" / named functions are held to the tools' schemas by a grammar;
 every call that comes back must validate. tool_choice "auto" is exercised on
 the tiny Llama given a Hermes-style and a Mistral-style template (its random
-output calls no tool; the parsing itself is tests/service/test_tool_parsers.py).
+output calls no tool; the parsing itself is tests/service/tool_calls/test_tool_parsers.py).
 """
 
 from __future__ import annotations
