@@ -30,15 +30,15 @@ from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.chat_template import chat_template_source, renders_tools
 from engine.frontend.llm_engine import LLMEngine
 from engine.model.models.loader import load_sampling_defaults, load_tokenizer
-from service.guards.auth import Guard
 from service.config import ServiceConfig
 from service.errors import EXCEPTION_HANDLERS
 from service.fleet.replica import Fleet
+from service.guards.auth import Guard
 from service.metrics import Metrics
 from service.openapi import build_openapi
+from service.routes import ROUTES
 from service.serving.lanes import Prep
 from service.serving.reasoning import check_tokenizer
-from service.routes import ROUTES
 from service.serving.state import ServiceState
 from service.serving.token_bytes import TokenBytes
 from service.tool_calls.registry import detect_parser

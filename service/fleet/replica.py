@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 from engine.frontend.async_engine import EngineDeadError
 from engine.core.block_hash import prefix_hashes, salt_digest
 from engine.frontend.chat_template import ChatTemplateError, render_chat_text
-from service.guards.tenancy import cache_salt
 from service.config import FleetConfig, resolved_replica_id
-from service.fleet.registry import REDIS_ERRORS, Namespace, PrefixRegistry, connect, salt_id
 from service.fleet.presence import ReplicaInfo, beat, leave
+from service.fleet.registry import REDIS_ERRORS, Namespace, PrefixRegistry, connect, salt_id
 from service.fleet.warmup import Budget, Tenant, WarmResult, fully_cached, warm
+from service.guards.tenancy import cache_salt
 
 if TYPE_CHECKING:
     from service.serving.state import ServiceState

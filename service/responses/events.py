@@ -27,16 +27,16 @@ from collections.abc import AsyncIterator
 
 from msgspec.structs import replace
 
-from service.serving.admitted import Admission
 from service.errors import APIError
 from service.protocol.replies import Delta, encoder
-from service.serving.reasoning import THINK_END, ReasoningPlan
 from service.responses.protocol import (
     FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputMessage, OutputTextPart,
     OutputTokensDetails, ReasoningItem, ReasoningTextPart, ResponseError, ResponseObject,
     ResponseUsage,
 )
+from service.serving.admitted import Admission
 from service.serving.chat_answer import choice_delta
+from service.serving.reasoning import THINK_END, ReasoningPlan
 from service.serving.usage import usage
 from service.tool_calls.plan import ToolPlan
 

@@ -24,8 +24,8 @@ from service.serving.lanes import unless_gone
 from service.serving.logprobs import completion_logprobs
 from service.serving.state import ServiceState, parse
 from service.serving.streaming import event
-from service.serving.usage import usage
 from service.serving.token_bytes import TextOffsets
+from service.serving.usage import usage
 
 # OpenAI's default for /v1/completions (chat defaults to "whatever fits").
 DEFAULT_MAX_TOKENS = 16

@@ -31,16 +31,16 @@ from engine.frontend.async_engine import AsyncEngine, EngineDeadError, QueueFull
 from engine.outputs import RequestOutputKind
 from engine.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import StructuredOutputsParams
-from service.serving.admitted import Admission, TimedStream
-from service.guards.tenancy import cache_salt
 from service.config import ServiceConfig
 from service.errors import (
     APIError, ClientGone, bad_request, from_decode_error, from_engine_error,
     from_validation_error,
 )
+from service.guards.tenancy import cache_salt
 from service.metrics import Metrics
-from service.serving.lanes import Prep
 from service.protocol.requests import ChatCompletionRequest, SamplingFields, served_defaults
+from service.serving.admitted import Admission, TimedStream
+from service.serving.lanes import Prep
 from service.serving.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)

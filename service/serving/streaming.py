@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator
 
 from sse_starlette import EventSourceResponse
 
-from service.serving.admitted import Admission
 from service.errors import APIError
 from service.protocol.replies import encoder
+from service.serving.admitted import Admission
 
 logger = logging.getLogger(__name__)
 

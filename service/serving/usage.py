@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from service.serving.admitted import Admission
 from service.protocol.replies import PromptTokensDetails, Usage
+from service.serving.admitted import Admission
 
 
 def usage(admission: Admission) -> Usage:

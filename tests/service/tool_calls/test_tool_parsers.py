@@ -20,8 +20,8 @@ from service.tool_calls.call_list import CallListParser
 from service.tool_calls.hermes import HermesParser
 from service.tool_calls.llama3_json import Llama3JsonParser
 from service.tool_calls.mistral import MistralParser
-from service.tool_calls.registry import detect_parser
 from service.tool_calls.plan import plan_tools
+from service.tool_calls.registry import detect_parser
 
 CALLS = ('[{"name": "get_weather", "arguments": {"city": "Paris {\\"old\\"}", "days": [1, 2]}}, '
          '{"name": "get_time", "arguments": {}}]')
