@@ -23,7 +23,7 @@ from types import MappingProxyType
 COMMANDS = MappingProxyType({
     "serve": ("service.cli", "the OpenAI-compatible HTTP server"),
     "generate": ("pagedserve.generate", "complete or chat from the shell"),
-    "fleet": ("service.presence", "the replicas and popular prefixes in the fleet's Redis"),
+    "fleet": ("service.fleet.presence", "the replicas and popular prefixes in the fleet's Redis"),
     "chat": ("clients.python.repl", "a terminal chat with a running server"),
 })
 BENCHMARKS = MappingProxyType({

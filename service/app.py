@@ -1,7 +1,8 @@
 """create_app(config): the starlette application around one engine.
 
     lifespan start:  load the model (off the loop) -> AsyncEngine thread starts -> live;
-                     with --redis-url, ready once the fleet's warm-up is done (service/fleet.py)
+                     with --redis-url, ready once the fleet's warm-up is done
+                     (service/fleet/replica.py)
     requests:        Guard (body limit, API key) -> CORS -> routes -> engine
     SIGTERM:         drain (service/cli.py): /health 503, open requests run on for the
                      grace, then end with an in-band 503
@@ -29,18 +30,18 @@ from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.chat_template import chat_template_source, renders_tools
 from engine.frontend.llm_engine import LLMEngine
 from engine.model.models.loader import load_sampling_defaults, load_tokenizer
-from service.auth import Guard
 from service.config import ServiceConfig
 from service.errors import EXCEPTION_HANDLERS
-from service.fleet import Fleet
+from service.fleet.replica import Fleet
+from service.guards.auth import Guard
 from service.metrics import Metrics
 from service.openapi import build_openapi
-from service.prep import Prep
-from service.reasoning import check_tokenizer
 from service.routes import ROUTES
-from service.serving import ServiceState
-from service.token_bytes import TokenBytes
-from service.tool_parsers import detect_parser
+from service.serving.lanes import Prep
+from service.serving.reasoning import check_tokenizer
+from service.serving.state import ServiceState
+from service.serving.token_bytes import TokenBytes
+from service.tool_calls.registry import detect_parser
 
 logger = logging.getLogger(__name__)
 

@@ -242,7 +242,7 @@ class Server(uvicorn.Server):
 
 def serve(config: ServiceConfig, log_level: str = "info") -> int:
     from service.app import create_app
-    from service.connections import uvicorn_options
+    from service.guards.connections import uvicorn_options
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app = create_app(config)

@@ -12,14 +12,14 @@ import socket
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from service.tool_parsers import PARSERS
+from service.tool_calls.registry import PARSERS
 
 
 GENERATION_CONFIGS = ("auto", "vllm")
-# tool_choice "auto" reads the model's own tool-call format (service/tool_parsers.py):
+# tool_choice "auto" reads the model's own tool-call format (service/tool_calls/registry.py):
 # "auto" picks it from the chat template, "none" refuses tool_choice "auto".
-TOOL_CALL_PARSERS = ("auto", "none", *PARSERS)  # the formats service/tool_parsers.py reads
-# Thinking models' <think>...</think> as reasoning_content (service/reasoning.py).
+TOOL_CALL_PARSERS = ("auto", "none", *PARSERS)  # the formats service/tool_calls/registry.py reads
+# Thinking models' <think>...</think> as reasoning_content (service/serving/reasoning.py).
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
@@ -88,18 +88,18 @@ class ServiceConfig:
     share_prefix_cache_across_keys: bool = False
     allowed_origins: tuple[str, ...] = ()  # CORS allow-list for browser frontends
     max_request_body_bytes: int = 4 << 20
-    # Slow clients (service/connections.py, service/auth.py): a request's headers
+    # Slow clients (service/guards/connections.py, service/guards/limits.py): a request's headers
     # must be complete this long after its first byte, and its body this long
     # after its headers, else 408 and the connection closed.
     header_timeout_seconds: float = 10.0
     body_timeout_seconds: float = 30.0
     # Open connections past this: an idle one is closed, or the new one gets 503.
     max_connections: int = 2048
-    # Refusal pacing (service/pacing.py): a client's 4xx answers past this burst
+    # Refusal pacing (service/guards/pacing.py): a client's 4xx answers past this burst
     # go out at this rate a second, the rest wait; 0 turns it off.
     refusal_rate: float = 20.0
     refusal_burst: int = 40
-    # Request preparation (service/prep.py): threads for chat templates and
+    # Request preparation (service/serving/lanes.py): threads for chat templates and
     # tokenizing, and, apart, for grammar compiles (lowest CPU priority past 1 s).
     prep_threads: int = 4
     compile_threads: int = 1

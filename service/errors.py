@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.errors import ValidationError
-from service.protocol import ErrorInfo, ErrorResponse, encoder
+from service.protocol.replies import ErrorInfo, ErrorResponse, encoder
 
 logger = logging.getLogger(__name__)
 

@@ -244,7 +244,7 @@ class Metrics:
 
         self.refusals_paced = Counter(
             PREFIX + "refusals_paced", "Error answers held back because their client had "
-            "used its burst of refusals (service/pacing.py).", registry=self.registry,
+            "used its burst of refusals (service/guards/pacing.py).", registry=self.registry,
         )
 
     def count_error(self, status: int, code: str | int | None) -> None:

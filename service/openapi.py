@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import msgspec
 
-from service.protocol import (
-    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-    CompletionResponse, DetokenizeRequest, ErrorResponse, Health, ModelCard, ModelList,
-    TokenizeRequest,
+from service.protocol.replies import (
+    ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ErrorResponse, Health,
+    ModelCard, ModelList,
 )
-from service.responses_protocol import ResponseObject, ResponsesRequest
+from service.protocol.requests import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+)
+from service.responses.protocol import ResponseObject, ResponsesRequest
 
 REF = "#/components/schemas/{name}"
 

@@ -22,7 +22,7 @@ import uvicorn
 from engine.config import EngineConfig
 from service.app import create_app
 from service.config import ServiceConfig
-from service.connections import uvicorn_options
+from service.guards.connections import uvicorn_options
 
 
 def free_port() -> int:

@@ -7,6 +7,9 @@
   model/ -> the shared top-level files (config, sampling_params, outputs,
   errors, args). core/ and sampling/ import no other room; model/ reads the
   scheduler's decision only through core/sched_output.py.
+- Inside service/ the rooms point down too: routes/ never import one another;
+  serving/, responses/, tool_calls/, guards/, protocol/ and fleet/ never import
+  routes/, app or cli; protocol/ imports no other room (errors at most).
 - Every file reads in one sitting: no source file over 400 lines, no function
   over 60.
 - The `pagedserve` dispatcher hands each command line to the right module.
@@ -113,6 +116,58 @@ def test_engine_rooms_point_down(room):
 def test_engine_top_level_stays_small():
     entries = [p for p in ROOM.iterdir() if p.name != "__pycache__"]
     assert len(entries) <= 12, sorted(p.name for p in entries)
+
+
+# service/'s rooms: routes/ on top, then the rooms that do the work, protocol/ at the bottom.
+SERVICE = ROOT / "service"
+SERVICE_LOWER_ROOMS = ("serving", "responses", "tool_calls", "guards", "protocol", "fleet")
+# What only the top of service/ may import: the routes, and the app and command that mount them.
+SERVICE_TOP = ("service.routes", "service.app", "service.cli")
+# What protocol/ may import of service/ besides itself: the wire types stand alone.
+PROTOCOL_MAY_IMPORT = frozenset({"service.errors"})
+
+
+def _within(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_service_rooms_exist():
+    missing = [room for room in ("routes", *SERVICE_LOWER_ROOMS)
+               if not (SERVICE / room / "__init__.py").is_file()]
+    assert not missing, f"service/ lacks the rooms {missing}"
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (SERVICE / "routes").glob("*.py")
+                                        if p.name != "__init__.py"))
+def test_service_routes_import_no_other_route(path):
+    """A route borrows from serving/, responses/ and the rooms below, never from
+    another route; only routes/__init__.py, which builds ROUTES, imports them all."""
+    file = SERVICE / "routes" / path
+    wrong = [f"{file.relative_to(ROOT)}:{line} imports {module}"
+             for line, module in imported_modules(file)
+             if _within(module, ("service.routes",))]
+    assert not wrong, "a route imports another route (move what they share into a lower " \
+                      "room):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("room", SERVICE_LOWER_ROOMS)
+def test_service_lower_rooms_point_down(room):
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in python_files(SERVICE / room)
+             for line, module in imported_modules(path)
+             if _within(module, SERVICE_TOP)]
+    assert not wrong, f"service/{room} reaches up into {', '.join(SERVICE_TOP)}:\n" + \
+        "\n".join(wrong)
+
+
+def test_service_protocol_stands_alone():
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in python_files(SERVICE / "protocol")
+             for line, module in imported_modules(path)
+             if _within(module, ("service",)) and not _within(module, ("service.protocol",))
+             and not _within(module, PROTOCOL_MAY_IMPORT)]
+    assert not wrong, "service/protocol imports another room of service/ (it may import " \
+                      "only errors):\n" + "\n".join(wrong)
 
 
 def source_files():

@@ -1,5 +1,5 @@
 """The server's answers as typed objects: msgspec Structs that mirror the
-OpenAI wire types the service sends (service/protocol.py), decoded leniently.
+OpenAI wire types the service sends (service/protocol/), decoded leniently.
 
 The client imports nothing of the server, so it installs on its own; fields
 it does not name are ignored, so a newer server never breaks an older client.

@@ -172,7 +172,7 @@ def stored_events(
 def tenant_tag(salt: bytes) -> str | None:
     """The name a tenant's blocks carry in their events (None: no salt).
 
-    A tenant's cache salt (service/auth.py: per API key) goes into the hash of
+    A tenant's cache salt (service/guards/tenancy.py: per API key) goes into the hash of
     its chains' first block, so its blocks never serve another tenant. A
     router must not credit them to another tenant's request either. vLLM puts
     a request's cache_salt in the `extra_keys` of the chain's first block,

@@ -332,7 +332,7 @@ class LLMEngine:
 
     def mark_popular(self, block_hashes: list[bytes]) -> int:
         """Make these blocks popular: evicted last, counted in prefix_warm_blocks (the
-        fleet's warm-up, service/warmup.py). Replaces the previous set; returns how
+        fleet's warm-up, service/fleet/warmup.py). Replaces the previous set; returns how
         many were taken (popular blocks may fill only a bounded share of the cache)."""
         return self.block_manager.set_popular(block_hashes)
 

@@ -7,7 +7,7 @@ from starlette.responses import Response
 
 from engine.frontend.async_engine import EngineDeadError
 from service.errors import APIError
-from service.protocol import encoder
+from service.protocol.replies import encoder
 
 
 async def reset_prefix_cache(request: Request) -> Response:

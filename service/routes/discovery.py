@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from service.config import resolved_replica_id
-from service.serving import ServiceState
+from service.serving.state import ServiceState
 
 
 async def server_info(request: Request) -> JSONResponse:

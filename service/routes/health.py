@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.protocol import Health, encoder
+from service.protocol.replies import Health, encoder
 
 
 async def health(request: Request) -> Response:

@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.errors import APIError
-from service.protocol import ModelCard, ModelList, encoder
+from service.protocol.replies import ModelCard, ModelList, encoder
 
 
 def _card(state) -> ModelCard:

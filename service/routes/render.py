@@ -5,8 +5,8 @@ vllm-router's kv_aware policy posts the client's body here to learn which
 tokens the request will run, then sends it to the replica whose KV events
 (engine/core/kv_events.py) show the longest cached prefix of them. So the
 token ids must be exactly the serving path's: both routes run the same
-preparation as chat and completions (service/routes/chat.py `prepare`,
-completions.py `prepare`: the chat template, tools, tokenization, size and
+preparation as chat and completions (`prepare` of service/serving/chat.py
+and of completions.py: the chat template, tools, tokenization, size and
 constraint checks) and the same validation (ServiceState.validate), behind
 the same auth, and answer the same errors. Nothing reaches the engine.
 
@@ -31,8 +31,8 @@ from starlette.responses import Response
 from engine.core.block_hash import salt_digest
 from engine.core.kv_events import tenant_tag
 from engine.sampling_params import SamplingParams
-from service.routes import chat, completions
-from service.serving import ServiceState, new_id
+from service.serving import chat, completions
+from service.serving.state import ServiceState, new_id
 
 # SamplingParams fields that are the engine's business, not the request's.
 INTERNAL_FIELDS = ("output_kind",)

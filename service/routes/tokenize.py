@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.errors import bad_request, from_decode_error
-from service.prep import check_chat_size
-from service.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
-from service.routes.chat import render_prompt
-from service.serving import ServiceState, parse
-from service.tools import plan_tools
+from service.guards.limits import check_chat_size
+from service.protocol.requests import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from service.serving.chat import render_prompt
+from service.serving.state import ServiceState, parse
+from service.tool_calls.plan import plan_tools
 
 
 async def tokenize(request: Request) -> Response:

@@ -39,8 +39,8 @@ from live_server import run_server, wait_until
 from service.app import VERSION
 from service.config import ServiceConfig
 from service.openapi import build_openapi
-from service.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
-from service.responses_protocol import ResponseObject
+from service.protocol.replies import ChatCompletionChunk, CompletionResponse, ErrorResponse
+from service.responses.protocol import ResponseObject
 from need import need
 
 CHAT = "/v1/chat/completions"
