@@ -3,6 +3,12 @@
 Both are real HF folders (config.json + safetensors + tokenizer), loaded by the
 same code path users take. The tiny model borrows SmolLM2's tokenizer so text
 prompts work on it too.
+
+`make test` runs the suite in two phases: every module but the SERIAL ones two
+at a time (pytest-xdist, one module per worker, one OpenMP thread each), then
+the SERIAL ones alone. A serial module times the server against the wall clock
+(a token gap, a paced refusal, a drain, a heavy request beside a light one), so
+it must not share the two cores with another module.
 """
 
 from __future__ import annotations
@@ -16,6 +22,32 @@ from engine.config import DEFAULT_MODEL, default_cache_dir
 from engine.model.models.loader import resolve_model_path
 from need import need
 from tiny_models import make_tiny_model
+
+SERIAL = frozenset({
+    "tests/deploy/test_load_balancer.py",  # nginx spreads a burst: arrival times
+    "tests/engine/test_kv_offload_redis.py",  # a dead Redis answers within 0.1 s
+    "tests/engine/test_kv_offload_threads.py",  # a lookup returns within 50 ms
+    "tests/engine/test_tensor_parallel.py",  # three ranks on two cores, a killed rank seen in 10 s
+    "tests/service/fleet/test_fleet.py",  # Redis dies and returns under load
+    "tests/service/fleet/test_fleet_replicas.py",  # two real SmolLM2 replicas warm up
+    "tests/service/guards/test_pacing.py",  # refusals paced to 0.15 s
+    "tests/service/guards/test_connection_limits.py",  # header deadlines
+    "tests/service/serving/test_concurrency.py",  # one slow request beside fast ones
+    "tests/service/serving/test_prep_lanes.py",  # a slow compile beside a plain chat
+    "tests/service/serving/test_streaming.py",  # a token within 0.3 s of the first
+    "tests/service/test_faults.py",  # failures answered within seconds
+    "tests/service/test_hardening.py",  # latency under load vs idle
+    "tests/service/test_shutdown.py",  # drain and exit times
+    "tests/service/test_tensor_parallel_serve.py",  # ranks as processes, a kill seen in 10 s
+    "tests/service/test_constraint_limits_http.py",  # a hostile schema answered within 5 s
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parents[1]
+    for item in items:
+        if item.path.relative_to(root).as_posix() in SERIAL:
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="module")

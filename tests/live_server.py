@@ -91,6 +91,8 @@ def run_server(config: ServiceConfig, startup_timeout: float = 120) -> Iterator[
     finally:
         server.should_exit = True
         thread.join(60)
+        if thread.is_alive():  # a server left running would serve (and log) into later tests
+            raise RuntimeError(f"the server on port {port} did not stop within 60 s")
 
 
 def tiny_config(model_path, engine: dict | None = None, **service) -> ServiceConfig:

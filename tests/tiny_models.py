@@ -94,10 +94,13 @@ FAMILIES = {
 }
 
 
-def make_tiny_family(folder: Path, family: str, tokenizer_source: Path, seed: int = 1234) -> Path:
-    """A tiny random checkpoint of `family` (a FAMILIES key), saved as an HF folder."""
+def make_tiny_family(folder: Path, family: str, tokenizer_source: Path, seed: int = 1234,
+                     **shape) -> Path:
+    """A tiny random checkpoint of `family` (a FAMILIES key), saved as an HF folder;
+    `shape` overrides config fields (hidden_size=128: a head_dim of 32, which
+    every build of the compiled CPU ops takes)."""
     config_name, model_name, extra = FAMILIES[family]
-    settings = dict(vocab_size=49152, architectures=[model_name], **{**_SHAPE, **extra})
+    settings = dict(vocab_size=49152, architectures=[model_name], **{**_SHAPE, **extra, **shape})
     return save_tiny(folder, config_name, model_name, settings, tokenizer_source, seed)
 
 

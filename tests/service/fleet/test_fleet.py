@@ -199,6 +199,7 @@ def test_redis_lost_mid_run_then_back(tiny_llama_path, redis_server, caplog):
             recorded = a.metrics()["pagedserve:registry_sightings_recorded_total"]
             assert wait_until(lambda: a.metrics()[
                 "pagedserve:registry_sightings_recorded_total"] > recorded, 15)
+            wait_until(lambda: load.served > 5, 30)  # a slow machine serves fewer meanwhile
         finally:
             load.stop()
         assert load.failures == [] and load.served > 5
