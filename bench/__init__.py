@@ -1,0 +1,1 @@
+"""The benchmarks, in rooms: common/ (shared helpers), offline/, serving/, fleet/, kernels/, gpu/."""

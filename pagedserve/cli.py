@@ -27,20 +27,22 @@ COMMANDS = MappingProxyType({
     "chat": ("clients.python.repl", "a terminal chat with a running server"),
 })
 BENCHMARKS = MappingProxyType({
-    "throughput": ("bench.throughput", "offline throughput: this engine vs HF generate"),
-    "prefix": ("bench.prefix_caching", "the same workload with prefix caching off and on"),
-    "serve": ("bench.serve", "load generator for any OpenAI-compatible server"),
-    "scheduler": ("bench.scheduler", "scheduler overhead, with a null model"),
-    "kernels": ("bench.kernels", "paged attention and store_kvcache"),
-    "fleet": ("bench.fleet", "a new replica with the fleet's warm-up vs a cold one (Redis)"),
-    "offload": ("bench.offload", "KV offload tiers when prefixes outgrow the pool; warm-up "
-                "from the Redis tier"),
-    "structured": ("bench.structured", "JSON-schema constrained requests in a batch: "
+    "throughput": ("bench.offline.throughput", "offline throughput: this engine vs HF generate"),
+    "prefix": ("bench.offline.prefix_caching",
+               "the same workload with prefix caching off and on"),
+    "serve": ("bench.serving.serve", "load generator for any OpenAI-compatible server"),
+    "scheduler": ("bench.offline.scheduler", "scheduler overhead, with a null model"),
+    "kernels": ("bench.kernels.kernels", "paged attention and store_kvcache"),
+    "fleet": ("bench.fleet.fleet", "a new replica with the fleet's warm-up vs a cold one "
+              "(Redis); --routing: each way of routing a multi-tenant load"),
+    "offload": ("bench.fleet.offload", "KV offload tiers when prefixes outgrow the pool; "
+                "warm-up from the Redis tier"),
+    "structured": ("bench.offline.structured", "JSON-schema constrained requests in a batch: "
                    "throughput, mask time per step, compile time"),
-    "output-overhead": ("bench.output_overhead", "per-token engine overhead of one long "
-                        "stream, CUMULATIVE vs DELTA outputs, with a null model"),
-    "hostile": ("bench.hostile", "a plain chat's latency and running streams' token gaps "
-                "while hostile requests (compile-heavy schemas, 3,000 tools) are in flight"),
+    "output-overhead": ("bench.offline.output_overhead", "per-token engine overhead of one "
+                        "long stream, CUMULATIVE vs DELTA outputs, with a null model"),
+    "hostile": ("bench.serving.hostile", "a plain chat's latency and running streams' token "
+                "gaps while hostile requests (compile-heavy schemas, 3,000 tools) are in flight"),
 })
 
 

@@ -7,12 +7,12 @@
 #   1. env           versions and nvidia-smi
 #   2. kernel-tests  tests/kernels on CUDA (native Triton, not the interpreter);
 #                    without pytest, the same cases through the standalone runner
-#   3. kernel-bench  bench/kernels.py sweep -> OUTDIR/kernels.json
-#   4. e2e           python -m bench.gpu_check --output OUTDIR/e2e.json (if present)
+#   3. kernel-bench  bench/kernels/kernels.py sweep -> OUTDIR/kernels.json
+#   4. e2e           python -m bench.gpu.gpu_check --output OUTDIR/e2e.json (if present)
 #   5. graphs-tests  tests/engine/test_cuda_graphs.py (its CUDA test replays real graphs)
-#   6. graphs-parity python -m bench.gpu_graphs --parts parity: CUDA graphs for the decode
+#   6. graphs-parity python -m bench.gpu.gpu_graphs --parts parity: CUDA graphs for the decode
 #                    step, eager vs graphs greedy tokens in float32 -> OUTDIR/graphs-parity.json
-#   7. graphs-speed  python -m bench.gpu_graphs --parts speed: one-stream ITL at Llama-3.1-8B's
+#   7. graphs-speed  python -m bench.gpu.gpu_graphs --parts speed: one-stream ITL at Llama-3.1-8B's
 #                    shape against the HBM floor, 64/256-stream throughput, eager vs graphs
 #                    -> OUTDIR/graphs-speed.json (a process of its own: a fault in one part
 #                    cannot take the other with it)
@@ -82,10 +82,10 @@ kernel_tests() {
 }
 
 e2e() {
-    if [ -f bench/gpu_check.py ]; then
-        "$PY" -m bench.gpu_check --output "$OUT/e2e.json"
+    if [ -f bench/gpu/gpu_check.py ]; then
+        "$PY" -m bench.gpu.gpu_check --output "$OUT/e2e.json"
     else
-        echo "bench/gpu_check.py not present: end-to-end check not run"
+        echo "bench/gpu/gpu_check.py not present: end-to-end check not run"
         return 3
     fi
 }
@@ -94,18 +94,18 @@ graphs_tests() {
     if "$PY" -c "import pytest" 2>/dev/null; then
         "$PY" -m pytest tests/engine/test_cuda_graphs.py -q -rfs -p no:cacheprovider
     else
-        echo "pytest not installed: the graphs' tests not run (bench.gpu_graphs still checks parity)"
+        echo "pytest not installed: the graphs' tests not run (bench.gpu.gpu_graphs still checks parity)"
         return 3
     fi
 }
 
 step env env_report
 step kernel-tests kernel_tests
-step kernel-bench "$PY" -m bench.kernels --output "$OUT/kernels.json"
+step kernel-bench "$PY" -m bench.kernels.kernels --output "$OUT/kernels.json"
 step e2e e2e
 step graphs-tests graphs_tests
-step graphs-parity "$PY" -m bench.gpu_graphs --parts parity --output "$OUT/graphs-parity.json"
-step graphs-speed "$PY" -m bench.gpu_graphs --parts speed --output "$OUT/graphs-speed.json"
+step graphs-parity "$PY" -m bench.gpu.gpu_graphs --parts parity --output "$OUT/graphs-parity.json"
+step graphs-speed "$PY" -m bench.gpu.gpu_graphs --parts speed --output "$OUT/graphs-speed.json"
 
 echo "summary: $SUMMARY"
 exit $FAILED

@@ -1,5 +1,5 @@
 """HF's greedy outputs and the comparison rule the parity tests (and the GPU
-acceptance run, bench/gpu_check.py) judge the engine by."""
+acceptance run, bench/gpu/gpu_check.py) judge the engine by."""
 
 from __future__ import annotations
 

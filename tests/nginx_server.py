@@ -3,7 +3,7 @@ configuration (deploy/nginx/templates/pagedserve.conf.template, the file
 docker-compose.yml mounts) in front of replicas on loopback ports.
 
 The template is rendered as the official nginx image renders it at start
-(bench/routing_fronts.py nginx_command, which the routing benchmark runs too):
+(bench/fleet/routing_fronts.py nginx_command, which the routing benchmark runs too):
 ${NAME} placeholders from the environment, nginx's own $variables untouched,
 and a top-level file with what the image's /etc/nginx/nginx.conf has (events,
 temp paths). Here it adds an access log that names the replica that served
@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.fleet import stop_process
-from bench.routing_fronts import nginx_binary, nginx_command
+from bench.common.replicas import stop_process
+from bench.fleet.routing_fronts import nginx_binary, nginx_command
 from live_server import accepts, free_port
 from need import need
 

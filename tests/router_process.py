@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import routing_fronts
-from bench.fleet import stop_process
+from bench.fleet import routing_fronts
+from bench.common.replicas import stop_process
 from need import need
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

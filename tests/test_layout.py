@@ -210,8 +210,8 @@ def test_every_command_names_a_module_that_exists():
 @pytest.mark.parametrize("argv, module, rest", [
     (["serve", "--port", "9"], "service.cli", ["--port", "9"]),
     (["generate"], "pagedserve.generate", []),
-    (["bench", "serve", "--help"], "bench.serve", ["--help"]),
-    (["bench", "prefix", "--serve"], "bench.prefix_caching", ["--serve"]),
+    (["bench", "serve", "--help"], "bench.serving.serve", ["--help"]),
+    (["bench", "prefix", "--serve"], "bench.offline.prefix_caching", ["--serve"]),
 ])
 def test_resolve_hands_the_rest_to_the_module(argv, module, rest):
     assert resolve(argv) == (module, rest)
@@ -245,3 +245,88 @@ def test_help_loads_no_layer():
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- bench/ in rooms -----------------------------------------------------------------------
+# common/ (reports, measuring, workloads, replica processes, the null engine) is the floor;
+# each benchmark room stands on it alone, but gpu/ also times with kernels/'s clock.
+BENCH = ROOT / "bench"
+BENCH_ROOM_MAY_IMPORT = MappingProxyType({
+    "common": frozenset(),
+    "offline": frozenset({"common"}),
+    "serving": frozenset({"common"}),
+    "fleet": frozenset({"common"}),
+    "kernels": frozenset({"common"}),
+    "gpu": frozenset({"common", "kernels"}),
+})
+
+
+def bench_module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def bench_imports(path: Path):
+    """(line, bench module) of every import of bench/ in the file, at any depth;
+    `from bench.fleet import routing` names the module bench.fleet.routing."""
+    for line, module in imported_modules(path):
+        if module == "bench" or module.startswith("bench."):
+            yield line, module
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                node.module == "bench" or node.module.startswith("bench.")):
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if _is_module(name):
+                    yield node.lineno, name
+
+
+def _is_module(name: str) -> bool:
+    return (ROOT / (name.replace(".", "/") + ".py")).is_file() or (
+        ROOT / name.replace(".", "/") / "__init__.py").is_file()
+
+
+def bench_import_cycles() -> list[list[str]]:
+    """Every cycle among bench/'s modules (imports inside functions count)."""
+    graph = {bench_module(p): {m for _, m in bench_imports(p)} - {bench_module(p)}
+             for p in python_files(BENCH)}
+    cycles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in done:
+                visit(target, path + [target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    return cycles
+
+
+def test_bench_has_no_import_cycles():
+    cycles = bench_import_cycles()
+    assert not cycles, "bench/ imports in a loop:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_bench_top_level_is_rooms():
+    loose = sorted(p.name for p in BENCH.glob("*.py") if p.name != "__init__.py")
+    rooms = sorted(p.name for p in BENCH.iterdir() if (p / "__init__.py").is_file())
+    assert not loose, f"bench/ holds only rooms; move these into one: {loose}"
+    assert rooms == sorted(BENCH_ROOM_MAY_IMPORT), rooms
+
+
+@pytest.mark.parametrize("room", sorted(BENCH_ROOM_MAY_IMPORT))
+def test_bench_rooms_point_down(room):
+    allowed = {room, *BENCH_ROOM_MAY_IMPORT[room]}
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in python_files(BENCH / room)
+        for line, module in bench_imports(path)
+        if module.split(".")[1:2] and module.split(".")[1] not in allowed
+    ]
+    others = ", ".join(f"bench/{r}" for r in sorted(BENCH_ROOM_MAY_IMPORT[room])) or "no other room"
+    assert not wrong, (f"bench/{room} may import only {others}; these reach a room above "
+                       f"or beside it:\n" + "\n".join(wrong))

@@ -341,6 +341,14 @@ class LLMEngine:
         prefix cache now."""
         return [len(self.block_manager.cached_run(chain)) for chain in chains]
 
+    def running_block_tables(self) -> list[tuple[int, list[int]]]:
+        """For each running sequence that holds KV blocks, in the scheduler's order:
+        (tokens whose K/V it has computed, a copy of its block table). What the
+        offline benchmarks read between steps (bench/offline/driver.py)."""
+        tables = self.block_manager.block_tables
+        return [(seq.num_computed_tokens, list(tables[seq.seq_id]))
+                for seq in self.scheduler.running if tables.get(seq.seq_id)]
+
     def stats(self) -> dict[str, int]:
         """Counters and gauges for monitoring (cumulative counters never go down)."""
         return engine_stats(self)

@@ -4,8 +4,8 @@ ModelRunner (engine/model/model_runner.py) is one, the tensor-parallel runner
 (engine/model/distributed/executor.py) another. `LLMEngine(config,
 runner=..., model_info=...)` takes any object of this shape and loads
 nothing: the benchmarks' null model that "samples" fake tokens
-(bench/null_engine.py) or a wrapper that times the real runner
-(bench/driver.py). What the engine must know of the model itself
+(bench/common/null_engine.py) or a wrapper that times the real runner
+(bench/offline/driver.py). What the engine must know of the model itself
 (vocabulary, EOS ids, fingerprint, tokenizer) is not the runner's business:
 see engine.model.model_info.ModelInfo.
 

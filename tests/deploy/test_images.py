@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from need import need
-from bench.routing_fronts import NGINX_TEMPLATE as TEMPLATE
+from bench.fleet.routing_fronts import NGINX_TEMPLATE as TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]

@@ -23,7 +23,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from bench.fleet import Replica, seed_fleet, system_prompts
+from bench.common.replicas import Replica, system_prompts
+from bench.fleet.fleet import seed_fleet
 from clients.python import Client
 from nginx_server import start_nginx
 from redis_server import start_redis

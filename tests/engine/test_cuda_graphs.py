@@ -5,7 +5,7 @@ values, the --enforce-eager flag, that no graph object exists on the CPU, and
 the whole path through the engine with each would-be replay run as an eager
 forward over the static buffers (padded rows included), which must give the
 tokens the plain eager engine gives. The replay itself is CUDA-only: those
-tests skip without a GPU (bench/gpu_graphs.py is the GPU acceptance run).
+tests skip without a GPU (bench/gpu/gpu_graphs.py is the GPU acceptance run).
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def test_hybrid_window_pool_through_the_buffers(tmp_path, smollm2_path, single_t
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graphs_replay_gives_the_eager_tokens(tmp_path):
-    from bench.gpu_check import build_model
+    from bench.gpu.gpu_check import build_model
 
     folder = build_model(tmp_path, small=True)
     prompts = [[3 + (7 * i + j) % 500 for j in range(1 + 9 * i)] for i in range(5)]

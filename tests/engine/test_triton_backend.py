@@ -2,7 +2,7 @@
 
 The interpreter must be switched on before triton is imported, and an
 interpreter crash must fail a test rather than kill the suite, so the run
-happens in a child process: `bench.gpu_check --small`, the same check the GPU
+happens in a child process: `bench.gpu.gpu_check --small`, the same check the GPU
 machine runs at full size.
 """
 
@@ -28,7 +28,7 @@ def test_triton_backend_matches_hf_and_reference(tmp_path):
     output = tmp_path / "e2e.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--small",
+        [sys.executable, "-m", "bench.gpu.gpu_check", "--device", "cpu", "--small",
          "--block-sizes", "1,16", "--output", str(output)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from bench.null_engine import NULL_MODEL, NullRunner
+from bench.common.null_engine import NULL_MODEL, NullRunner
 from engine.config import EngineConfig
 from engine.errors import ValidationError
 from engine.frontend.chat_template import ChatTemplateError, render_chat_text

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.fleet import Replica, measure_replica, seed_fleet, system_prompts
+from bench.common.replicas import Replica, system_prompts
+from bench.fleet.fleet import measure_replica, seed_fleet
 from redis_server import start_redis
 
 pytestmark = pytest.mark.slow

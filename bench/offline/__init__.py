@@ -1,0 +1,1 @@
+"""Offline benchmarks, the engine in-process: throughput, prefix caching, scheduler, outputs, schemas."""

@@ -1,0 +1,1 @@
+"""Benchmarks of a running server over HTTP: the load generator, its datasets, hostile requests."""
