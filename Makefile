@@ -43,8 +43,8 @@ serve: $(STAMP)
 # Both phases run even when the first fails; make fails if either did.
 test: $(STAMP)
 	status=0; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" || status=$$?; \
-	$(PY) -m pytest -q -m serial || status=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=15 || status=$$?; \
+	$(PY) -m pytest -q -m serial --durations=10 || status=$$?; \
 	exit $$status
 
 # A few minutes on a laptop CPU; the issue's full workloads: BENCH_ARGS="" (256 chat requests).

@@ -48,6 +48,9 @@ SERIAL = frozenset({
 
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
+    missing = sorted(path for path in SERIAL if not (root / path).is_file())
+    if missing:  # a moved module would silently leave the serial phase
+        raise pytest.UsageError(f"tests/conftest.py SERIAL names no file: {missing}")
     for item in items:
         if item.path.relative_to(root).as_posix() in SERIAL:
             item.add_marker(pytest.mark.serial)

@@ -266,19 +266,26 @@ def bench_module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def bench_imports(path: Path):
-    """(line, bench module) of every import of bench/ in the file, at any depth;
-    `from bench.fleet import routing` names the module bench.fleet.routing."""
+def project_imports(path: Path, packages=tuple(MAY_IMPORT)):
+    """(line, module) of every import of the project's packages in the file, at any
+    depth; `from bench.fleet import routing` names the module bench.fleet.routing."""
+    def ours(module: str) -> bool:
+        return module.split(".")[0] in packages
+
     for line, module in imported_modules(path):
-        if module == "bench" or module.startswith("bench."):
+        if ours(module):
             yield line, module
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
-                node.module == "bench" or node.module.startswith("bench.")):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and ours(
+                node.module):
             for alias in node.names:
                 name = f"{node.module}.{alias.name}"
                 if _is_module(name):
                     yield node.lineno, name
+
+
+def bench_imports(path: Path):
+    return project_imports(path, ("bench",))
 
 
 def _is_module(name: str) -> bool:
@@ -286,10 +293,27 @@ def _is_module(name: str) -> bool:
         ROOT / name.replace(".", "/") / "__init__.py").is_file()
 
 
-def bench_import_cycles() -> list[list[str]]:
-    """Every cycle among bench/'s modules (imports inside functions count)."""
-    graph = {bench_module(p): {m for _, m in bench_imports(p)} - {bench_module(p)}
-             for p in python_files(BENCH)}
+def _type_checking_lines(path: Path) -> set[int]:
+    """Lines under `if TYPE_CHECKING:`: read by type checkers, never run."""
+    lines = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            lines.update(range(node.lineno, node.end_lineno + 1))
+    return lines
+
+
+def import_cycles(folders) -> list[list[str]]:
+    """Every cycle among the modules under these folders. Imports inside functions
+    count; a package's facade does not: an `__init__` that re-exports its own
+    modules is not a loop with them, and type-checking imports never run."""
+    def edges(path: Path) -> set[str]:
+        skip = _type_checking_lines(path)
+        me = bench_module(path)
+        return {m for line, m in project_imports(path)
+                if line not in skip and m != me and not me.startswith(m + ".")
+                and not m.startswith(me + ".")}
+
+    graph = {bench_module(p): edges(p) for folder in folders for p in python_files(folder)}
     cycles, done = [], set()
 
     def visit(module: str, path: list[str]) -> None:
@@ -306,9 +330,18 @@ def bench_import_cycles() -> list[list[str]]:
     return cycles
 
 
+def bench_import_cycles() -> list[list[str]]:
+    return import_cycles([BENCH])
+
+
 def test_bench_has_no_import_cycles():
     cycles = bench_import_cycles()
     assert not cycles, "bench/ imports in a loop:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_import_cycles_anywhere():
+    cycles = import_cycles([ROOT / package for package in sorted(MAY_IMPORT)])
+    assert not cycles, "imports in a loop:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_bench_top_level_is_rooms():
