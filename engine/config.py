@@ -22,12 +22,20 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # no torch; tests/kernels/test_kernels_api.py holds the two equal.
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-QUANTIZATIONS = (None, "int4")
+# None: a GGUF file's own types ("gguf", vLLM's name), nothing for a float
+# checkpoint; "none": float weights (a GGUF de-quantized once); the rest quantize
+# a float checkpoint at load (engine/model/layers/quantization.py LOAD_QUANTIZATIONS,
+# restated so that a config imports no torch; tests/engine/test_quantization.py
+# holds the two equal).
+LOAD_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
+QUANTIZATIONS = (None, "gguf", "none", *LOAD_QUANTIZATIONS)
 # vLLM's names: "dummy" fills the weights at random from config.json alone (benchmarks).
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")  # ZMQ transports a publisher can use
 MAX_BLOCK_SIZE = 128
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# Names of the default model, a GGUF file (engine/model/models/loader.py).
+DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "smollm2", "SmolLM2-135M-Instruct")
 SPECULATIVE_METHODS = ("ngram", "suffix")  # proposers that need no draft model
 
 
@@ -35,6 +43,11 @@ def default_cache_dir() -> Path:
     """Where converted models live: $XDG_CACHE_HOME/pagedserve (never in the repo)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "pagedserve"
+
+
+def is_gguf_model(model: str) -> bool:
+    """Whether a model name names a GGUF file: the default model, or a .gguf path."""
+    return model in DEFAULT_MODEL_ALIASES or str(model).endswith(".gguf")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -144,7 +157,9 @@ class EngineConfig:
                 "checkpoints where bf16 matmuls are fast",
         "choices": DTYPES})
     quantization: str | None = field(default=None, metadata={
-        "help": "weight-only int4 (CPU, bfloat16): faster small-batch decode",
+        "help": "gguf (the default for a .gguf model): its tensors in their own quant types; "
+                "none: float weights (a GGUF de-quantized once, for HF parity); "
+                f"{'|'.join(LOAD_QUANTIZATIONS)}: a float checkpoint quantized at load (CPU)",
         "choices": QUANTIZATIONS})
     load_format: str = field(default="auto", metadata={
         "help": "auto/safetensors: the checkpoint's weights; dummy: random weights from "
@@ -271,9 +286,23 @@ class EngineConfig:
             raise ValueError(f"schedule_conservativeness must be a number >= 0, "
                              f"got {conservativeness!r}")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
+        object.__setattr__(self, "quantization", self._resolved_quantization())
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.parse(self.speculative_config))
+
+    def _resolved_quantization(self) -> str | None:
+        """quantization with its default filled in: gguf for a GGUF model."""
+        gguf = is_gguf_model(self.model)
+        if self.quantization is None:
+            return "gguf" if gguf else None
+        if self.quantization == "gguf" and not gguf:
+            raise ValueError(f"quantization='gguf' serves a GGUF file's own tensors; model "
+                             f"{self.model!r} is not a .gguf file")
+        if gguf and self.quantization not in ("gguf", "none"):
+            raise ValueError(f"quantization={self.quantization!r} quantizes a float checkpoint; a "
+                             f".gguf model is served in its own types (gguf) or de-quantized (none)")
+        return self.quantization
 
     def _check_ints(self) -> None:
         minimums = {

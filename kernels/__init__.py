@@ -51,6 +51,7 @@ from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_atte
 from kernels.moe import fused_moe, fused_moe_cpu, fused_moe_reference
 from kernels.packed_layout import (PACKED_DIMS, embedding, over_rows, pack_linear,
                                    packed_linear, unpack_linear)
+from kernels.quant import dequantize_reference, quant_linear_reference
 from kernels.reference import (
     attention_features,
     gelu_tanh_and_mul_reference,
@@ -79,6 +80,8 @@ __all__ = [
     "pack_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "quant_dequantize",
+    "quant_linear",
     "rms_norm",
     "rope",
     "silu_and_mul",
@@ -108,6 +111,9 @@ class KernelBackend:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_reference
     fused_moe: Callable[..., torch.Tensor] = fused_moe_reference
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul_reference
+    # a weight in GGUF blocks (kernels/quant.py): its product, its exact floats
+    quant_linear: Callable[..., torch.Tensor] = quant_linear_reference
+    quant_dequantize: Callable[[torch.Tensor], torch.Tensor] = dequantize_reference
     # widths -> a whole Llama layer in one op, or None (the layer runs op by op)
     llama_layer_op: Callable[..., Callable | None] = no_layer_op
     # widths -> a stack of such layers in one op, or None (a call per layer)
@@ -200,6 +206,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return linear_reference(x, weight, bias, float_out)
 
 
+def quant_linear(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None = None,
+                 float_out: bool = False) -> torch.Tensor:
+    """``x @ W.T + bias`` with W a quantized blob (kernels/quant.py): on the
+    CPU the compiled op (activations quantized per 32 inputs to 8 bits,
+    integer dot products: kernels/cpu/csrc/quant_linear.h), output in x's
+    dtype or float32 with ``float_out``; elsewhere the reference, which
+    de-quantizes on every call."""
+    if x.is_cpu and x.dtype in (torch.bfloat16, torch.float32):
+        ops = cpu_ops.current_ops()
+        if ops is not None:
+            flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            out = ops.quant_linear(flat, blob, bias, float_out)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], -1)
+    return quant_linear_reference(x, blob, bias, float_out)
+
+
+def quant_dequantize(blob: torch.Tensor) -> torch.Tensor:
+    """A blob's weights as float32 [N, K]: the file's numbers, bit for bit
+    (the compiled decoder on the CPU, gguf's own code otherwise)."""
+    ops = cpu_ops.current_ops()
+    return ops.quant_dequantize(blob) if ops is not None else dequantize_reference(blob)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm, with ``residual += x`` in front when a residual is given (see
@@ -283,6 +312,7 @@ def get_backend(name: str) -> KernelBackend:
     if name == "auto":
         return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
                              linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe,
+                             quant_linear=quant_linear, quant_dequantize=quant_dequantize,
                              llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op)
     if name == "torch":
         return KernelBackend(
@@ -297,6 +327,7 @@ def get_backend(name: str) -> KernelBackend:
         return KernelBackend("cpu", store_kvcache, _compiled("paged_decode_attention"),
                              _compiled("paged_prefill_attention"), linear, rms_norm, pack_linear, embedding,
                              rope, silu_and_mul, fused_moe=fused_moe_cpu,
+                             quant_linear=quant_linear, quant_dequantize=quant_dequantize,
                              llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 

@@ -13,8 +13,9 @@
 # pinned so benchmark numbers are reproducible (override with
 # LLAMA_CPP_PYTHON_VERSION=...).
 #
-# Result: OUTDIR/bin/llama-server (statically linked against llama/ggml, so no
-# extra shared libraries to copy).  Default OUTDIR:
+# Result: OUTDIR/bin/llama-server, and beside it llama-quantize (K-quant files
+# for the GGUF benchmarks), llama-perplexity and llama-bench, all from the same
+# tree (statically linked against llama/ggml, so no extra shared libraries).  Default OUTDIR:
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/pagedserve/llama.cpp
 # If the binary already exists the script prints its path and does nothing.
 #
@@ -101,7 +102,7 @@ has_option() {
 #   If the host has no AVX512F they are turned off (else: SIGILL at startup).
 # AMX_*=OFF: ggml's AMX path crashes on this CPU; keep it off.
 # BUILD_SHARED_LIBS=OFF: one self-contained binary, no libllama/libggml to ship.
-# Tests/examples off and only the llama-server target built: ~4 min on 2 cores.
+# Tests/examples off; only the four tools above are built.
 AVX512=ON
 if [ -r /proc/cpuinfo ] && ! grep -qw avx512f /proc/cpuinfo; then
     log "warning: host CPU has no avx512f; building without AVX512"
@@ -139,19 +140,21 @@ log "configure: ${ARGS[*]}"
 "$CMAKE" -S "$SRC" -B "$WORK/build" "${GENERATOR[@]}" "${ARGS[@]}"
 
 # -- build ---------------------------------------------------------------------------------
+TOOLS=(llama-quantize llama-perplexity llama-bench llama-server)  # the server last: it marks a build done
 start=$SECONDS
-"$CMAKE" --build "$WORK/build" --config Release --target llama-server -j "$JOBS"
-log "built llama-server in $((SECONDS - start)) s"
-
-BIN="$(find "$WORK/build" -type f -name llama-server -perm -u+x | head -n1)"
-[ -n "$BIN" ] || { log "error: llama-server binary not produced"; exit 1; }
-if ldd "$BIN" 2>/dev/null | grep -q "not found"; then
-    log "error: unresolved shared libraries:"; ldd "$BIN" >&2; exit 1
-fi
+"$CMAKE" --build "$WORK/build" --config Release --target "${TOOLS[@]}" -j "$JOBS"
+log "built ${TOOLS[*]} in $((SECONDS - start)) s"
 
 mkdir -p "$OUT/bin"
-cp "$BIN" "$OUT/bin/llama-server.tmp.$$"
-mv -f "$OUT/bin/llama-server.tmp.$$" "$OUT/bin/llama-server"   # atomic: no half-written binary
+for tool in "${TOOLS[@]}"; do
+    BIN="$(find "$WORK/build" -type f -name "$tool" -perm -u+x | head -n1)"
+    [ -n "$BIN" ] || { log "error: $tool binary not produced"; exit 1; }
+    if ldd "$BIN" 2>/dev/null | grep -q "not found"; then
+        log "error: unresolved shared libraries:"; ldd "$BIN" >&2; exit 1
+    fi
+    cp "$BIN" "$OUT/bin/$tool.tmp.$$"
+    mv -f "$OUT/bin/$tool.tmp.$$" "$OUT/bin/$tool"   # atomic: no half-written binary
+done
 {
     echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION"
     echo "cmake ${ARGS[*]}"

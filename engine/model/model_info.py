@@ -15,7 +15,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.model.distributed.executor import TensorParallelRunner
 from engine.model.model_runner import ModelRunner
-from engine.model.models.loader import load_hf_config, load_tokenizer, resolve_model_path
+from engine.model.models.loader import GGUF_LINK, load_hf_config, load_tokenizer, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunn
     """Read the checkpoint that `config` names: the config with the model's own
     max_model_len filled in, what the engine must know of the model, and the
     runner holding its weights and KV cache."""
-    model_path = resolve_model_path(config.model, config.cache_dir)
+    model_path = resolve_model_path(config.model, config.cache_dir,
+                                    dequantize=config.quantization != "gguf")
     hf_config = load_hf_config(model_path)
     config = config.resolve_max_model_len(hf_config.max_position_embeddings)
     tokenizer = (
@@ -80,6 +81,8 @@ def model_fingerprint(model_path, dtype, config: EngineConfig) -> bytes:
     """
     parts = [(model_path / "config.json").read_text()]
     parts += [f"{f.name}:{f.stat().st_size}" for f in sorted(model_path.glob("*.safetensors"))]
+    if (model_path / GGUF_LINK).exists():  # a direct folder's name carries the file's digest
+        parts.append(f"{model_path.name}:{(model_path / GGUF_LINK).stat().st_size}")
     parts += [str(dtype), f"quantization={config.quantization}", f"tp={config.tensor_parallel_size}"]
     if config.load_format == "dummy":  # random weights: equal only for equal seeds
         parts.append(f"dummy seed={config.seed}")

@@ -35,7 +35,8 @@ from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.distributed.partition import Partition
 from engine.model.kv_groups import KVGroups
 from engine.model.models.registry import model_class
-from engine.model.models.loader import initialize_dummy_weights, iter_safetensors
+from engine.model.layers.quantization import LOAD_QUANTIZATIONS, check_load_quantization
+from engine.model.models.loader import initialize_dummy_weights, iter_checkpoint
 from engine.model.prompt_logprobs import prompt_logprob_rows
 from engine.model.runner import ModelRunnerOutput
 from engine.model.sampling_batch import build_sampling_batch
@@ -167,20 +168,25 @@ class ModelRunner:
             initialize_dummy_weights(model, self.config.seed)
         else:
             slices = self.partition if self.group is not None else None  # None: whole tensors
-            model.load_weights(iter_safetensors(model_path, slices))
+            model.load_weights(iter_checkpoint(model_path, slices, hf_config))
         model = model.to(device=self.device, dtype=self.dtype).eval()
-        if self.config.quantization == "int4":
-            if self.device.type != "cpu" or self.dtype != torch.bfloat16:
-                raise ValueError(
-                    f"quantization='int4' runs on the CPU in bfloat16, not on {self.device} "
-                    f"in {self.dtype}: use --dtype bfloat16 on a CPU, or no quantization")
-            if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-                raise ValueError(f"quantization='int4' needs torch >= 2.6, this is {torch.__version__}")
-            model.quantize_int4()
-        model.pack_linear_weights()  # after int4: the layers it replaced stay as they are
+        self._check_quantization()
+        if self.config.quantization in LOAD_QUANTIZATIONS:
+            model.quantize_weights(check_load_quantization(self.config.quantization))
+        model.pack_linear_weights()  # after quantizing: the layers it replaced stay as they are
         if self.device.type == "cpu":
             weights_on_huge_pages(model)  # last: every weight is in its final layout
         return model
+
+    def _check_quantization(self) -> None:
+        """Quantized weights are multiplied by the compiled CPU op, over bf16
+        or float32 activations (on a GPU the reference would de-quantize
+        every call: refused, not slow)."""
+        quantization = self.config.quantization
+        if quantization in (None, "none") or self.device.type == "cpu":
+            return
+        raise ValueError(f"quantization={quantization!r} runs on the CPU, not on {self.device}: "
+                         "serve a GGUF de-quantized with --quantization none")
 
     def _new_cache(self, num_layers: int, num_blocks: int) -> torch.Tensor:
         cache = torch.empty(2, num_layers, num_blocks, self.block_size, self.partition.num_kv_heads,

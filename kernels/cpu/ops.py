@@ -4,7 +4,8 @@ attention, and linear layers over bf16 weights.
 One source, three builds, chosen by the running CPU at load time::
 
     isa          compiler flags                             pair length
-    avx512bf16   -mavx512f/bw/vl/dq -mavx512bf16 -mfma -mf16c       32
+    avx512bf16   -mavx512f/bw/vl/dq -mavx512bf16 -mavx512vnni       32
+                 -mfma -mf16c
     avx2         -mavx2 -mfma -mf16c                                16
     portable     none (the compiler's baseline)                     16
 
@@ -44,7 +45,8 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # fold of two softmax states rounds the same way wherever it is inlined.
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 ISA_FLAGS = {
-    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+    # VNNI: the quantized linear's int8 dot product (every AVX512-BF16 CPU has it).
+    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
                    "-mavx2", "-mfma", "-mf16c", "-DPAGEDSERVE_ISA_AVX512BF16"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DPAGEDSERVE_ISA_AVX2"],
     "portable": [],
@@ -92,7 +94,7 @@ def isa_for_this_cpu() -> str:
         return "portable"
     flags = _cpuinfo_flags()  # empty where /proc is missing: trust torch's probes
     if _torch_probe("_is_avx512_bf16_supported") and (
-            not flags or {"avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= flags):
+            not flags or {"avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"} <= flags):
         return "avx512bf16"
     if _torch_probe("_is_avx2_supported") and (not flags or {"fma", "f16c"} <= flags):
         return "avx2"

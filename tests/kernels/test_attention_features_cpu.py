@@ -15,8 +15,6 @@ once for all of them.  Builds other than this CPU's best are compiled on
 first use (~20 s each, then cached under $XDG_CACHE_HOME/pagedserve/cpu_kernels).
 """
 
-import os
-
 import pytest
 import torch
 
@@ -30,25 +28,6 @@ from kernels.reference import paged_decode_attention_reference, paged_prefill_at
 # (SmolLM2's 9/3), block sizes 1, 16 and 128; head_dims every build takes.
 SHAPES = ((64, 4, 4, 1), (128, 8, 1, 16), (64, 16, 2, 128), (64, 9, 3, 16))
 FEATURES = ("window", "cap", "both")
-
-
-def _runnable_isas() -> tuple:
-    """This CPU's best build and every build below it (ISAS is best first)."""
-    return cpu_ops.ISAS[cpu_ops.ISAS.index(cpu_ops.isa_for_this_cpu()):]
-
-
-@pytest.fixture(scope="module")
-def builds() -> dict:
-    """{isa: op namespace} of every build this CPU runs, compiled or loaded here."""
-    loaded = {isa: cpu_ops.load(isa) for isa in _runnable_isas()}
-    missing = sorted(isa for isa, ops in loaded.items() if ops is None)
-    if missing:
-        message = f"the {', '.join(missing)} build(s) are unavailable (see the warning)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    assert all(ops.isa() == isa for isa, ops in loaded.items())
-    return loaded
 
 
 def _decode(op, x, **features):

@@ -7,6 +7,7 @@ from torch import nn
 
 from engine.model.distributed.partition import Partition
 from engine.model.layers.linear import all_reduce
+from engine.model.layers.quantization import is_quant_weight, quant_embedding
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -22,7 +23,17 @@ class VocabParallelEmbedding(nn.Module):
         self.kernels = kernels
         self.group = group
 
+    def use_quantized(self, blob: torch.Tensor) -> None:
+        """Keep the table in a GGUF file's blocks (kernels/quant.py): a step
+        de-quantizes only the rows it looks up, and a tied LM head multiplies
+        the blocks as they are. Rows come out in the float table's dtype (the model's)."""
+        self.rows_dtype = self.weight.dtype
+        del self.weight
+        self.register_buffer("weight", blob)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if is_quant_weight(self.weight):  # no tensor parallelism here (models/weights.py)
+            return quant_embedding(self.kernels, input_ids, self.weight, self.rows_dtype)
         # The backend's embedding: the weight may be packed as the tied LM head.
         if self.group is None:
             return self.kernels.embedding(input_ids, self.weight)
@@ -39,7 +50,10 @@ def compute_logits(kernels, hidden: torch.Tensor, weight: torch.Tensor, group,
     # float32 logits: rounded to bf16 they tie wherever two tokens are within
     # one bf16 step (~0.1 at typical logit sizes), and greedy picks between
     # ties by token id.
-    logits = kernels.linear(hidden, weight, float_out=True)
+    if is_quant_weight(weight):
+        logits = kernels.quant_linear(hidden, weight, float_out=True)
+    else:
+        logits = kernels.linear(hidden, weight, float_out=True)
     if group is None:
         return logits
     slices = group.gather(logits)

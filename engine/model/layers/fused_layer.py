@@ -25,11 +25,12 @@ whole stack (`kernels.llama_layers_op`: the layer op for each in turn in
 C++, so again the same numbers).
 
 Eligible: a layer built from the shared parts as they are (`Attention`
-without per-head norms, `MLP` with SiLU, `RMSNorm`, `Linear`), no tensor
+without per-head norms, `MLP` with SiLU, `RMSNorm`, `Linear` or
+`QuantLinear`: the op multiplies a quantized weight by its dtype), no tensor
 parallelism; then per step: bf16 on the CPU, caches of the model's dtype,
 and a build of the compiled ops that takes every width. Anything else
-(Gemma's norms, per-head norms, MoE, int4, float32, a GPU) runs the
-modules, whose kernels choose for themselves.
+(Gemma's norms, per-head norms, MoE, float32, a GPU) runs the modules,
+whose kernels choose for themselves.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from engine.model.layers.activation import MLP
 from engine.model.layers.attention import Attention, PagedAttention
 from engine.model.layers.linear import Linear
 from engine.model.layers.norm import RMSNorm
+from engine.model.layers.quantization import QuantLinear
 
 
 UNKNOWN = object()  # a layer's Bound before its first step
@@ -70,7 +72,7 @@ def shape_of(layer) -> Shape | None:
     if (type(attn) is not Attention or attn.q_norm is not None or attn.group is not None
             or type(mlp) is not MLP or mlp.group is not None or mlp.act_and_mul is not attn.kernels.silu_and_mul
             or any(type(norm) is not RMSNorm for norm in norms) or norms[0].eps != norms[1].eps
-            or any(type(linear) is not Linear for linear in linears)):
+            or any(type(linear) not in (Linear, QuantLinear) for linear in linears)):
         return None
     features = attn.attn.features
     return Shape(attn.num_heads, attn.num_kv_heads,

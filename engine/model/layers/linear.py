@@ -16,6 +16,12 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.kernels = kernels
 
+    def reset_parameters(self) -> None:
+        """Nothing to draw: every weight comes from a checkpoint or the dummy
+        initializer (models/loader.py), and a weight replaced by a quantized
+        layer before anything writes it never becomes resident (a 7B model's
+        bf16 layers are 15 GB of pages that are never touched)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.weight, self.bias)
 

@@ -1,85 +1,83 @@
-"""Weight-only int4 (``--quantization int4``): fewer bytes per decoded token on CPU.
+"""Quantized linear layers: GGUF's block formats, multiplied as they are stored.
 
-A decode step at small batch reads every weight once per token, and on the CPU
-that read is most of the step: in a batch-1 SmolLM2 step (py-spy) the bf16
-linear layers and the LM head took about 60 % of the time, moving ~270 MB at
-about 14 GB/s. Four-bit weights with a bf16 scale and zero point per group of
-32 inputs move about a quarter of that. The layout is what torch's CPU int4
-kernel (`torch._weight_int4pack_mm_for_cpu`, the one gpt-fast and torchao
-use) expects::
+At one stream a CPU decode step is the weight read: SmolLM2's bf16 linears
+moved ~270 MB a token, its Q4_1 file holds them in ~85 MB. So a quantized
+weight is never inflated: it stays in its file's blocks (Q4_0 ... Q6_K, see
+kernels/quant.py) and the compiled op multiplies them directly, each
+activation row quantized per 32 inputs to 8 bits as llama.cpp does
+(kernels/cpu/csrc/quant_linear.h).
 
-    w[o, 32 g + i] = (q[o, 32 g + i] - 8) * scale[g, o] + zero[g, o]      q in 0..15
-    scales_and_zeros: [in / 32, out, 2] bf16           packed: q, two per byte
+One quantized linear serves every source of quantized weights:
 
-Two ways to multiply the same numbers: the int4 kernel for a few rows (decode
-of a small batch), and oneDNN's bf16 matmul over the dequantized weights for
-many rows (prefill, large batches), where the int4 kernel, dequantizing on
-every call, is slower (per layer, cache hot: 1 row 89 against 234 µs; 8 rows
-285 against 322; 16 rows 564 against 465). Both paths use the same weight
-values, so which one served a request changes its numbers only by rounding,
-as batching already does.
+    a GGUF file (--quantization gguf)     the file's own blocks, bit for bit
+    a float checkpoint (--quantization q8_0 | q4_0 | ...)
+                                          quantized at load, round to nearest
+                                          as llama.cpp's quantizer does
 
-GGUF's Q4_1 (the default model's file) stores w = d * q + m per 32 weights:
-the same grid (scale d, zero m + 8 d), so min/max quantization of the
-dequantized checkpoint finds it again, up to bf16 rounding of the scale and
-the zero point. That rounding is the kernel's format, and it is not free: bf16
-keeps 8 bits, so a group whose offset is large against its step moves by a
-visible part of a step. On SmolLM2 the int4 weights differ from the
-checkpoint by 0.42-0.48 % (relative norm) where bf16 rounding alone gives
-0.13 %; enough to flip a near-tie (tests/engine/test_quantization.py). The LM
-head stays bf16, as llama.cpp keeps it at 8 bits (Q8_0) in this same file.
+The weight is one uint8 tensor, the "blob" of kernels/quant.py: a short
+header, then the parts of a fused projection (q | k | v may each have their
+own type in a Q4_K_M file) one after another. Being one tensor, it rides
+through the fused decoder-layer op's weight arguments like a bf16 weight
+(engine/model/layers/fused_layer.py), and the op picks the quantized product
+by its dtype.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-GROUP_SIZE = 32
-INT4_KERNEL_MAX_ROWS = 16  # up to this many rows the int4 kernel serves a call
+from kernels.quant import (QUANT_TYPES, is_quant_weight, pack_quant_weight, quant_parts,
+                           quant_shape, quantize_weight)
+
+# What --quantization can quantize a float checkpoint into at load.
+LOAD_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric round-to-nearest int4 per group of 32 inputs.
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W in GGUF blocks (one blob, one or more parts)."""
 
-    Returns (packed weights, scales_and_zeros, the dequantized bf16 weights).
-    """
-    out_features, in_features = weight.shape
-    if in_features % GROUP_SIZE:
-        raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE}, got {in_features}")
-    groups = weight.float().view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
-    low = groups.amin(-1, keepdim=True)
-    scale = ((groups.amax(-1, keepdim=True) - low) / 15).clamp(min=1e-12)
-    q = ((groups - low) / scale).round().clamp(0, 15)
-    # The kernel reads bf16 scales and zeros: dequantize with exactly those.
-    scale = scale.to(torch.bfloat16).float()
-    zero = (low + 8 * scale).to(torch.bfloat16).float()
-    dequantized = ((q - 8) * scale + zero).view(out_features, in_features).to(torch.bfloat16)
-    packed = torch._convert_weight_to_int4pack_for_cpu(
-        q.view(out_features, in_features).to(torch.int32), 1)
-    scales_and_zeros = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()
-    return packed, scales_and_zeros.to(torch.bfloat16), dequantized
-
-
-class Int4Linear(nn.Module):
-    """A bf16 nn.Linear's int4 replacement (CPU); see the module docstring."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, blob: torch.Tensor, bias: torch.Tensor | None, kernels) -> None:
         super().__init__()
-        packed, scales_and_zeros, dequantized = quantize_int4(weight)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", scales_and_zeros)
-        self.register_buffer("weight", dequantized)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+        self.out_features, self.in_features = quant_shape(blob)
+        self.register_buffer("weight", blob)
+        self.register_buffer("bias", bias)
+        self.kernels = kernels
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
-        return cls(linear.weight.detach(), linear.bias)
+    def from_linear(cls, linear, type_name: str) -> "QuantLinear":
+        """A float linear layer quantized into `type_name` (q8_0, q4_k, ...)."""
+        blob = quantize_weight(linear.weight.detach().float(), type_name.upper())
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(blob, bias, linear.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > INT4_KERNEL_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        out = torch._weight_int4pack_mm_for_cpu(
-            x.contiguous(), self.packed, GROUP_SIZE, self.scales_and_zeros)
-        return out if self.bias is None else out + self.bias
+        return self.kernels.quant_linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        types = "+".join(name for name, _ in quant_parts(self.weight))
+        return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"
+
+
+def quant_embedding(kernels, input_ids: torch.Tensor, blob: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The rows of a quantized embedding table for `input_ids`, de-quantized
+    (exactly: the file's values) and rounded to the model's dtype. Only the
+    looked-up rows are decoded: a step touches a few of the 49152."""
+    (type_name, data), = quant_parts(blob)  # an embedding is one part
+    rows = pack_quant_weight([(type_name, data.index_select(0, input_ids.reshape(-1)))],
+                             quant_shape(blob)[1])
+    return kernels.quant_dequantize(rows).to(dtype).view(*input_ids.shape, -1)
+
+
+def check_load_quantization(name: str) -> str:
+    """The GGUF type name a --quantization value quantizes into (Q4_K ...)."""
+    type_name = name.upper()
+    if name not in LOAD_QUANTIZATIONS or type_name not in QUANT_TYPES:
+        raise ValueError(f"quantization={name!r}: a float checkpoint can be quantized at "
+                         f"load into one of {LOAD_QUANTIZATIONS}")
+    return type_name
+
+
+__all__ = ["LOAD_QUANTIZATIONS", "QuantLinear", "check_load_quantization", "is_quant_weight",
+           "quant_embedding"]

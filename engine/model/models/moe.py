@@ -21,10 +21,12 @@ from collections.abc import Iterable
 import torch
 
 from engine.model.layers.linear import Linear, packed
+from engine.model.layers.quantization import is_quant_weight
 from engine.model.layers.moe import FusedMoE, is_moe_layer
 from engine.model.models.args import ModelArgs, MoEArgs
 from engine.model.models.llama import LlamaForCausalLM
 from engine.model.models.qwen3 import Qwen3ForCausalLM
+from engine.model.models.weights import float_values
 
 _EXPERT_TENSOR = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(gate\.weight|experts\..*)$")
 
@@ -52,7 +54,8 @@ class ExpertLoading:
                     yield name, tensor
                     continue
                 block = self.layers[int(match.group(1))].mlp
-                if not isinstance(block, FusedMoE) or not block.load_expert_weight(match.group(2), tensor):
+                if not isinstance(block, FusedMoE) or not block.load_expert_weight(
+                        match.group(2), float_values(tensor, self.kernels)):
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
 
         super().load_weights(dense())
@@ -72,14 +75,14 @@ class ExpertLoading:
         for module in self.modules():
             if isinstance(module, Linear) and id(module) not in inside:
                 module.weight = packed(self.kernels, module.weight)
-        if self.lm_head is None:
+        if self.lm_head is None and not is_quant_weight(self.embed_tokens.weight):
             self.embed_tokens.weight = packed(self.kernels, self.embed_tokens.weight)
         for block in experts:
             block.pack_weights()
 
-    def quantize_int4(self) -> None:
-        raise ValueError("quantization='int4' does not cover mixture-of-experts layers; "
-                         "serve this model without --quantization")
+    def quantize_weights(self, type_name: str) -> None:
+        raise ValueError(f"quantizing at load ({type_name}) does not cover mixture-of-experts "
+                         "layers yet; serve this model without --quantization")
 
 
 def _in_experts(name: str, layers) -> bool:

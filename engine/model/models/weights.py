@@ -9,6 +9,13 @@ rows of the fused weight. Phi-3 stores them fused already: they land whole.
 
 With tensor parallelism the tensors arrive as this rank's slices and the
 offsets are the slice's (model/distributed/partition.py).
+
+A GGUF file's quantized tensors (models/gguf_file.py QuantTensor) are not
+copied into float weights: the shards of each projection are gathered into
+one blob (kernels/quant.py) and the module becomes a QuantLinear
+(layers/quantization.py), the embedding a quantized table. Anything else a
+file quantizes (the experts of a MoE layer) is de-quantized into its float
+weight: the file's values, in the model's dtype.
 """
 
 from __future__ import annotations
@@ -16,6 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
+
+from engine.model.layers.embedding import VocabParallelEmbedding
+from engine.model.layers.linear import Linear
+from engine.model.layers.quantization import QuantLinear
+from engine.model.models.gguf_file import QuantTensor
+from kernels.quant import pack_quant_weight
 
 # Checkpoint tensors that are packed into one of our fused projections:
 # checkpoint name -> (fused name, index of the shard inside it).
@@ -42,6 +56,7 @@ class CheckpointLoading:
         """Copy checkpoint tensors (HF names) into the model, packing fused projections."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        quantized: dict[str, dict[int, QuantTensor]] = {}  # target -> its shards, by index
         for name, tensor in weights:
             target, offset = self._target_of(name)
             if target is None:
@@ -49,12 +64,42 @@ class CheckpointLoading:
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            if isinstance(tensor, QuantTensor) and self._keeps_quantized(target):
+                quantized.setdefault(target, {})[offset] = tensor
+                indices = range(_shards(target)) if offset == WHOLE else (offset,)
+                loaded.update(f"{target}#{i}" for i in indices)
+                continue
+            tensor = float_values(tensor, self.kernels)
             rows = tensor.shape[0]
             start = self._shard_offset(target, offset)
             param.data[start : start + rows].copy_(tensor)
             indices = range(_shards(target)) if offset == WHOLE else (offset,)
             loaded.update(f"{target}#{i}" for i in indices)
         self._check_all_loaded(params, loaded)
+        for target, shards in quantized.items():
+            self._place_quantized(target, [shards[i] for i in sorted(shards)])
+
+    def _keeps_quantized(self, target: str) -> bool:
+        """Whether a quantized checkpoint tensor stays quantized at `target`:
+        a linear layer's weight or the embedding table (not under tensor
+        parallelism, which would slice the blocks)."""
+        path, _, leaf = target.rpartition(".")
+        module = self.get_submodule(path)
+        return (leaf == "weight" and self.group is None
+                and isinstance(module, (Linear, VocabParallelEmbedding)))
+
+    def _place_quantized(self, target: str, shards: list[QuantTensor]) -> None:
+        """A projection's quantized shards as one blob in the module that owns
+        `target`: a linear layer becomes a QuantLinear, the embedding keeps the
+        blob as its table."""
+        path = target.rpartition(".")[0]
+        module = self.get_submodule(path)
+        blob = pack_quant_weight([(s.type_name, s.data) for s in shards], shards[0].shape[1])
+        if isinstance(module, Linear):
+            bias = None if module.bias is None else module.bias.detach()
+            self.set_submodule(path, QuantLinear(blob, bias, module.kernels))
+        else:
+            module.use_quantized(blob)
 
     def _target_of(self, name: str) -> tuple[str | None, int]:
         name = name.removeprefix("model.")
@@ -88,6 +133,15 @@ class CheckpointLoading:
                 missing.append(name)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+
+def float_values(tensor, kernels) -> torch.Tensor:
+    """A checkpoint tensor as floats: a quantized one de-quantized (exactly
+    the file's values, in float32), any other as it is."""
+    if not isinstance(tensor, QuantTensor):
+        return tensor
+    blob = pack_quant_weight([(tensor.type_name, tensor.data)], tensor.shape[1])
+    return kernels.quant_dequantize(blob)
 
 
 def _shards(name: str) -> int:

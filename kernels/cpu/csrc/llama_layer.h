@@ -19,7 +19,7 @@
 // place inside it (rows of heads, any token stride), as the Python path does.
 // Only what that path would send to these same ops comes here
 // (engine/model/layers/fused_layer.py checks): bf16, no tensor parallelism,
-// no per-head norms, SiLU.
+// no per-head norms, SiLU; each linear's weight bf16 or quantized.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -34,14 +34,17 @@
 #include "linear.h"
 #include "linear_packed.h"
 #include "prefill.h"
+#include "quant_linear.h"
 #include "rms_norm.h"
 #include "rope.h"
 
 namespace pagedserve {
 namespace layer_parts {
 
-// x W^T (+ b) with W as kernels.linear would take it: packed or [out, in].
+// x W^T (+ b) with W as kernels.linear would take it: packed or [out, in],
+// or a quantized blob (uint8: kernels/quant.py), as QuantLinear holds it.
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  if (w.scalar_type() == at::kByte) return quant_linear(x, w, b, false);
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
   if (w.dim() == 4) return linear_bf16_packed(x, w, b, false);
 #endif

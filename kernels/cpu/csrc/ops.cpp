@@ -1,7 +1,8 @@
 // Torch ops: paged decode and prefill attention over the paged KV cache, read
 // in place (same contract as kernels/reference.py), and the new tokens' K/V
 // written into it (kv_store.h); linear layers over bf16 weights (linear.h;
-// packed for the bf16 dot product: linear_packed.h); and the element-wise
+// packed for the bf16 dot product: linear_packed.h) and over GGUF's
+// quantized blocks (quant_linear.h); and the element-wise
 // ops of a Llama layer, one pass each: RMSNorm with its residual add
 // (rms_norm.h), RoPE (rope.h), SiLU(gate) * up (activation.h); and a whole
 // Llama layer over a step's tokens, those ops chained in C++, and a stack of
@@ -34,6 +35,7 @@
 #include "linear_packed.h"
 #include "llama_layer.h"
 #include "prefill.h"
+#include "quant_linear.h"
 #include "rms_norm.h"
 #include "rope.h"
 
@@ -79,6 +81,9 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         "Tensor prefill_context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
         "int sliding_window=0, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
         &pagedserve::llama_layers);
+  m.def("quant_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor",
+        &pagedserve::quant_linear);
+  m.def("quant_dequantize(Tensor weight) -> Tensor", &pagedserve::quant_dequantize);
   m.def("isa() -> str", &pagedserve::isa_name);
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
   // AVX512-BF16 and AVX2 builds: kernels.pack_linear asks for it by name and

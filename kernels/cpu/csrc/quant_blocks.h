@@ -1,0 +1,288 @@
+// GGUF's block formats, decoded 32 weights at a time (kernels/quant.py has
+// the blob that carries them; gguf.quants.dequantize is the reference).
+//
+// Every supported type comes down to the same shape, which is what lets one
+// kernel multiply them all: a block of 32 weights (a "sub-block" of a K-quant
+// super-block of 256) is 32 small integers q and a float scale, plus a float
+// min for the asymmetric types:
+//
+//   w[i] = wd * q[i]          Q4_0 (q - 8), Q5_0 (q - 16), Q8_0, Q6_K (q - 32)
+//   w[i] = wd * q[i] + wm     Q4_1, Q5_1 (wm = m), Q4_K, Q5_K (wm = -dmin * m_j)
+//
+// Q6_K alone scales each half of a 32 separately (16 weights per int8 scale):
+// wd is a pair (lo, hi) for every type, equal halves but there.
+//
+// The float scales are computed as gguf's numpy code computes them (fp16 ->
+// fp32, then d * sc in fp32: exact, since d has 11 significant bits and sc at
+// most 8), and a weight as wd * q (+ wm), one rounding each, so decode(...)
+// gives gguf's numbers bit for bit (never "+ 0.0" for a symmetric type: it
+// would turn a -0.0 into +0.0).
+//
+// Per type: kElems weights and kBytes bytes a block, kSubs sub-blocks of 32;
+// scales(block, wd[2 kSubs], wm[kSubs]); q(block, j, int8 out[32]) in plain
+// C++; and where the build has AVX2, q_avx2(block, j) -> the 32 q in a __m256i.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace pagedserve {
+namespace quant {
+
+inline float fp16_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // exact, subnormals included; the branches below cost ~10 cycles a block
+#endif
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in fp32
+    const float f = float(mant) * 5.9604644775390625e-08f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The 6-bit (sc, m) pair of sub-block j from Q4_K / Q5_K's 12 scale bytes.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+#if defined(__AVX2__)
+// 32 nibbles of 16 bytes: byte i's low nibble is q[i], its high nibble q[16 + i].
+inline __m256i nibbles_16(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+}
+
+// The 32 bits of qh as 32 bytes: 0x10 where bit i is set, else 0.
+inline __m256i high_bits_32(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                            0x0101010101010101, 0x0000000000000000);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), shuffle);
+  const __m256i select = _mm256_set1_epi64x(int64_t(0x7fbfdfeff7fbfdfe));
+  bytes = _mm256_or_si256(bytes, select);  // all ones where the byte's own bit is set
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+#endif
+
+struct Q4_0 {
+  static constexpr int kElems = 32, kBytes = 18, kSubs = 1;
+  static constexpr bool kMin = false;
+  static constexpr bool kSplit = false;  // one scale for all 32
+  static void scales(const uint8_t* b, float* wd, float*) { wd[0] = wd[1] = fp16_to_float(b); }
+  static void q(const uint8_t* b, int, int8_t* out) {
+    for (int i = 0; i < 16; ++i) {
+      out[i] = int8_t((b[2 + i] & 0xF) - 8);
+      out[i + 16] = int8_t((b[2 + i] >> 4) - 8);
+    }
+  }
+#if defined(__AVX2__)
+  static __m256i q_avx2(const uint8_t* b, int) {
+    return _mm256_sub_epi8(nibbles_16(b + 2), _mm256_set1_epi8(8));
+  }
+#endif
+};
+
+struct Q4_1 {
+  static constexpr int kElems = 32, kBytes = 20, kSubs = 1;
+  static constexpr bool kMin = true;
+  static constexpr bool kSplit = false;  // one scale for all 32
+  static void scales(const uint8_t* b, float* wd, float* wm) {
+    wd[0] = wd[1] = fp16_to_float(b);
+    wm[0] = fp16_to_float(b + 2);
+  }
+  static void q(const uint8_t* b, int, int8_t* out) {
+    for (int i = 0; i < 16; ++i) {
+      out[i] = int8_t(b[4 + i] & 0xF);
+      out[i + 16] = int8_t(b[4 + i] >> 4);
+    }
+  }
+#if defined(__AVX2__)
+  static __m256i q_avx2(const uint8_t* b, int) { return nibbles_16(b + 4); }
+#endif
+};
+
+struct Q5_0 {
+  static constexpr int kElems = 32, kBytes = 22, kSubs = 1;
+  static constexpr bool kMin = false;
+  static constexpr bool kSplit = false;  // one scale for all 32
+  static void scales(const uint8_t* b, float* wd, float*) { wd[0] = wd[1] = fp16_to_float(b); }
+  static void q(const uint8_t* b, int, int8_t* out) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    for (int i = 0; i < 16; ++i) {
+      out[i] = int8_t(((b[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
+      out[i + 16] = int8_t(((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+    }
+  }
+#if defined(__AVX2__)
+  static __m256i q_avx2(const uint8_t* b, int) {
+    const __m256i q = _mm256_or_si256(nibbles_16(b + 6), high_bits_32(b + 2));
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+  }
+#endif
+};
+
+struct Q5_1 {
+  static constexpr int kElems = 32, kBytes = 24, kSubs = 1;
+  static constexpr bool kMin = true;
+  static constexpr bool kSplit = false;  // one scale for all 32
+  static void scales(const uint8_t* b, float* wd, float* wm) {
+    wd[0] = wd[1] = fp16_to_float(b);
+    wm[0] = fp16_to_float(b + 2);
+  }
+  static void q(const uint8_t* b, int, int8_t* out) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    for (int i = 0; i < 16; ++i) {
+      out[i] = int8_t((b[8 + i] & 0xF) | (((qh >> i) & 1) << 4));
+      out[i + 16] = int8_t((b[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+    }
+  }
+#if defined(__AVX2__)
+  static __m256i q_avx2(const uint8_t* b, int) {
+    return _mm256_or_si256(nibbles_16(b + 8), high_bits_32(b + 4));
+  }
+#endif
+};
+
+struct Q8_0 {
+  static constexpr int kElems = 32, kBytes = 34, kSubs = 1;
+  static constexpr bool kMin = false;
+  static constexpr bool kSplit = false;  // one scale for all 32
+  static void scales(const uint8_t* b, float* wd, float*) { wd[0] = wd[1] = fp16_to_float(b); }
+  static void q(const uint8_t* b, int, int8_t* out) { std::memcpy(out, b + 2, 32); }
+#if defined(__AVX2__)
+  static __m256i q_avx2(const uint8_t* b, int) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  }
+#endif
+};
+
+// Q4_K: d, dmin (fp16), 12 scale bytes, 128 bytes of nibbles: sub-block j
+// reads bytes 32 (j / 2) .. + 31, low nibbles for even j, high for odd.
+struct Q4_K {
+  static constexpr int kElems = 256, kBytes = 144, kSubs = 8;
+  static constexpr bool kMin = true;
+  static constexpr bool kSplit = false;  // one scale for all 32
+  static void scales(const uint8_t* b, float* wd, float* wm) {
+    const float d = fp16_to_float(b), dmin = fp16_to_float(b + 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(b + 4, j, sc, m);
+      wd[2 * j] = wd[2 * j + 1] = d * float(sc);
+      wm[j] = -(dmin * float(m));
+    }
+  }
+  static void q(const uint8_t* b, int j, int8_t* out) {
+    const uint8_t* qs = b + 16 + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int l = 0; l < 32; ++l) out[l] = int8_t((qs[l] >> shift) & 0xF);
+  }
+#if defined(__AVX2__)
+  static __m256i q_avx2(const uint8_t* b, int j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (j / 2)));
+    const __m256i shifted = (j % 2) ? _mm256_srli_epi16(v, 4) : v;
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
+  }
+#endif
+};
+
+// Q5_K: Q4_K's fields with 32 bytes of high bits after the scales: bit j of
+// qh[l] is the fifth bit of sub-block j's weight l.
+struct Q5_K {
+  static constexpr int kElems = 256, kBytes = 176, kSubs = 8;
+  static constexpr bool kMin = true;
+  static constexpr bool kSplit = false;  // one scale for all 32
+  static void scales(const uint8_t* b, float* wd, float* wm) { Q4_K::scales(b, wd, wm); }
+  static void q(const uint8_t* b, int j, int8_t* out) {
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48 + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int l = 0; l < 32; ++l) out[l] = int8_t(((qs[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4));
+  }
+#if defined(__AVX2__)
+  static __m256i q_avx2(const uint8_t* b, int j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * (j / 2)));
+    const __m256i low = _mm256_and_si256((j % 2) ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  }
+#endif
+};
+
+// Q6_K: 128 bytes of low nibbles (ql), 64 of 2-bit highs (qh), 16 int8
+// scales (one per 16 weights), d (fp16) last.  Sub-block j = 4 h + k of half
+// h: low nibbles (k < 2) or high ones (k >= 2) of ql[64 h + 32 (k % 2) ..],
+// highs from bits 2k, 2k + 1 of qh[32 h ..]; q - 32.
+struct Q6_K {
+  static constexpr int kElems = 256, kBytes = 210, kSubs = 8;
+  static constexpr bool kMin = false;
+  static constexpr bool kSplit = true;  // a scale per 16
+  static void scales(const uint8_t* b, float* wd, float*) {
+    const float d = fp16_to_float(b + 208);
+    for (int s = 0; s < 16; ++s) wd[s] = d * float(int8_t(b[192 + s]));
+  }
+  static void q(const uint8_t* b, int j, int8_t* out) {
+    const int h = j / 4, k = j % 4;
+    const uint8_t* ql = b + 64 * h + 32 * (k % 2);
+    const uint8_t* qh = b + 128 + 32 * h;
+    for (int l = 0; l < 32; ++l) {
+      const int low = k < 2 ? (ql[l] & 0xF) : (ql[l] >> 4);
+      out[l] = int8_t((low | (((qh[l] >> (2 * k)) & 3) << 4)) - 32);
+    }
+  }
+#if defined(__AVX2__)
+  static __m256i q_avx2(const uint8_t* b, int j) {
+    const int h = j / 4, k = j % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (k % 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i low = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+  }
+#endif
+};
+
+// ggml type ids (gguf.GGMLQuantizationType) -> a call of f with the type.
+template <typename F>
+inline bool with_type(int64_t ggml_id, F&& f) {
+  switch (ggml_id) {
+    case 2: f(Q4_0{}); return true;
+    case 3: f(Q4_1{}); return true;
+    case 6: f(Q5_0{}); return true;
+    case 7: f(Q5_1{}); return true;
+    case 8: f(Q8_0{}); return true;
+    case 12: f(Q4_K{}); return true;
+    case 13: f(Q5_K{}); return true;
+    case 14: f(Q6_K{}); return true;
+    default: return false;
+  }
+}
+
+}  // namespace quant
+}  // namespace pagedserve

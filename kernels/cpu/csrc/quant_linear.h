@@ -1,0 +1,368 @@
+// y = x W^T (+ bias) with W in GGUF blocks (a blob: kernels/quant.py), and
+// the blob de-quantized (exactly: quant_blocks.h).
+//
+// How (llama.cpp's scheme): each row of x is quantized once per call, per
+// 32 inputs, to int8 with a float scale (d = max|x| / 127, q = round(x / d))
+// and the block's sum d * sum(q).  A weight sub-block of 32 then meets an
+// activation block in integers:
+//
+//   sum_i w_i x_i ~ (wd * xd) * sum_i qw_i qx_i  +  wm * xd * sum_i qx_i
+//
+// AVX2: maddubs (unsigned x signed bytes -> pairs of int16) and madd (->
+// int32), with the sign of a signed weight moved onto the activation (abs,
+// sign) because maddubs wants its first operand unsigned.  With AVX512-VNNI
+// one dpbusd does both steps.  The 8 int32 lanes go to float and into an
+// fp32 accumulator with the scale (Q6_K scales each half of the 32 apart:
+// lanes 0-3 hold its first 16 weights, 4-7 the rest), summed across lanes at
+// the end.  The portable build does the same in plain integer loops.
+//
+// Why integers: a decode step at one stream reads every weight once, and per
+// 32 weights the integer path is ~6 instructions (decode, dot, convert, FMA)
+// where de-quantizing to fp32 and FMA-ing with fp32 activations is ~16; the
+// price is the activations' 8-bit rounding, which the tests bound
+// (tests/kernels/test_quant_linear.py).
+//
+// Tiles: R tokens x C weight rows; a weight sub-block is decoded once per
+// tile and meets the R tokens.  One token takes C = 4 rows (four independent
+// chains), several take R = 4 x C = 2.  Threads split the rows in strips.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#include "quant_blocks.h"
+#include "types.h"
+
+namespace pagedserve {
+namespace quant {
+
+// One row's activation block of 32 inputs.
+struct XBlock {
+  float d;    // scale: x ~ d * q
+  float s;    // d * sum(q): what a weight min multiplies
+  int8_t q[32];
+};
+
+struct Part {
+  int64_t type, rows, row_bytes;
+  const uint8_t* data;
+};
+
+struct Blob {
+  int64_t K, N;
+  std::vector<Part> parts;
+};
+
+inline Blob parse(const at::Tensor& blob) {
+  TORCH_CHECK(blob.scalar_type() == at::kByte && blob.dim() == 1 && blob.is_contiguous() &&
+                  blob.numel() >= 64,
+              "quant_linear: the weight must be a quantized blob (kernels/quant.py)");
+  const auto* base = blob.data_ptr<uint8_t>();
+  int64_t words[8];
+  std::memcpy(words, base, sizeof(words));
+  TORCH_CHECK(words[0] == 0x57515350 && words[1] == 1, "quant_linear: not a version-1 blob");
+  Blob b{words[2], words[3], {}};
+  int64_t rows = 0;
+  for (int64_t p = 0; p < words[4]; ++p) {
+    int64_t w[4];
+    std::memcpy(w, base + 8 * (8 + 4 * p), sizeof(w));
+    TORCH_CHECK(w[2] + w[1] * w[3] <= blob.numel(), "quant_linear: a part runs past the blob");
+    b.parts.push_back(Part{w[0], w[1], w[3], base + w[2]});
+    rows += w[1];
+  }
+  TORCH_CHECK(rows == b.N, "quant_linear: the parts hold ", rows, " rows, the header says ", b.N);
+  return b;
+}
+
+// ---- activations --------------------------------------------------------------------------
+
+template <typename T>
+inline void quantize_row(const T* x, int64_t K, XBlock* out) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float v[32], amax = 0.f;
+    for (int i = 0; i < 32; ++i) {
+      v[i] = to_float(x[32 * b + i]);
+      amax = std::max(amax, std::fabs(v[i]));
+    }
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int q = int(std::nearbyint(v[i] * id));
+      out[b].q[i] = int8_t(q);
+      sum += q;
+    }
+    out[b].d = d;
+    out[b].s = d * float(sum);
+  }
+}
+
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The vector path of quantize_row: same numbers (round to nearest even).
+template <typename T>
+inline void quantize_row_avx2(const T* x, int64_t K, XBlock* out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      v[k] = load8(x + 32 * b + 8 * k);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k)
+      q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(id)),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    const int sum = int(hsum(_mm256_cvtepi32_ps(sum32)));
+    // int32 -> int8 in order: packs interleave the 128-bit lanes, the permute undoes it.
+    const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b),
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q), q8);
+    out[b].d = d;
+    out[b].s = d * float(sum);
+  }
+}
+
+// sum of w[i] * x[i] over 32 bytes, as 8 int32 lanes (lane l: bytes 4l .. 4l + 3).
+template <bool Signed>
+inline __m256i dot32(__m256i w, __m256i x) {
+  if (Signed) {  // maddubs's first operand is unsigned: move w's sign onto x
+    x = _mm256_sign_epi8(x, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+#endif  // __AVX2__
+
+// ---- one tile -----------------------------------------------------------------------------
+
+// The weights of one part, as the tiles read them.
+struct Rows {
+  const uint8_t* data;
+  int64_t row_bytes, blocks;  // blocks per row, of the type's kElems
+};
+
+// out[r][c] = sum over K of x row r times weight row c, for R tokens (XBlock
+// rows, stride xs) and C weight rows starting at `w`.
+template <typename Q, int R, int C>
+inline void tile(const Rows& rows, const uint8_t* w, const XBlock* x, int64_t xs, float (&out)[R][C]) {
+  constexpr bool kSigned = !Q::kMin;
+  float mins[R][C] = {};
+#if defined(__AVX2__)
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+#else
+  float acc[R][C] = {};
+#endif
+  for (int64_t b = 0; b < rows.blocks; ++b) {
+    float wd[C][2 * Q::kSubs], wm[C][Q::kSubs];
+    for (int c = 0; c < C; ++c) Q::scales(w + c * rows.row_bytes + b * Q::kBytes, wd[c], wm[c]);
+    for (int j = 0; j < Q::kSubs; ++j) {
+      const int64_t xb = b * Q::kSubs + j;
+#if defined(__AVX2__)
+      __m256i q[C];
+      for (int c = 0; c < C; ++c) q[c] = Q::q_avx2(w + c * rows.row_bytes + b * Q::kBytes, j);
+      for (int r = 0; r < R; ++r) {
+        const XBlock& xr = x[r * xs + xb];
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q));
+        for (int c = 0; c < C; ++c) {
+          const __m256 dot = _mm256_cvtepi32_ps(dot32<kSigned>(q[c], xq));
+          const __m256 scale = Q::kSplit ? _mm256_set_m128(_mm_set1_ps(wd[c][2 * j + 1] * xr.d),
+                                                           _mm_set1_ps(wd[c][2 * j] * xr.d))
+                                         : _mm256_set1_ps(wd[c][2 * j] * xr.d);
+          acc[r][c] = _mm256_fmadd_ps(dot, scale, acc[r][c]);
+          if (Q::kMin) mins[r][c] += wm[c][j] * xr.s;
+        }
+      }
+#else
+      int8_t q[C][32];
+      for (int c = 0; c < C; ++c) Q::q(w + c * rows.row_bytes + b * Q::kBytes, j, q[c]);
+      for (int r = 0; r < R; ++r) {
+        const XBlock& xr = x[r * xs + xb];
+        for (int c = 0; c < C; ++c) {
+          int lo = 0, hi = 0;
+          for (int i = 0; i < 16; ++i) lo += int(q[c][i]) * int(xr.q[i]);
+          for (int i = 16; i < 32; ++i) hi += int(q[c][i]) * int(xr.q[i]);
+          acc[r][c] += float(lo) * (wd[c][2 * j] * xr.d) + float(hi) * (wd[c][2 * j + 1] * xr.d);
+          if (Q::kMin) mins[r][c] += wm[c][j] * xr.s;
+        }
+      }
+#endif
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+#if defined(__AVX2__)
+      out[r][c] = hsum(acc[r][c]) + mins[r][c];
+#else
+      out[r][c] = acc[r][c] + mins[r][c];
+#endif
+    }
+}
+
+// Where a tile's sums go: out[m, n] (+ bias[n]), stored as TOut.
+template <typename TOut>
+struct Sink {
+  TOut* out;
+  int64_t N;
+  const float* bias;
+  template <int R, int C>
+  void put(const float (&sums)[R][C], int64_t m, int64_t n) const {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        store_scalar(out + (m + r) * N + n + c, sums[r][c] + (bias ? bias[n + c] : 0.f));
+  }
+};
+
+// Tokens [0, M) against rows [n0, n1) of one part (its rows start at global row `first`).
+template <typename Q, typename TOut>
+inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, const XBlock* x,
+                      int64_t M, const Sink<TOut>& sink) {
+  const int64_t xs = rows.blocks * Q::kSubs;  // XBlocks per token
+  auto run = [&](auto r_tag, auto c_tag, int64_t m, int64_t n) {
+    constexpr int R = decltype(r_tag)::value, C = decltype(c_tag)::value;
+    float sums[R][C];
+    tile<Q, R, C>(rows, rows.data + (n - first) * rows.row_bytes, x + m * xs, xs, sums);
+    sink.template put<R, C>(sums, m, n);
+  };
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I4 = std::integral_constant<int, 4>;
+  if (M == 1) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) run(I1{}, I4{}, 0, n);
+    for (; n < n1; ++n) run(I1{}, I1{}, 0, n);
+    return;
+  }
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) run(I4{}, I2{}, m, n);
+    for (; m < M; ++m) run(I1{}, I2{}, m, n);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) run(I1{}, I1{}, m, n);
+}
+
+template <typename TX, typename TOut>
+inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
+  const int64_t K = blob.K, xs = K / 32;
+  std::vector<XBlock> xq(size_t(M * xs));
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+#if defined(__AVX2__)
+      quantize_row_avx2(x + m * K, K, xq.data() + m * xs);
+#else
+      quantize_row(x + m * K, K, xq.data() + m * xs);
+#endif
+    }
+  });
+  const Sink<TOut> sink{out, blob.N, bias};
+  int64_t first = 0;
+  for (const Part& p : blob.parts) {
+    const bool known = with_type(p.type, [&](auto q) {
+      using Q = decltype(q);
+      const Rows rows{p.data, p.row_bytes, K / Q::kElems};
+      // Strips of whole 4-row tiles; at least 16 rows a thread.
+      at::parallel_for(0, (p.rows + 3) / 4, 4, [&](int64_t t0, int64_t t1) {
+        part_rows<Q>(rows, first, first + 4 * t0, first + std::min(4 * t1, p.rows), xq.data(), M, sink);
+      });
+    });
+    TORCH_CHECK(known, "quant_linear: unsupported ggml type ", p.type);
+    first += p.rows;
+  }
+}
+
+}  // namespace quant
+
+inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, bool float_out) {
+  const quant::Blob blob = quant::parse(weight);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == blob.K, "quant_linear: x must be [tokens, ",
+              blob.K, "] on the CPU, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quant_linear: x must be float32 or bf16");
+  const int64_t M = x.size(0), N = blob.N;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quant_linear: bias must be [out]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  const bool bf16_out = x.scalar_type() == at::kBFloat16 && !float_out;
+  at::Tensor out = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (M == 0 || N == 0) return out;
+  const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
+  auto go = [&](auto* xp) {
+    if (bf16_out)
+      quant::run(blob, xp, M, bias_ptr, reinterpret_cast<bf16_t*>(out.data_ptr()));
+    else
+      quant::run(blob, xp, M, bias_ptr, out.data_ptr<float>());
+  };
+  if (x.scalar_type() == at::kFloat)
+    go(xc.data_ptr<float>());
+  else
+    go(reinterpret_cast<const bf16_t*>(xc.data_ptr()));
+  return out;
+}
+
+// The blob's weights as float32 [N, K], exactly gguf.quants.dequantize's numbers.
+inline at::Tensor quant_dequantize(const at::Tensor& weight) {
+  const quant::Blob blob = quant::parse(weight);
+  at::Tensor out = at::empty({blob.N, blob.K}, weight.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  for (const quant::Part& p : blob.parts) {
+    const bool known = quant::with_type(p.type, [&](auto q) {
+      using Q = decltype(q);
+      at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t b = 0; b < blob.K / Q::kElems; ++b) {
+            const uint8_t* block = p.data + r * p.row_bytes + b * Q::kBytes;
+            float wd[2 * Q::kSubs], wm[Q::kSubs] = {};
+            int8_t qs[32];
+            Q::scales(block, wd, wm);
+            for (int j = 0; j < Q::kSubs; ++j) {
+              Q::q(block, j, qs);
+              float* dst = o + r * blob.K + b * Q::kElems + 32 * j;
+              for (int i = 0; i < 32; ++i) {
+                const float v = wd[2 * j + i / 16] * float(qs[i]);
+                dst[i] = Q::kMin ? v + wm[j] : v;
+              }
+            }
+          }
+      });
+    });
+    TORCH_CHECK(known, "quant_dequantize: unsupported ggml type ", p.type);
+    o += p.rows * blob.K;
+  }
+  return out;
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,191 @@
+"""Quantized weights in GGUF's block formats: the blob that carries them, and
+the reference every kernel is held to.
+
+A quantized linear weight is one 1-D uint8 tensor, the *blob*, so that it
+travels through the compiled ops' `Tensor` weight arguments (the fused
+decoder-layer op takes it where a bf16 weight would go, and picks the
+quantized product by its dtype)::
+
+    header, int64 little-endian words, zero-padded to a multiple of 64 bytes:
+      [0] MAGIC  [1] VERSION  [2] K = in_features  [3] N = out_features
+      [4] P = parts  [5..7] 0
+      then per part: ggml type id, rows, byte offset of its data, row_bytes
+    each part's data at a multiple of 64 bytes: rows x row_bytes, every row
+    that row's GGUF blocks in file order (row_bytes = K / block_elems * block_bytes)
+
+Parts stack along N in order: a fused q|k|v projection is three parts, and a
+Q4_K_M file gives them different types (Q4_K q and k, Q6_K v). The rows are
+the file's bytes unchanged, so de-quantizing them gives the file's numbers
+bit for bit (tests/kernels/test_quant_linear.py holds the compiled decoder to
+`gguf.quants.dequantize`, the reference here).
+
+The reference product de-quantizes (numpy, exact) and multiplies in float32;
+the compiled op (kernels/cpu/csrc/quant_linear.h) quantizes each activation
+row per 32 inputs to 8 bits and multiplies integers, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAGIC = 0x57515350  # "PSQW"
+VERSION = 1
+HEADER_WORDS = 8
+PART_WORDS = 4
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class QuantType:
+    name: str
+    ggml_id: int
+    block_elems: int  # weights per block
+    block_bytes: int
+
+    def row_bytes(self, in_features: int) -> int:
+        if in_features % self.block_elems:
+            raise ValueError(f"{self.name} needs in_features divisible by {self.block_elems}, "
+                             f"got {in_features}")
+        return in_features // self.block_elems * self.block_bytes
+
+
+def _quant_types() -> dict[str, QuantType]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    names = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    return {name: QuantType(name, int(GGMLQuantizationType[name]),
+                            *GGML_QUANT_SIZES[GGMLQuantizationType[name]]) for name in names}
+
+
+QUANT_TYPES = _quant_types()
+_BY_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
+
+
+def is_quant_weight(tensor) -> bool:
+    """Whether a weight is a blob (uint8) rather than floats."""
+    return isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint8
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: int) -> torch.Tensor:
+    """One blob of the parts (type name, uint8 [rows, row_bytes]), stacked along N."""
+    header = [MAGIC, VERSION, in_features, sum(p.shape[0] for _, p in parts), len(parts), 0, 0, 0]
+    offset = _align(8 * (HEADER_WORDS + PART_WORDS * len(parts)))
+    places = []
+    for name, data in parts:
+        kind = QUANT_TYPES.get(name)
+        if kind is None:
+            raise ValueError(f"quant type {name!r} is not one of {tuple(QUANT_TYPES)}")
+        row_bytes = kind.row_bytes(in_features)
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row_bytes:
+            raise ValueError(f"a {name} part of {in_features} inputs is uint8 [rows, {row_bytes}], "
+                             f"got {data.dtype} {tuple(data.shape)}")
+        header += [kind.ggml_id, data.shape[0], offset, row_bytes]
+        places.append((offset, data))
+        offset = _align(offset + data.numel())
+    blob = torch.zeros(offset, dtype=torch.uint8)
+    blob[:8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    for start, data in places:
+        blob[start:start + data.numel()] = data.reshape(-1)
+    return blob
+
+
+def _header(blob: torch.Tensor) -> list[int]:
+    words = blob[:8 * HEADER_WORDS].view(torch.int64).tolist()
+    if words[0] != MAGIC or words[1] != VERSION:
+        raise ValueError("not a quantized weight blob (kernels/quant.py)")
+    parts = words[4]
+    return blob[:8 * (HEADER_WORDS + PART_WORDS * parts)].view(torch.int64).tolist()
+
+
+def quant_shape(blob: torch.Tensor) -> tuple[int, int]:
+    """(out_features, in_features) of a blob."""
+    words = _header(blob)
+    return words[3], words[2]
+
+
+def quant_parts(blob: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The blob's parts: (type name, uint8 [rows, row_bytes] view into it)."""
+    words = _header(blob)
+    parts = []
+    for p in range(words[4]):
+        type_id, rows, offset, row_bytes = words[HEADER_WORDS + PART_WORDS * p:][:PART_WORDS]
+        data = blob[offset:offset + rows * row_bytes].view(rows, row_bytes)
+        parts.append((_BY_ID[type_id].name, data))
+    return parts
+
+
+def dequantize_part(type_name: str, data: torch.Tensor) -> torch.Tensor:
+    """float32 [rows, K] of one part, by gguf.quants.dequantize (the oracle)."""
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(data.numpy(), GGMLQuantizationType[type_name])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def dequantize_reference(blob: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K]: every part de-quantized by gguf's own code."""
+    return torch.cat([dequantize_part(name, data) for name, data in quant_parts(blob)])
+
+
+def quant_linear_reference(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None = None,
+                           float_out: bool = False) -> torch.Tensor:
+    """x @ W.T (+ bias) over the exact de-quantized W, in float32; out in x's
+    dtype (float32 with float_out)."""
+    out = x.float() @ dequantize_reference(blob).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out if float_out else out.to(x.dtype)
+
+
+def quantize_weight(weight: torch.Tensor, type_name: str) -> torch.Tensor:
+    """A float [N, K] weight as a one-part blob of `type_name`, round to
+    nearest: gguf's own quantizer for the legacy types, kernels/quantize_k.py
+    for Q4_K (gguf writes no K-quants)."""
+    from gguf import GGMLQuantizationType, quants
+
+    values = weight.detach().float().cpu().numpy()
+    if type_name == "Q4_K":
+        from kernels.quantize_k import quantize_q4_k
+
+        data = quantize_q4_k(values)
+    elif type_name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        QUANT_TYPES[type_name].row_bytes(weight.shape[1])  # a clear error for a bad width
+        data = quants.quantize(values, GGMLQuantizationType[type_name])
+    else:
+        raise ValueError(f"cannot quantize into {type_name!r}: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K")
+    return pack_quant_weight([(type_name, torch.from_numpy(np.ascontiguousarray(data)))],
+                             weight.shape[1])
+
+
+def random_quant_blocks(type_name: str, rows: int, in_features: int,
+                        generator: torch.Generator) -> torch.Tensor:
+    """uint8 [rows, row_bytes] of random *valid* blocks (tests, benchmarks):
+    random bytes, with every fp16 scale field set to a finite value, drawn
+    to include the extremes (subnormal, ~6e4, negative, zero)."""
+    kind = QUANT_TYPES[type_name]
+    data = torch.randint(0, 256, (rows, kind.row_bytes(in_features)), dtype=torch.uint8,
+                         generator=generator)
+    blocks = data.view(-1, kind.block_bytes)
+    for field in _scale_fields(type_name):
+        picks = torch.randint(0, len(_SCALES), (blocks.shape[0],), generator=generator)
+        values = _SCALES[picks] * torch.rand(blocks.shape[0], generator=generator).add(0.5)
+        blocks[:, field:field + 2] = values.to(torch.float16).view(torch.uint8).view(-1, 2)
+    return data
+
+
+# Scale magnitudes a valid block may hold: ordinary, tiny (subnormal in fp16), huge, zero.
+_SCALES = torch.tensor([1e-3, 2e-2, -3e-2, 1e-6, 3e4, 0.0, 1.0])
+
+
+def _scale_fields(type_name: str) -> tuple[int, ...]:
+    """Byte offsets of a block's fp16 scale fields (d, and m or dmin)."""
+    return {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+            "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[type_name]

@@ -1,0 +1,126 @@
+"""The quantized linear (kernels/cpu/csrc/quant_linear.h, quant_blocks.h)
+against gguf's own numbers and the reference product (kernels/quant.py), on
+fresh random blocks each session, through every build this CPU runs.
+
+* Exact: the op's de-quantized weights, read back through the blob, equal
+  `gguf.quants.dequantize` bit for bit, for every type, including blocks
+  with extreme scales (fp16 subnormals, ~3e4, negative, zero) and all-zero
+  blocks.
+* Bounded: the product quantizes each activation block of 32 to int8
+  (x ~ d q, d = max|x| / 127, |x - d q| <= d / 2), and sums in float32. So
+  per output  |y - y_ref| <= sum_i |w_i| d_block(i) / 2  (+ float32
+  rounding of the sums, and the output's own rounding to bf16).
+"""
+
+import pytest
+import torch
+
+import kernels
+from kernels.quant import (QUANT_TYPES, dequantize_reference, pack_quant_weight,
+                           quant_linear_reference, random_quant_blocks)
+
+TYPES = tuple(QUANT_TYPES)
+ROWS = (1, 3, 16, 128)
+
+
+def _width(type_name: str, blocks: int) -> int:
+    return blocks * QUANT_TYPES[type_name].block_elems
+
+
+def _blob(generator, type_names, out_features, in_features, zero_rows=0):
+    parts = []
+    for name in type_names:
+        data = random_quant_blocks(name, out_features, in_features, generator)
+        data[:zero_rows] = 0  # an all-zero block: every field 0
+        parts.append((name, data))
+    return pack_quant_weight(parts, in_features)
+
+
+def _bound(x: torch.Tensor, weight: torch.Tensor, out_dtype, expected: torch.Tensor) -> torch.Tensor:
+    """The activation quantization's worst case per output, plus float32
+    rounding, and for a bf16 output its rounding of `expected` (bias included)."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127  # d of each activation block
+    half_step = (step / 2).expand_as(blocks).reshape(x.shape)
+    magnitude = x.float().abs() @ weight.abs().t()
+    bound = half_step @ weight.abs().t() * 1.001 + magnitude * 1e-5 + 1e-30
+    if out_dtype == torch.bfloat16:
+        bound = bound + (expected.abs() + bound) * 2.0**-8
+    return bound
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_is_gguf_bit_for_bit(builds, type_name, session_seed):
+    generator = torch.Generator().manual_seed(session_seed)
+    blob = _blob(generator, [type_name], 37, _width(type_name, 3), zero_rows=2)
+    expected = dequantize_reference(blob)
+    for isa, ops in builds.items():
+        got = ops.quant_dequantize(blob)
+        assert got.view(torch.int32).equal(expected.view(torch.int32)), \
+            f"{isa} {type_name}, seed {session_seed}: not gguf's bits"
+
+
+def test_mixed_parts_come_back_in_order(builds, session_seed):
+    generator = torch.Generator().manual_seed(session_seed)
+    blob = _blob(generator, ["Q4_K", "Q6_K", "Q8_0", "Q5_K"], 5, 512)
+    expected = dequantize_reference(blob)
+    assert expected.shape == (20, 512)
+    for ops in builds.values():
+        assert ops.quant_dequantize(blob).view(torch.int32).equal(expected.view(torch.int32))
+
+
+def _inputs(generator, type_names, rows, out_features, in_features, dtype):
+    blob = _blob(generator, type_names, out_features, in_features)
+    weight = dequantize_reference(blob)
+    # Rescale so outputs stay finite at the extreme scales: a row times its inverse norm.
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features * len(type_names), generator=generator)
+    return blob, weight, x, bias
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_product_is_within_the_activation_bound(builds, type_name, rows, session_seed):
+    generator = torch.Generator().manual_seed(session_seed + rows)
+    in_features = _width(type_name, 5 if QUANT_TYPES[type_name].block_elems == 32 else 2)
+    for dtype in (torch.float32, torch.bfloat16):
+        blob, weight, x, bias = _inputs(generator, [type_name], rows, 37, in_features, dtype)
+        expected = quant_linear_reference(x, blob, bias, float_out=True)
+        bound = _bound(x, weight, dtype, expected)
+        for isa, ops in builds.items():
+            got = ops.quant_linear(x, blob, bias)
+            assert got.dtype == dtype and got.shape == (rows, 37)
+            error = (got.float() - expected).abs()
+            worst = (error / bound).max().item()
+            assert worst <= 1, f"{isa} {type_name} {dtype} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
+
+
+def test_mixed_parts_and_float_out(builds, session_seed):
+    generator = torch.Generator().manual_seed(session_seed)
+    blob, weight, x, bias = _inputs(generator, ["Q4_K", "Q6_K", "Q8_0"], 7, 11, 512, torch.bfloat16)
+    expected = quant_linear_reference(x, blob, bias, float_out=True)
+    bound = _bound(x, weight, torch.float32, expected)
+    for ops in builds.values():
+        got = ops.quant_linear(x, blob, bias, True)
+        assert got.dtype == torch.float32 and got.shape == (7, 33)
+        assert bool(((got - expected).abs() <= bound).all())
+
+
+def test_the_dispatch_and_the_reference_agree_on_shapes(session_seed):
+    generator = torch.Generator().manual_seed(session_seed)
+    blob, weight, x, _ = _inputs(generator, ["Q8_0"], 4, 9, 64, torch.float32)
+    got = kernels.quant_linear(x.view(2, 2, 64), blob)
+    assert got.shape == (2, 2, 9)
+    assert torch.allclose(got.view(4, 9), x @ weight.t(), rtol=0.05, atol=0.05 * x.abs().max().item()
+                          * weight.abs().sum(1).max().item() / 64)
+    assert kernels.quant_dequantize(blob).equal(weight)
+
+
+def test_a_blob_of_another_width_is_refused(builds, session_seed):
+    generator = torch.Generator().manual_seed(session_seed)
+    blob = _blob(generator, ["Q4_0"], 3, 64)
+    for ops in builds.values():
+        with pytest.raises(RuntimeError, match=r"x must be \[tokens, 64\]"):
+            ops.quant_linear(torch.zeros(1, 96), blob, None)
+        with pytest.raises(RuntimeError, match="quantized blob"):
+            ops.quant_linear(torch.zeros(1, 64), torch.zeros(64, dtype=torch.float32), None)
