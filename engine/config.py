@@ -12,21 +12,19 @@ EngineConfig with the model's limit filled in or refuses a value beyond it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from engine.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # kernels.BACKEND_NAMES, restated so that building a config (and --help) imports
 # no torch; tests/kernels/test_kernels_api.py holds the two equal.
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# None: a GGUF file's own types ("gguf", vLLM's name), nothing for a float
-# checkpoint; "none": float weights (a GGUF de-quantized once); the rest quantize
-# a float checkpoint at load (engine/model/layers/quantization.py LOAD_QUANTIZATIONS,
-# restated so that a config imports no torch; tests/engine/test_quantization.py
-# holds the two equal).
+# The quantizations of a float checkpoint at load (layers/quantization.py's list,
+# restated: a config imports no torch; tests/engine/test_quantization.py holds them equal).
 LOAD_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
 QUANTIZATIONS = (None, "gguf", "none", *LOAD_QUANTIZATIONS)
 # vLLM's names: "dummy" fills the weights at random from config.json alone (benchmarks).
@@ -36,7 +34,6 @@ MAX_BLOCK_SIZE = 128
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # Names of the default model, a GGUF file (engine/model/models/loader.py).
 DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "smollm2", "SmolLM2-135M-Instruct")
-SPECULATIVE_METHODS = ("ngram", "suffix")  # proposers that need no draft model
 
 
 def default_cache_dir() -> Path:
@@ -52,93 +49,6 @@ def is_gguf_model(model: str) -> bool:
 
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's `speculative_config` for the methods that need no draft model
-    (engine/spec_decode/): the same keys, the same meaning.
-
-    ngram   draft the tokens that followed the latest earlier occurrence of the
-            context's last n tokens, n from prompt_lookup_max down to
-            prompt_lookup_min (both 5 when neither is given, as in vLLM)
-    suffix  Arctic's suffix decoding: continuations counted over the request's
-            own tokens and the outputs of recent requests, drafted while their
-            estimated probability stays above suffix_decoding_min_token_prob
-
-    disable_by_batch_size: no drafts in a step with more running sequences than
-    this. vLLM's default is never; ours is 8, because on a CPU a batch of that
-    size already spends its step computing, and drafts would only add work.
-    """
-
-    method: str = "ngram"
-    num_speculative_tokens: int | None = None
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-    disable_by_batch_size: int | None = 8
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 10_000
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config.method={self.method!r} is not supported: "
-                             f"choose one of {SPECULATIVE_METHODS} (draft models are not served)")
-        if self.method == "ngram":
-            self._fill_lookup()
-        elif self.num_speculative_tokens is None:  # vLLM: the tree depth for suffix
-            object.__setattr__(self, "num_speculative_tokens",
-                               self.suffix_decoding_max_tree_depth)
-        for name, minimum in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1),
-                              ("prompt_lookup_max", 1), ("disable_by_batch_size", 1),
-                              ("suffix_decoding_max_tree_depth", 1),
-                              ("suffix_decoding_max_cached_requests", 0)):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < minimum):
-                raise ValueError(f"speculative_config.{name}={value!r} must be an integer "
-                                 f">= {minimum}")
-        for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, None),
-                                ("suffix_decoding_min_token_prob", 0.0, 1.0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not value >= low or (high is not None and value > high):
-                raise ValueError(f"speculative_config.{name}={value!r} must be a number "
-                                 f">= {low}" + (f" and <= {high}" if high is not None else ""))
-
-    def _fill_lookup(self) -> None:
-        if self.num_speculative_tokens is None:
-            raise ValueError("speculative_config.num_speculative_tokens is required for "
-                             "method 'ngram'")
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is None and high is None:
-            low = high = 5
-        low, high = (high if low is None else low), (low if high is None else high)
-        object.__setattr__(self, "prompt_lookup_min", low)
-        object.__setattr__(self, "prompt_lookup_max", high)
-        if isinstance(low, int) and isinstance(high, int) and low > high:
-            raise ValueError(f"speculative_config.prompt_lookup_min={low} must be <= "
-                             f"prompt_lookup_max={high}")
-
-    @classmethod
-    def parse(cls, value) -> "SpeculativeConfig":
-        """From the flag's JSON text, a dict (the Python API's) or a SpeculativeConfig."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config.{unknown[0]} is not a supported key "
-                             f"(supported: {', '.join(sorted(known))})")
-        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -293,16 +203,14 @@ class EngineConfig:
 
     def _resolved_quantization(self) -> str | None:
         """quantization with its default filled in: gguf for a GGUF model."""
-        gguf = is_gguf_model(self.model)
-        if self.quantization is None:
-            return "gguf" if gguf else None
-        if self.quantization == "gguf" and not gguf:
-            raise ValueError(f"quantization='gguf' serves a GGUF file's own tensors; model "
-                             f"{self.model!r} is not a .gguf file")
-        if gguf and self.quantization not in ("gguf", "none"):
-            raise ValueError(f"quantization={self.quantization!r} quantizes a float checkpoint; a "
-                             f".gguf model is served in its own types (gguf) or de-quantized (none)")
-        return self.quantization
+        gguf, quantization = is_gguf_model(self.model), self.quantization
+        if quantization == "gguf" and not gguf:
+            raise ValueError(f"quantization='gguf' serves a GGUF file's own tensors; "
+                             f"model {self.model!r} is not a .gguf file")
+        if gguf and quantization not in (None, "gguf", "none"):
+            raise ValueError(f"quantization={quantization!r} quantizes a float checkpoint; a .gguf "
+                             "model is served in its own types (gguf) or de-quantized (none)")
+        return "gguf" if gguf and quantization is None else quantization
 
     def _check_ints(self) -> None:
         minimums = {

@@ -226,14 +226,14 @@ def test_every_flag_has_its_help(monkeypatch):
 
 
 def test_the_documented_flags_keep_their_spelling():
-    argv = ["--model", "m", "--tokenizer", "t", "--dtype", "bfloat16", "--quantization", "int4",
+    argv = ["--model", "m", "--tokenizer", "t", "--dtype", "bfloat16", "--quantization", "q4_0",
             "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
             "--max-model-len", "128", "--gpu-memory-utilization", "0.5",
             "--kv-cache-memory-bytes", "4096", "--tensor-parallel-size", "1",
             "--no-enable-prefix-caching", "--kernel-backend", "torch", "--device", "cpu",
             "--num-threads", "2", "--seed", "7", "--schedule-conservativeness", "0.5"]
     assert config_from_args(engine_parser().parse_args(argv)) == EngineConfig(
-        model="m", tokenizer="t", dtype="bfloat16", quantization="int4", block_size=32,
+        model="m", tokenizer="t", dtype="bfloat16", quantization="q4_0", block_size=32,
         max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
         gpu_memory_utilization=0.5, kv_cache_memory_bytes=4096, tensor_parallel_size=1,
         enable_prefix_caching=False, kernel_backend="torch", device="cpu", num_threads=2, seed=7,
