@@ -70,9 +70,8 @@ def write_tiny_gguf(path: Path, family: str, tokenizer_gguf: Path, tensor_type: 
     tensors = list(_gguf_tensors(model, arch))
     types = {name: _tensor_type(name, array, tensor_type) for name, array in tensors}
     types.update(override_types or {})
-    file_type = {"Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M}.get(tensor_type) or \
-        getattr(gguf.LlamaFileType, f"MOSTLY_{tensor_type}")
-    writer.add_file_type(int(file_type))
+    file_type = {"Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S"}.get(tensor_type, tensor_type)
+    writer.add_file_type(int(gguf.LlamaFileType[f"MOSTLY_{file_type}"]))
     for name, array in tensors:
         data, qtype = _encode(array, types[name], rng)
         writer.add_tensor(name, data, raw_dtype=qtype)
