@@ -84,6 +84,8 @@ def write_tiny_gguf(path: Path, family: str, tokenizer_gguf: Path, tensor_type: 
 
 def _write_metadata(writer, arch: str, family: str, config) -> None:
     """The keys llama.cpp's convert_hf_to_gguf.py writes for these architectures."""
+    import gguf
+
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_name(f"tiny-{family}")  # transformers reads "mistral" in it: a Mistral config
     writer.add_block_count(config.num_hidden_layers)
@@ -97,7 +99,7 @@ def _write_metadata(writer, arch: str, family: str, config) -> None:
     rope = _rope(config)
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type", "default") == "linear":
-        writer.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
