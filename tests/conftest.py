@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.config import DEFAULT_MODEL, default_cache_dir
-from engine.model.models.loader import resolve_model_path
+from engine.model.models.loader import default_gguf_path, resolve_model_path
 from need import need
 from tiny_models import make_tiny_model
 
@@ -75,6 +75,28 @@ def smollm2_path() -> Path:
         return resolve_model_path(DEFAULT_MODEL, default_cache_dir())
     except ValueError as exc:
         need(False, f"the default model is not available: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """(family, tensor_type) -> a tiny random GGUF file of that family
+    (tests/gguf_models.py), written once per session, with SmolLM2's tokenizer."""
+    from gguf_models import shape_for, write_tiny_gguf
+
+    try:
+        tokenizer = default_gguf_path()
+    except ValueError as exc:
+        need(False, f"SmolLM2's GGUF is not available: {exc}")
+    folder, files = tmp_path_factory.mktemp("gguf"), {}
+
+    def get(family: str, tensor_type: str = "Q8_0") -> Path:
+        if (family, tensor_type) not in files:
+            path = folder / f"{family}-{tensor_type}.gguf"
+            files[family, tensor_type] = write_tiny_gguf(path, family, tokenizer, tensor_type,
+                                                         **shape_for(family, tensor_type))
+        return files[family, tensor_type]
+
+    return get
 
 
 @pytest.fixture(scope="session")

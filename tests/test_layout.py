@@ -78,7 +78,7 @@ def test_layers_point_down(package):
 
 
 # engine/'s top-level files: the vocabulary every room shares.
-ENGINE_SHARED = frozenset({"engine.config", "engine.args", "engine.sampling_params",
+ENGINE_SHARED = frozenset({"engine.config", "engine.speculative_config", "engine.args", "engine.sampling_params",
                            "engine.outputs", "engine.errors"})
 # What each room of engine/ may import of engine/ besides itself and ENGINE_SHARED.
 ROOM_MAY_IMPORT = MappingProxyType({

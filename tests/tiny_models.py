@@ -32,11 +32,9 @@ def make_tiny_model(folder: Path, tokenizer_source: Path, **overrides) -> Path:
 def save_tiny(folder: Path, config_name: str, model_name: str, settings: dict,
               tokenizer_source: Path, seed: int) -> Path:
     """transformers' own model class with random weights, saved with a tokenizer."""
-    import transformers
     from transformers import AutoTokenizer
 
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**settings))
+    model = build_tiny(config_name, model_name, settings, seed)
     model.save_pretrained(folder, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(folder)
     return folder
@@ -99,9 +97,23 @@ def make_tiny_family(folder: Path, family: str, tokenizer_source: Path, seed: in
     """A tiny random checkpoint of `family` (a FAMILIES key), saved as an HF folder;
     `shape` overrides config fields (hidden_size=128: a head_dim of 32, which
     every build of the compiled CPU ops takes)."""
+    config_name, model_name, settings = family_settings(family, **shape)
+    return save_tiny(folder, config_name, model_name, settings, tokenizer_source, seed)
+
+
+def family_settings(family: str, **shape) -> tuple[str, str, dict]:
+    """(config class name, model class name, config fields) of a FAMILIES entry."""
     config_name, model_name, extra = FAMILIES[family]
     settings = dict(vocab_size=49152, architectures=[model_name], **{**_SHAPE, **extra, **shape})
-    return save_tiny(folder, config_name, model_name, settings, tokenizer_source, seed)
+    return config_name, model_name, settings
+
+
+def build_tiny(config_name: str, model_name: str, settings: dict, seed: int):
+    """transformers' own model class with random weights (seeded), in memory."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(getattr(transformers, config_name)(**settings))
 
 
 # A Qwen3-style thinking template: the generation prompt opens the thought with

@@ -1,27 +1,28 @@
-"""A GGUF file read as it is: its config, tokenizer and tensors, the
-quantized ones left in their blocks.
+"""A GGUF file read in place: its HF config, and its tensors under HF names, quantized ones as stored.
 
-`gguf`'s reader memory-maps the file, so opening it reads only the metadata
-and the tensor index; a quantized tensor comes out as a QuantTensor, a view
-of its bytes in the map, and no bytes move until the model packs them into
-a blob (kernels/quant.py). What HF transformers' GGUF loader knows, this
-reuses rather than restates: the metadata -> config mapping (AutoConfig with
-`gguf_file`), the tensor names (`get_gguf_hf_weights_map` over a model built
-on the meta device) and each architecture's value transforms (its
-TensorProcessor: Llama's q/k row permutation, Gemma's norms stored as 1 + w).
+    checkpoint = GGUFCheckpoint.open(path)     # metadata and tensor index only
+    checkpoint.config                          # the HF PretrainedConfig
+    for name, value in checkpoint.tensors():   # "model.layers.0.self_attn.q_proj.weight", ...
+        ...                                    # torch.Tensor (F32/F16/BF16) or QuantTensor
 
-A transform that moves whole rows (Llama's permutation) is applied to the
-quantized rows themselves: a row's blocks are its own, so reordering rows
-never touches a value. One that changes values (Gemma's norm - 1, MoE expert
-splitting) runs on de-quantized floats, as transformers runs it; the norms it
-touches are float32 in every file, and an architecture whose processor
-reshapes quantized matrices (the MoE families) has those tensors
-de-quantized here, the file's values in float32.
+The file is memory-mapped (gguf.GGUFReader): a QuantTensor's bytes are a
+view of the mapping, read from disk only when something touches them.
+
+Names and values are what transformers' GGUF loader gives
+(transformers/modeling_gguf_pytorch_utils.py): its GGUF -> HF name map, and
+its per-architecture TensorProcessor, whose transforms (Llama's q/k row
+permutation, Gemma's norms stored as 1 + w) apply to quantized tensors only
+when they move whole rows. Expert tensors ([E, rows, cols] in the file) come
+one expert at a time, "model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight".
+
+The config is transformers' mapping of the metadata (load_gguf_checkpoint),
+completed where that mapping drops keys our model classes read (see
+gguf_config.py); a file we cannot serve is refused at open, naming why.
 """
 
 from __future__ import annotations
 
-import logging
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,165 +31,243 @@ from pathlib import Path
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from engine.model.models.gguf_config import hf_config_dict, make_config
 
-QUANT_TYPE_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-FLOAT_TYPE_NAMES = ("F32", "F16", "BF16")
-# general.architecture values served (mistral files say llama); MoE ones de-quantize experts.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
-ROW_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor")
+SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """A weight as the file stores it: `data` uint8 [rows, row_bytes], each
-    row that row's blocks; `shape` (rows, cols) as nn.Linear's [out, in]."""
+    """A quantized [rows, cols] matrix as the file stores it: `data` is uint8
+    [rows, row_bytes], each row its cols values in whole blocks of `type_name`.
+    Rows are independent, so they can be selected and reordered as bytes."""
 
     type_name: str
     data: torch.Tensor
     shape: tuple[int, int]
 
     def take_rows(self, index) -> "QuantTensor":
+        """These rows (a sequence or tensor of row indices), in this order."""
         index = torch.as_tensor(index, dtype=torch.long)
-        return QuantTensor(self.type_name, self.data.index_select(0, index),
-                           (len(index), self.shape[1]))
+        return QuantTensor(self.type_name, self.data[index], (int(index.numel()), self.shape[1]))
+
+    def rows(self, start: int, stop: int) -> "QuantTensor":
+        """Rows start..stop-1: a view, no copy."""
+        data = self.data[start:stop]
+        return QuantTensor(self.type_name, data, (int(data.shape[0]), self.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols] (gguf.quants; reads the bytes)."""
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType[self.type_name]
+        values = gguf.quants.dequantize(self.data.numpy(), qtype)
+        return torch.from_numpy(np.ascontiguousarray(values)).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One file tensor and what becomes of it: its HF name (the stem of the
+    per-expert names for expert tensors) and the row order transformers gives it."""
+
+    gguf_name: str
+    hf_name: str
+    tensor: object  # gguf ReaderTensor
+    rows: torch.Tensor | None  # a permutation of the rows, None: as stored
+    values_change: bool  # transformers changes values (float tensors only)
 
 
 class GGUFCheckpoint:
-    """One GGUF file: `architecture`, `hf_config` and `tensors()`."""
+    """An open GGUF file of an architecture we serve (see `open`)."""
 
-    def __init__(self, path: Path, reader, hf_config, config_dict: dict) -> None:
+    def __init__(self, path: Path, reader, config_dict: dict, config, processor,
+                 entries: list[_Entry]) -> None:
         self.path = path
         self.reader = reader
-        self.hf_config = hf_config
-        self.config_dict = config_dict
-        self.architecture = _field(reader, "general.architecture")
+        self.config_dict = config_dict  # transformers' key names, as the processors read them
+        self.config = config
+        self.processor = processor
+        self.entries = entries
 
     @classmethod
-    def open(cls, path, hf_config=None) -> "GGUFCheckpoint":
-        """Read the file's index; `hf_config`: its config when already known
-        (a model folder's config.json), else mapped from the metadata again."""
-        from gguf import GGUFReader
+    def open(cls, path, config=None) -> "GGUFCheckpoint":
+        """Read the metadata and the tensor index (not the tensor bytes).
+        `config`: the file's HF config when already known (a model folder's
+        config.json, written from it): mapping the metadata again reads the
+        whole file's fields a second time (~3 s for SmolLM2's tokenizer).
+
+        ValueError: an architecture we do not serve; a tensor of a type we do
+        not take, one that no HF weight takes, or a transform that cannot be
+        applied to its quantized rows."""
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         path = Path(path)
-        reader = GGUFReader(str(path))
+        reader = gguf.GGUFReader(str(path))
+        if config is None:
+            config_dict = hf_config_dict(path, reader)
+            config = make_config(config_dict)
+        else:
+            config_dict = config.to_dict()
         architecture = _field(reader, "general.architecture")
-        if architecture not in ARCHITECTURES:
-            raise ValueError(f"{path.name}: GGUF architecture {architecture!r} is not served; "
-                             f"supported: {', '.join(ARCHITECTURES)}")
-        check_tensor_types(reader, path.name)
-        hf_config = hf_config if hf_config is not None else config_of(path)
-        return cls(path, reader, hf_config, hf_config.to_dict())
+        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config_dict)
+        _check_types(reader)
+        names = _name_map(config, architecture)
+        entries = [_plan(tensor, names, processor) for tensor in reader.tensors]
+        return cls(path, reader, config_dict, config, processor, entries)
 
-    def tensors(self) -> Iterator[tuple[str, object]]:
-        """(HF name, value) of every tensor: floats as torch tensors, supported
-        quantized 2-D weights as QuantTensor (MoE experts de-quantized)."""
-        yield from self._tensors(dequantize=False)
+    @property
+    def architecture(self) -> str:
+        """The file's general.architecture (llama.cpp's name: "llama", "qwen3moe", ...)."""
+        return _field(self.reader, "general.architecture")
+
+    @property
+    def chat_template(self) -> str | None:
+        return _field(self.reader, "tokenizer.chat_template")
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """(HF name, value): float tensors as torch tensors of their stored dtype
+        (float32 where transformers changes their values), quantized ones as
+        QuantTensor viewing the file's bytes."""
+        for entry in self.entries:
+            value = _stored(entry.tensor)
+            if entry.values_change:  # only float tensors get here (checked at open)
+                value = self._transformed(entry, value.float().numpy())
+            elif entry.rows is not None:
+                value = value.take_rows(entry.rows) if isinstance(value, QuantTensor) \
+                    else value[entry.rows]
+            yield from _split_experts(entry, value)
 
     def dequantized_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor as float32, the file's values, HF-named (the reference)."""
-        for name, value in self._tensors(dequantize=True):
-            yield name, value.float()
+        """Every tensor as float32, as transformers' GGUF loader computes it:
+        gguf.quants.dequantize, then the architecture's TensorProcessor."""
+        import gguf
 
-    def _tensors(self, dequantize: bool) -> Iterator[tuple[str, object]]:
-        from gguf import dequantize as gguf_dequantize
-        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                              get_gguf_hf_weights_map)
+        for entry in self.entries:
+            values = gguf.quants.dequantize(entry.tensor.data, entry.tensor.tensor_type)
+            yield from _split_experts(entry, self._transformed(entry, values))
 
-        processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self.config_dict)
-        rows_only = type(processor).__name__ in ROW_PROCESSORS
-        names = (self._names() if rows_only
-                 else get_gguf_hf_weights_map(_meta_model(self.hf_config), processor))
-        parsed = {"config": self.config_dict, "tensors": {}}
-        for tensor in self.reader.tensors:
-            kind = tensor.tensor_type.name
-            if kind in QUANT_TYPE_NAMES and not dequantize and rows_only and len(tensor.shape) == 2:
-                name = names.get(tensor.name)
-                if name is not None:
-                    yield name, self._quantized(tensor, processor)
-                continue
-            weights = gguf_dequantize(tensor.data, tensor.tensor_type)
-            result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
-                                       parsed_parameters=parsed)
-            if result.name in names:
-                yield names[result.name], torch.from_numpy(np.array(result.weights))
-        # MoE processors gather experts into parsed["tensors"] themselves.
-        yield from parsed["tensors"].items()
-
-    def _names(self) -> dict[str, str]:
-        """GGUF tensor name -> HF name, by gguf's own name map (transformers'
-        get_gguf_hf_weights_map does the same, building the map once per
-        submodule: ~5 s for SmolLM2; MoE families still take it, for its
-        expert fallbacks)."""
-        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
-
-        arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == self.architecture)
-        name_map = get_tensor_name_map(arch, self.hf_config.num_hidden_layers)
-        names = {}
-        for hf_name in _meta_model(self.hf_config).state_dict():
-            stem, dot, suffix = hf_name.rpartition(".")
-            gguf_name = name_map.get_name(stem)
-            if gguf_name is not None:
-                names[f"{gguf_name}.{suffix}"] = hf_name
-        return names
-
-    def _quantized(self, tensor, processor) -> QuantTensor:
-        """A quantized tensor as a QuantTensor, its rows moved as the
-        architecture's processor would move the de-quantized rows."""
-        with warnings.catch_warnings():  # a read-only map: its bytes are only read or copied
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(np.asarray(tensor.data)).view(torch.uint8)
-        rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists the shape innermost first
-        value = QuantTensor(tensor.tensor_type.name, data.view(rows, -1), (rows, cols))
-        index = np.arange(rows, dtype=np.int64)[:, None].astype(np.float32)
-        moved = processor.process(weights=index, name=tensor.name, tensor_key_mapping={},
-                                  parsed_parameters={"config": self.config_dict, "tensors": {}})
-        order = np.asarray(moved.weights).reshape(-1).astype(np.int64)
-        if not np.array_equal(order, np.arange(rows)):
-            if sorted(order.tolist()) != list(range(rows)):
-                raise ValueError(f"{tensor.name}: its transform changes values, not rows; "
-                                 "serve this file with --quantization none")
-            value = value.take_rows(order)
-        return value
-
-
-def check_tensor_types(reader, file_name: str) -> None:
-    """Refuse a file holding a tensor type the kernels do not read: its bytes
-    would otherwise become wrong numbers."""
-    supported = QUANT_TYPE_NAMES + FLOAT_TYPE_NAMES
-    for tensor in reader.tensors:
-        if tensor.tensor_type.name not in supported:
-            raise ValueError(f"{file_name}: tensor {tensor.name!r} is {tensor.tensor_type.name}, which "
-                             f"pagedserve cannot read; supported types: {', '.join(supported)}")
-
-
-def config_of(path):
-    """The HF config transformers maps the file's metadata to."""
-    from transformers import CONFIG_MAPPING
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
-    return CONFIG_MAPPING[config.pop("model_type")].from_dict(config)
+    def _transformed(self, entry: _Entry, values: np.ndarray) -> torch.Tensor:
+        if _EXPERTS.match(entry.gguf_name) is None:
+            values = self.processor.process(weights=values, name=entry.gguf_name).weights
+        return torch.from_numpy(np.copy(values)).reshape(_hf_shape(entry.tensor))
 
 
 def load_gguf_tokenizer(path):
-    """The file's tokenizer (and chat template), through transformers' GGUF path."""
+    """The file's tokenizer, rebuilt by transformers from its metadata."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def _meta_model(hf_config):
-    """The HF model of the config on the meta device: its parameter names, no memory."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
-
-
 def _field(reader, key: str):
     field = reader.fields.get(key)
-    if field is None:
-        raise ValueError(f"GGUF file has no {key!r}")
-    return field.contents()
+    return None if field is None else field.contents()
+
+
+def _check_types(reader) -> None:
+    for tensor in reader.tensors:
+        type_name = tensor.tensor_type.name
+        if type_name not in SUPPORTED_TYPES + FLOAT_TYPES:
+            raise ValueError(f"tensor {tensor.name!r} is of type {type_name}, which is not "
+                             f"supported; supported: {', '.join(SUPPORTED_TYPES + FLOAT_TYPES)}")
+
+
+def _name_map(config, architecture: str) -> dict[str, str]:
+    """GGUF tensor name -> HF name: transformers' rule (get_gguf_hf_weights_map:
+    gguf-py's TensorNameMap applied to each name of the model's state dict,
+    built on the meta device), without its descent into every submodule,
+    which maps nothing more for these families and takes seconds on a
+    30-layer model. Expert tensors are mapped by _EXPERTS, not here."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config)
+    arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == architecture)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    mapping = {}
+    for hf_name in model.state_dict():
+        stem, suffix = hf_name, ""
+        if hf_name.endswith((".weight", ".bias")):
+            stem, suffix = hf_name.rsplit(".", 1)
+            suffix = "." + suffix
+        gguf_name = names.get_name(stem)
+        if gguf_name is not None:
+            mapping[gguf_name + suffix] = hf_name
+    return mapping
+
+
+def _plan(tensor, names: dict[str, str], processor) -> _Entry:
+    """Where a file tensor goes and how transformers transforms it; refuses the undoable."""
+    name = tensor.name
+    experts = _EXPERTS.match(name)
+    if experts:
+        return _Entry(name, f"model.layers.{experts.group(1)}.mlp.experts", tensor, None, False)
+    hf_name = names.get(name)
+    if hf_name is None:
+        raise ValueError(f"tensor {name!r} has no place in the HF model "
+                         f"({tensor.tensor_type.name}, shape {_hf_shape(tensor)}); "
+                         f"the file cannot be served as it is")
+    # transformers' processor applied to a column of row numbers shows what it
+    # does: nothing, a reordering of whole rows, or a change of values.
+    shape = _hf_shape(tensor)
+    probe = np.arange(shape[0], dtype=np.float64).reshape(shape[0], *([1] * (len(shape) - 1)))
+    result = np.asarray(processor.process(weights=probe, name=name).weights).reshape(-1)
+    if np.array_equal(result, probe.reshape(-1)):
+        return _Entry(name, hf_name, tensor, None, False)
+    if np.array_equal(np.sort(result), probe.reshape(-1)):
+        return _Entry(name, hf_name, tensor, torch.from_numpy(result.astype(np.int64)), False)
+    if tensor.tensor_type.name not in FLOAT_TYPES:
+        raise ValueError(f"tensor {name!r} ({tensor.tensor_type.name}): transformers changes "
+                         f"its values, which cannot be done to quantized rows")
+    return _Entry(name, hf_name, tensor, None, True)
+
+
+def _hf_shape(tensor) -> tuple[int, ...]:
+    """GGUF lists dimensions innermost first; torch, outermost first."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+
+
+def _stored(tensor) -> torch.Tensor | QuantTensor:
+    """A zero-copy torch view of the mapped bytes (float) or a QuantTensor."""
+    type_name, shape = tensor.tensor_type.name, _hf_shape(tensor)
+    with warnings.catch_warnings():
+        # The mapping is read-only and torch warns it cannot promise that;
+        # nothing here writes into it.
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(tensor.data)
+    if type_name == "BF16":
+        return data.view(torch.uint8).view(torch.bfloat16).reshape(shape)
+    if type_name in FLOAT_TYPES:
+        return data.reshape(shape)
+    data = data.reshape(*shape[:-1], -1)  # [..., rows, row_bytes]
+    if data.dim() == 2:
+        return QuantTensor(type_name, data, (shape[0], shape[1]))
+    return _ExpertStack(type_name, data, shape)
+
+
+@dataclass(frozen=True)
+class _ExpertStack:
+    """An expert tensor of the file: [E, rows, row_bytes], handed out one expert at a time."""
+
+    type_name: str
+    data: torch.Tensor
+    shape: tuple[int, ...]
+
+    def expert(self, index: int) -> QuantTensor:
+        return QuantTensor(self.type_name, self.data[index], (self.shape[1], self.shape[2]))
+
+
+def _split_experts(entry: _Entry, value) -> Iterator[tuple[str, object]]:
+    match = _EXPERTS.match(entry.gguf_name)
+    if match is None:
+        yield entry.hf_name, value
+        return
+    for expert in range(entry.tensor.shape.tolist()[-1]):
+        part = value.expert(expert) if isinstance(value, _ExpertStack) else value[expert]
+        yield f"{entry.hf_name}.{expert}.{match.group(2)}_proj.weight", part

@@ -13,8 +13,9 @@ a model folder (config.json, the tokenizer, generation_config.json, all taken
 from the file's metadata once) and `model.gguf`, a link to the file, whose
 tensors the model loads straight from the memory-mapped file in their own
 quant types (models/gguf_file.py). With --quantization none the file is
-instead converted once (transformers de-quantises it) into a float32
-safetensors folder: the path for HF-parity work.
+instead converted once (gguf de-quantises it, through models/gguf_file.py's
+names and transforms) into a float32 safetensors folder: the path for
+HF-parity work.
 
 Both folders are keyed by the sha256 of the file's bytes and a version
 (bumped when the output changes), so a second checkout or a copy of the same
@@ -50,9 +51,9 @@ MODEL_ALIASES = frozenset(DEFAULT_MODEL_ALIASES)
 # a server's `--generation-config auto` finds a model's defaults.
 SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 # Part of the cache key: bump it when convert_gguf writes something new.
-CONVERSION = 2
+CONVERSION = 3
 # The same for gguf_folder.
-DIRECT = 1
+DIRECT = 2
 GGUF_LINK = "model.gguf"  # in a direct folder: the file it serves
 # In the cache directory: {resolved path: [size, mtime_ns, sha256]} of GGUF files seen.
 DIGESTS_FILE = "gguf-digests.json"
@@ -99,35 +100,20 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, sampling: dict | None = None)
 
     `sampling`: default sampling settings to record in its generation_config.json.
     """
+    from safetensors.torch import save_file
+
+    from engine.model.models.gguf_file import GGUFCheckpoint
+
     folder = _cache_folder(gguf_path, cache_dir, f"c{CONVERSION}", sampling)
     if (folder / "config.json").exists():
         return folder
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     logger.info("converting %s into %s (once)", gguf_path.name, folder)
+    checkpoint = GGUFCheckpoint.open(gguf_path)
     # Each process converts into its own folder: two starting at once must not collide.
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    # The weights are de-quantised now: drop the GGUF quantiser and its settings,
-    # or transformers refuses to save (and later loads would expect GGUF again).
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(tmp)
-    if sampling:
-        path = tmp / "generation_config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), "do_sample": True,
-                                    **sampling}, indent=2) + "\n")
-    try:
-        tmp.rename(folder)  # atomic: a half-written folder is never mistaken for a good one
-    except OSError:
-        if not (folder / "config.json").exists():
-            raise
-        shutil.rmtree(tmp)  # another process finished first: keep its folder
+    tmp = _write_metadata(folder, checkpoint, gguf_path, sampling)
+    tensors = {name: value.contiguous() for name, value in checkpoint.dequantized_tensors()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _publish(tmp, folder)
     return folder
 
 
@@ -135,27 +121,37 @@ def gguf_folder(gguf_path: Path, cache_dir: Path, sampling: dict | None = None) 
     """The folder that serves a GGUF file as it is: its metadata written out
     once as HF files, and a link to the file (re-pointed on every call, so a
     copy of the file at another path serves from where it is now)."""
-    from engine.model.models.gguf_file import GGUFCheckpoint, load_gguf_tokenizer
+    from engine.model.models.gguf_file import GGUFCheckpoint
 
     folder = _cache_folder(gguf_path, cache_dir, f"direct{DIRECT}", sampling)
     if not (folder / "config.json").exists():
         logger.info("reading %s's metadata into %s (once)", gguf_path.name, folder)
-        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        config = GGUFCheckpoint.open(gguf_path).hf_config
-        config.save_pretrained(tmp)
-        load_gguf_tokenizer(gguf_path).save_pretrained(tmp)
-        generation = {key: getattr(config, key) for key in ("bos_token_id", "eos_token_id")
-                      if getattr(config, key, None) is not None}
-        if sampling:
-            generation.update(do_sample=True, **sampling)
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        _publish(tmp, folder)
+        _publish(_write_metadata(folder, GGUFCheckpoint.open(gguf_path), gguf_path, sampling),
+                 folder)
     link = folder / f"{GGUF_LINK}.tmp{os.getpid()}"
     link.unlink(missing_ok=True)
     link.symlink_to(gguf_path.resolve())
     os.replace(link, folder / GGUF_LINK)  # atomic: a reader sees the old link or the new one
     return folder
+
+
+def _write_metadata(folder: Path, checkpoint, gguf_path: Path, sampling: dict | None) -> Path:
+    """A temporary sibling of `folder` holding the file's config.json (our
+    reader's completed config: transformers' own drops keys, gguf_config.py),
+    its tokenizer and a generation_config.json (+ `sampling`); returns it."""
+    from engine.model.models.gguf_file import load_gguf_tokenizer
+
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = checkpoint.config
+    config.save_pretrained(tmp)
+    load_gguf_tokenizer(gguf_path).save_pretrained(tmp)
+    generation = {key: getattr(config, key) for key in ("bos_token_id", "eos_token_id")
+                  if getattr(config, key, None) is not None}
+    if sampling:
+        generation.update(do_sample=True, **sampling)
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return tmp
 
 
 def _cache_folder(gguf_path: Path, cache_dir: Path, kind: str, sampling: dict | None) -> Path:
@@ -176,17 +172,17 @@ def _publish(tmp: Path, folder: Path) -> None:
         shutil.rmtree(tmp)  # another process finished first: keep its folder
 
 
-def iter_checkpoint(folder: Path, partition=None, hf_config=None) -> Iterator[tuple[str, object]]:
+def iter_checkpoint(folder: Path, partition=None, config=None) -> Iterator[tuple[str, object]]:
     """Every checkpoint tensor of a model folder, HF-named: a GGUF's (quantized
-    ones as models/gguf_file.QuantTensor; `hf_config`, the folder's config,
-    spares reading it from the file's metadata again), else the safetensors files'."""
+    ones as models/gguf_file.QuantTensor; `config`, the folder's, spares
+    mapping the file's metadata again), else the safetensors files'."""
     if (folder / GGUF_LINK).exists():
         if partition is not None:
             raise ValueError("tensor parallelism does not slice a GGUF's quantized tensors yet: "
                              "serve it with --quantization none, or on one rank")
         from engine.model.models.gguf_file import GGUFCheckpoint
 
-        yield from GGUFCheckpoint.open(folder / GGUF_LINK, hf_config).tensors()
+        yield from GGUFCheckpoint.open(folder / GGUF_LINK, config).tensors()
         return
     yield from iter_safetensors(folder, partition)
 
