@@ -43,7 +43,12 @@ ENV_VAR = "PAGEDSERVE_CPU_KERNELS"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # -ffp-contract=off: the compiler must not fuse a * b + c on its own, so the
 # fold of two softmax states rounds the same way wherever it is inlined.
-COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+# -fno-gnu-unique: a function-local static of an inline function (linear.h's
+# pair order, worked out once per build) is otherwise a GNU_UNIQUE symbol,
+# which the dynamic linker makes one object across every library loaded:
+# with two builds in one process (the tests load all three) the AVX2 build
+# read the AVX-512 build's pair order and multiplied garbage.
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-gnu-unique", "-fopenmp"]
 ISA_FLAGS = {
     # VNNI: the quantized linear's int8 dot product (every AVX512-BF16 CPU has it).
     "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",

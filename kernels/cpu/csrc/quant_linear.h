@@ -289,14 +289,16 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
 template <typename Q>
 inline void dequantize32_bf16(const uint8_t* block, int j, const float* wd, float wm, bf16_t* out) {
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
+  // One instruction rounds all 32 to bf16 (nearest even; it reads fp32
+  // denormals as zero, which no weight of a real file is).
   const __m256i q = Q::q_avx2(block, j);
+  __m512 v[2];
   for (int h = 0; h < 2; ++h) {
     const __m128i half = h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half));
-    __m512 v = _mm512_mul_ps(_mm512_set1_ps(wd[h]), f);
-    if (Q::kMin) v = _mm512_add_ps(v, _mm512_set1_ps(wm));
-    vec::store_bf16(out + 16 * h, vec::F{v});
+    v[h] = _mm512_mul_ps(_mm512_set1_ps(wd[h]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half)));
+    if (Q::kMin) v[h] = _mm512_add_ps(v[h], _mm512_set1_ps(wm));
   }
+  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
 #elif defined(__AVX2__)
   const __m256i q = Q::q_avx2(block, j);
   for (int k = 0; k < 4; ++k) {
