@@ -87,86 +87,42 @@ inline __m256i high_bits_32(const uint8_t* qh) {
 }
 #endif
 
-struct Q4_0 {
-  static constexpr int kElems = 32, kBytes = 18, kSubs = 1;
-  static constexpr bool kMin = false;
-  static constexpr bool kSplit = false;  // one scale for all 32
-  static void scales(const uint8_t* b, float* wd, float*) { wd[0] = wd[1] = fp16_to_float(b); }
-  static void q(const uint8_t* b, int, int8_t* out) {
-    for (int i = 0; i < 16; ++i) {
-      out[i] = int8_t((b[2 + i] & 0xF) - 8);
-      out[i + 16] = int8_t((b[2 + i] >> 4) - 8);
-    }
-  }
-#if defined(__AVX2__)
-  static __m256i q_avx2(const uint8_t* b, int) {
-    return _mm256_sub_epi8(nibbles_16(b + 2), _mm256_set1_epi8(8));
-  }
-#endif
-};
-
-struct Q4_1 {
-  static constexpr int kElems = 32, kBytes = 20, kSubs = 1;
-  static constexpr bool kMin = true;
+// Q4_0, Q4_1, Q5_0, Q5_1: d (fp16), then m (fp16) for the _1 types, then the
+// fifth bits as a 32-bit word for the Q5 types, then 16 bytes of nibbles.
+// Symmetric types centre q on zero (q - 8, q - 16).
+template <bool kFifthBit, bool kHasMin>
+struct Nibbles {
+  static constexpr int kElems = 32, kSubs = 1;
+  static constexpr int kHigh = 2 + (kHasMin ? 2 : 0);                  // where the fifth bits are
+  static constexpr int kQs = kHigh + (kFifthBit ? 4 : 0);              // where the nibbles are
+  static constexpr int kBytes = kQs + 16;
+  static constexpr int kCentre = kHasMin ? 0 : (kFifthBit ? 16 : 8);
+  static constexpr bool kMin = kHasMin;
   static constexpr bool kSplit = false;  // one scale for all 32
   static void scales(const uint8_t* b, float* wd, float* wm) {
     wd[0] = wd[1] = fp16_to_float(b);
-    wm[0] = fp16_to_float(b + 2);
+    if (kHasMin) wm[0] = fp16_to_float(b + 2);
   }
   static void q(const uint8_t* b, int, int8_t* out) {
+    uint32_t qh = 0;
+    if (kFifthBit) std::memcpy(&qh, b + kHigh, 4);
     for (int i = 0; i < 16; ++i) {
-      out[i] = int8_t(b[4 + i] & 0xF);
-      out[i + 16] = int8_t(b[4 + i] >> 4);
-    }
-  }
-#if defined(__AVX2__)
-  static __m256i q_avx2(const uint8_t* b, int) { return nibbles_16(b + 4); }
-#endif
-};
-
-struct Q5_0 {
-  static constexpr int kElems = 32, kBytes = 22, kSubs = 1;
-  static constexpr bool kMin = false;
-  static constexpr bool kSplit = false;  // one scale for all 32
-  static void scales(const uint8_t* b, float* wd, float*) { wd[0] = wd[1] = fp16_to_float(b); }
-  static void q(const uint8_t* b, int, int8_t* out) {
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    for (int i = 0; i < 16; ++i) {
-      out[i] = int8_t(((b[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
-      out[i + 16] = int8_t(((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+      out[i] = int8_t(((b[kQs + i] & 0xF) | (((qh >> i) & 1) << 4)) - kCentre);
+      out[i + 16] = int8_t(((b[kQs + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - kCentre);
     }
   }
 #if defined(__AVX2__)
   static __m256i q_avx2(const uint8_t* b, int) {
-    const __m256i q = _mm256_or_si256(nibbles_16(b + 6), high_bits_32(b + 2));
-    return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+    __m256i q = nibbles_16(b + kQs);
+    if (kFifthBit) q = _mm256_or_si256(q, high_bits_32(b + kHigh));
+    return kCentre ? _mm256_sub_epi8(q, _mm256_set1_epi8(kCentre)) : q;
   }
 #endif
 };
-
-struct Q5_1 {
-  static constexpr int kElems = 32, kBytes = 24, kSubs = 1;
-  static constexpr bool kMin = true;
-  static constexpr bool kSplit = false;  // one scale for all 32
-  static void scales(const uint8_t* b, float* wd, float* wm) {
-    wd[0] = wd[1] = fp16_to_float(b);
-    wm[0] = fp16_to_float(b + 2);
-  }
-  static void q(const uint8_t* b, int, int8_t* out) {
-    uint32_t qh;
-    std::memcpy(&qh, b + 4, 4);
-    for (int i = 0; i < 16; ++i) {
-      out[i] = int8_t((b[8 + i] & 0xF) | (((qh >> i) & 1) << 4));
-      out[i + 16] = int8_t((b[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
-    }
-  }
-#if defined(__AVX2__)
-  static __m256i q_avx2(const uint8_t* b, int) {
-    return _mm256_or_si256(nibbles_16(b + 8), high_bits_32(b + 4));
-  }
-#endif
-};
+using Q4_0 = Nibbles<false, false>;
+using Q4_1 = Nibbles<false, true>;
+using Q5_0 = Nibbles<true, false>;
+using Q5_1 = Nibbles<true, true>;
 
 struct Q8_0 {
   static constexpr int kElems = 32, kBytes = 34, kSubs = 1;
