@@ -67,7 +67,7 @@ class EngineConfig:
                 "checkpoints where bf16 matmuls are fast",
         "choices": DTYPES})
     quantization: str | None = field(default=None, metadata={
-        "help": "gguf (the default for a .gguf model): its tensors in their own quant types; "
+        "help": "gguf (the default for a .gguf model on one rank): its tensors in their own quant types; "
                 "none: float weights (a GGUF de-quantized once, for HF parity); "
                 f"{'|'.join(LOAD_QUANTIZATIONS)}: a float checkpoint quantized at load (CPU)",
         "choices": QUANTIZATIONS})
@@ -202,11 +202,17 @@ class EngineConfig:
                                SpeculativeConfig.parse(self.speculative_config))
 
     def _resolved_quantization(self) -> str | None:
-        """quantization with its default filled in: gguf for a GGUF model."""
+        """quantization with its default filled in: gguf for a GGUF model (none
+        under tensor parallelism, which slices float weights only)."""
         gguf, quantization = is_gguf_model(self.model), self.quantization
         if quantization == "gguf" and not gguf:
             raise ValueError(f"quantization='gguf' serves a GGUF file's own tensors; "
                              f"model {self.model!r} is not a .gguf file")
+        if quantization == "gguf" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization='gguf' runs on one rank: tensor parallelism slices "
+                             "float weights (quantization='none')")
+        if gguf and quantization is None and self.tensor_parallel_size > 1:
+            return "none"
         if gguf and quantization not in (None, "gguf", "none"):
             raise ValueError(f"quantization={quantization!r} quantizes a float checkpoint; a .gguf "
                              "model is served in its own types (gguf) or de-quantized (none)")

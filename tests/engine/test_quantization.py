@@ -33,6 +33,9 @@ def test_a_gguf_model_is_served_in_its_own_types_by_default(tmp_path):
         EngineConfig(model=str(tmp_path), quantization="gguf")
     with pytest.raises(ValueError, match="served in its own types"):
         EngineConfig(quantization="q4_0")
+    assert EngineConfig(tensor_parallel_size=3).quantization == "none"  # ranks slice floats
+    with pytest.raises(ValueError, match="runs on one rank"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="quantization='int4' is not supported"):
         EngineConfig(model=str(tmp_path), quantization="int4")
 
