@@ -19,8 +19,13 @@ def tiny_server(tiny_llama_path) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_path) -> Iterator[LiveServer]:
+    # De-quantized (float32): these modules hold the service to batching
+    # invariance (a request alone = in a batch = streamed), which float weights
+    # keep and the file's blocks do not (up to 7 tokens a call multiply with
+    # 8-bit activations, more with bf16 strips); the blocks are served over
+    # HTTP in tests/service/serving/test_gguf_http.py.
     engine = EngineConfig(model="smollm2-135m-instruct", max_model_len=2048,
-                          kv_cache_memory_bytes=256 << 20, dtype="float32")
+                          kv_cache_memory_bytes=256 << 20, dtype="float32", quantization="none")
     with run_server(ServiceConfig(engine=engine)) as live:
         yield live
 

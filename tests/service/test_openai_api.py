@@ -567,7 +567,8 @@ def test_smollm2_greedy_matches_offline_engine(smollm2):
         smollm2.chat_prompt_ids(user("What is the capital of France?")),
         smollm2.tokenizer.encode("def fibonacci(n):"),
     ]
-    llm = LLM(SMOLLM2_NAME, max_model_len=512, kv_cache_memory_bytes=64 << 20, dtype="float32")
+    llm = LLM(SMOLLM2_NAME, max_model_len=512, kv_cache_memory_bytes=64 << 20, dtype="float32",
+              quantization="none")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     offline = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     del llm
@@ -579,7 +580,4 @@ def test_smollm2_greedy_matches_offline_engine(smollm2):
     chat = smollm2.chat(user("What is the capital of France?"), max_tokens=16, temperature=0,
                         extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content == offline[0].outputs[0].text
-    # The default model is served from its Q4_1 blocks with 8-bit activations,
-    # as llama.cpp serves the file; its llama-server answers this question
-    # greedily with these same words (the float32 weights would say Paris).
-    assert chat.choices[0].message.content.startswith("L'Étoile, la Mar")
+    assert "Paris" in chat.choices[0].message.content
