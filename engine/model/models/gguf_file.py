@@ -59,12 +59,10 @@ class QuantTensor:
         return QuantTensor(self.type_name, data, (int(data.shape[0]), self.shape[1]))
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [rows, cols] (gguf.quants; reads the bytes)."""
-        import gguf
+        """float32 [rows, cols] (gguf.quants, through kernels/quant.py; reads the bytes)."""
+        from kernels.quant import dequantize_part
 
-        qtype = gguf.GGMLQuantizationType[self.type_name]
-        values = gguf.quants.dequantize(self.data.numpy(), qtype)
-        return torch.from_numpy(np.ascontiguousarray(values)).reshape(self.shape)
+        return dequantize_part(self.type_name, self.data).reshape(self.shape)
 
 
 @dataclass(frozen=True)

@@ -81,12 +81,10 @@ class CheckpointLoading:
 
     def _keeps_quantized(self, target: str) -> bool:
         """Whether a quantized checkpoint tensor stays quantized at `target`:
-        a linear layer's weight or the embedding table (not under tensor
-        parallelism, which would slice the blocks)."""
+        a linear layer's weight or the embedding table (never under tensor
+        parallelism: loader.iter_checkpoint refuses to slice a GGUF)."""
         path, _, leaf = target.rpartition(".")
-        module = self.get_submodule(path)
-        return (leaf == "weight" and self.group is None
-                and isinstance(module, (Linear, VocabParallelEmbedding)))
+        return leaf == "weight" and isinstance(self.get_submodule(path), (Linear, VocabParallelEmbedding))
 
     def _place_quantized(self, target: str, shards: list[QuantTensor]) -> None:
         """A projection's quantized shards as one blob in the module that owns
