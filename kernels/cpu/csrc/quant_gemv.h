@@ -1,0 +1,139 @@
+// The quantized linear at one token (a decode step at one stream): a weight
+// row against the token's 8-bit blocks, 8 sub-blocks of 32 at a time.
+//
+// Why its own path: at one token the tile path (quant_linear.h) spends per 32
+// weights an int32 -> float conversion, a scalar scale product, a broadcast,
+// an FMA and a scalar min term: more instructions than the decode and the
+// dot product together, which left the 4-bit types compute-bound at about
+// half the memory's read rate.  Here the 8 dot products of a group (8 blocks
+// of a legacy type, or one K-quant super-block's 8 sub-blocks) are summed
+// across their lanes into one vector of 8 (lane j: sub-block j), so the
+// conversion, the scales (8 side by side, against the token's 8 block scales
+// loaded as one vector) and the min term are one vector operation per 256
+// weights instead of 8.
+//
+// Q6_K keeps the tile path: it scales each 16 weights apart, which a lane per
+// 32 cannot carry.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_act.h"
+#include "quant_blocks.h"
+
+namespace pagedserve {
+namespace quant {
+
+// Whether the one-token path takes type Q (a scale per 32 weights).
+template <typename Q>
+constexpr bool kGemv = !Q::kSplit;
+
+// The token's block scales d and sums s side by side: 8 of them load as one
+// vector (zeros past the last, which a row's last group reads).
+struct XScales {
+  std::vector<float> d, s;
+  XScales(const XBlock* x, int64_t n) : d(size_t(n + 8)), s(size_t(n + 8)) {
+    for (int64_t i = 0; i < n; ++i) {
+      d[size_t(i)] = x[i].d;
+      s[size_t(i)] = x[i].s;
+    }
+  }
+};
+
+#if defined(__AVX2__)
+// Lane j of the result: the sum of v[j]'s 8 lanes.
+inline __m256i sum_lanes8(const __m256i (&v)[8]) {
+  // a = [v0 v1 v2 v3 low halves' sums | the same of the high halves]; b of v4..v7.
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The scales (wd) and mins (wm) of the 8 sub-blocks of 32 that start at g,
+// in vectors, without the scalar decode per block (it cost as much as the
+// dot products).  Legacy types: one gather of the 8 blocks' leading words
+// (d, then m for the _1 types), both fp16 halves converted at once.
+template <typename Q>
+inline void group_scales(const uint8_t* g, int count, __m256& wd, __m256& wm) {
+  static_assert(Q::kSubs == 1, "K-quants have their own group_scales");
+  const __m256i at = _mm256_setr_epi32(0, Q::kBytes, 2 * Q::kBytes, 3 * Q::kBytes, 4 * Q::kBytes,
+                                       5 * Q::kBytes, 6 * Q::kBytes, 7 * Q::kBytes);
+  // lanes past `count` read nothing and stay 0 (a row's last group)
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i words =
+      _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(g), at, live, 1);
+  // per 128-bit lane: the four low halves (d), then the four high ones (m)
+  const __m256i split = _mm256_shuffle_epi8(
+      words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                              0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m256i halves = _mm256_permute4x64_epi64(split, 0xD8);  // d0..d7 | m0..m7
+  wd = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+  wm = Q::kMin ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)) : _mm256_setzero_ps();
+}
+
+// Q4_K and Q5_K: the 12 scale bytes' 8 (sc, m) pairs of 6 bits unpacked
+// four at a time in 32-bit words (llama.cpp's masks; scale_min_k4 is the
+// same unpacking one pair at a time), then wd = d * sc, wm = -dmin * m.
+inline void k4_scales(const uint8_t* g, __m256& wd, __m256& wm) {
+  uint32_t u[4];
+  std::memcpy(u, g + 4, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);  // m4..m7
+  const uint32_t m_low = u[1] & k6;                        // m0..m3
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);         // sc4..sc7
+  u[2] = m_low;
+  u[0] &= k6;                                              // sc0..sc3
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+  wd = _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(g)), sc);
+  wm = _mm256_mul_ps(_mm256_set1_ps(-fp16_to_float(g + 2)), m);
+}
+template <>
+inline void group_scales<Q4_K>(const uint8_t* g, int, __m256& wd, __m256& wm) { k4_scales(g, wd, wm); }
+template <>
+inline void group_scales<Q5_K>(const uint8_t* g, int, __m256& wd, __m256& wm) { k4_scales(g, wd, wm); }
+
+// The `count` sub-blocks of the group at g (all 8, or fewer in a legacy
+// row's last group) times the token's blocks x, scales xd and sums xsum,
+// into acc and mins.
+template <typename Q, bool kFull>
+inline void group_step(const uint8_t* g, int count, const XBlock* x, const float* xd, const float* xsum,
+                       __m256& acc, __m256& mins) {
+  __m256i dots[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    if (!kFull && j >= count) {
+      dots[j] = _mm256_setzero_si256();
+      continue;
+    }
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[j].q));
+    dots[j] = dot32<!Q::kMin>(Q::q_avx2(g + (j / Q::kSubs) * Q::kBytes, j % Q::kSubs), xq);
+  }
+  __m256 wd, wm;
+  group_scales<Q>(g, kFull ? 8 : count, wd, wm);
+  const __m256 scale = _mm256_mul_ps(wd, _mm256_loadu_ps(xd));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dots)), scale, acc);
+  if (Q::kMin) mins = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xsum), mins);
+}
+
+// One weight row (`blocks` blocks of Q at w) times the token (x, xs).
+template <typename Q>
+inline float row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XScales& xs) {
+  constexpr int kPer = 8 / Q::kSubs;  // blocks a group
+  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + kPer <= blocks; b += kPer) {
+    const int64_t x0 = b * Q::kSubs;
+    group_step<Q, true>(w + b * Q::kBytes, 8, x + x0, xs.d.data() + x0, xs.s.data() + x0, acc, mins);
+  }
+  if (b < blocks)  // a legacy row of 8 k + 1 .. 8 k + 7 blocks
+    group_step<Q, false>(w + b * Q::kBytes, int(blocks - b), x + b, xs.d.data() + b, xs.s.data() + b, acc, mins);
+  return hsum(_mm256_add_ps(acc, mins));
+}
+#endif  // __AVX2__
+
+}  // namespace quant
+}  // namespace pagedserve
