@@ -1,5 +1,6 @@
-// The quantized linear at one token (a decode step at one stream): a weight
-// row against the token's 8-bit blocks, 8 sub-blocks of 32 at a time.
+// The quantized linear at a few tokens (decode steps): a weight row against
+// the tokens' 8-bit blocks, 8 sub-blocks of 32 at a time, each decoded once
+// for up to 4 tokens.
 //
 // Why its own path: at one token the tile path (quant_linear.h) spends per 32
 // weights an int32 -> float conversion, a scalar scale product, a broadcast,
@@ -30,15 +31,18 @@ namespace quant {
 template <typename Q>
 constexpr bool kGemv = !Q::kSplit;
 
-// The token's block scales d and sums s side by side: 8 of them load as one
-// vector (zeros past the last, which a row's last group reads).
+// The tokens' block scales d and sums s side by side: 8 of them load as one
+// vector (zeros past a token's last, which a row's last group reads).
 struct XScales {
+  int64_t stride, padded;  // XBlocks a token; floats a token here
   std::vector<float> d, s;
-  XScales(const XBlock* x, int64_t n) : d(size_t(n + 8)), s(size_t(n + 8)) {
-    for (int64_t i = 0; i < n; ++i) {
-      d[size_t(i)] = x[i].d;
-      s[size_t(i)] = x[i].s;
-    }
+  XScales(const XBlock* x, int64_t n, int64_t tokens)
+      : stride(n), padded(n + 8), d(size_t(tokens * padded)), s(size_t(tokens * padded)) {
+    for (int64_t m = 0; m < tokens; ++m)
+      for (int64_t i = 0; i < n; ++i) {
+        d[size_t(m * padded + i)] = x[m * n + i].d;
+        s[size_t(m * padded + i)] = x[m * n + i].s;
+      }
   }
 };
 
@@ -97,41 +101,44 @@ template <>
 inline void group_scales<Q5_K>(const uint8_t* g, int, __m256& wd, __m256& wm) { k4_scales(g, wd, wm); }
 
 // The `count` sub-blocks of the group at g (all 8, or fewer in a legacy
-// row's last group) times the token's blocks x, scales xd and sums xsum,
-// into acc and mins.
-template <typename Q, bool kFull>
-inline void group_step(const uint8_t* g, int count, const XBlock* x, const float* xd, const float* xsum,
-                       __m256& acc, __m256& mins) {
-  __m256i dots[8];
+// row's last group), decoded once, times R tokens' blocks (x, token r at
+// x + (m0 + r) * xs.stride) into acc[r] and mins[r].
+template <typename Q, bool kFull, int R>
+inline void group_step(const uint8_t* g, int count, const XBlock* x, const XScales& xs, int64_t m0, int64_t x0,
+                       __m256 (&acc)[R], __m256 (&mins)[R]) {
+  __m256i q[8];
 #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    if (!kFull && j >= count) {
-      dots[j] = _mm256_setzero_si256();
-      continue;
-    }
-    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[j].q));
-    dots[j] = dot32<!Q::kMin>(Q::q_avx2(g + (j / Q::kSubs) * Q::kBytes, j % Q::kSubs), xq);
-  }
+  for (int j = 0; j < 8; ++j)
+    q[j] = !kFull && j >= count ? _mm256_setzero_si256()
+                                : Q::q_avx2(g + (j / Q::kSubs) * Q::kBytes, j % Q::kSubs);
   __m256 wd, wm;
   group_scales<Q>(g, kFull ? 8 : count, wd, wm);
-  const __m256 scale = _mm256_mul_ps(wd, _mm256_loadu_ps(xd));
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dots)), scale, acc);
-  if (Q::kMin) mins = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xsum), mins);
+  for (int r = 0; r < R; ++r) {
+    const XBlock* xr = x + (m0 + r) * xs.stride + x0;
+    __m256i dots[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      dots[j] = !kFull && j >= count
+                    ? _mm256_setzero_si256()
+                    : dot32<!Q::kMin>(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j].q)));
+    const float* d = xs.d.data() + (m0 + r) * xs.padded + x0;
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dots)), _mm256_mul_ps(wd, _mm256_loadu_ps(d)), acc[r]);
+    if (Q::kMin) mins[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs.s.data() + (m0 + r) * xs.padded + x0), mins[r]);
+  }
 }
 
-// One weight row (`blocks` blocks of Q at w) times the token (x, xs).
-template <typename Q>
-inline float row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XScales& xs) {
+// One weight row (`blocks` blocks of Q at w) times tokens m0 .. m0 + R - 1 (x, xs) into out[r].
+template <typename Q, int R>
+inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XScales& xs, int64_t m0,
+                    float (&out)[R][1]) {
   constexpr int kPer = 8 / Q::kSubs;  // blocks a group
-  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+  __m256 acc[R], mins[R];
+  for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
   int64_t b = 0;
-  for (; b + kPer <= blocks; b += kPer) {
-    const int64_t x0 = b * Q::kSubs;
-    group_step<Q, true>(w + b * Q::kBytes, 8, x + x0, xs.d.data() + x0, xs.s.data() + x0, acc, mins);
-  }
+  for (; b + kPer <= blocks; b += kPer) group_step<Q, true, R>(w + b * Q::kBytes, 8, x, xs, m0, b * Q::kSubs, acc, mins);
   if (b < blocks)  // a legacy row of 8 k + 1 .. 8 k + 7 blocks
-    group_step<Q, false>(w + b * Q::kBytes, int(blocks - b), x + b, xs.d.data() + b, xs.s.data() + b, acc, mins);
-  return hsum(_mm256_add_ps(acc, mins));
+    group_step<Q, false, R>(w + b * Q::kBytes, int(blocks - b), x, xs, m0, b, acc, mins);
+  for (int r = 0; r < R; ++r) out[r][0] = hsum(_mm256_add_ps(acc[r], mins[r]));
 }
 #endif  // __AVX2__
 

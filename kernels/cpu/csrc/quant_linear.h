@@ -145,15 +145,23 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
   using I2 = std::integral_constant<int, 2>;
   using I4 = std::integral_constant<int, 4>;
 #if defined(__AVX2__)
-  if constexpr (kGemv<Q>) {
-    if (M == 1) {  // one row at a time, 8 sub-blocks a step: quant_gemv.h
-      const XScales scales(x, xs);
-      for (int64_t n = n0; n < n1; ++n) {
-        const float sums[1][1] = {{row_dot<Q>(rows.data + (n - first) * rows.row_bytes, rows.blocks, x, scales)}};
-        sink.template put<1, 1>(sums, 0, n);
+  if constexpr (kGemv<Q>) {  // a row at a time, 8 sub-blocks a step: quant_gemv.h
+    const XScales scales(x, xs, M);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* w = rows.data + (n - first) * rows.row_bytes;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {
+        float sums[4][1];
+        row_dot<Q, 4>(w, rows.blocks, x, scales, m, sums);
+        sink.template put<4, 1>(sums, m, n);
       }
-      return;
+      for (; m < M; ++m) {
+        float sums[1][1];
+        row_dot<Q, 1>(w, rows.blocks, x, scales, m, sums);
+        sink.template put<1, 1>(sums, m, n);
+      }
     }
+    return;
   }
 #endif
   if (M == 1) {
