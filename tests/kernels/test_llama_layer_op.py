@@ -137,13 +137,17 @@ def _stack_args(ws, step, cos, sin, caches):
             KV_HEADS, EPS, SCALE)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("lens,decode", [([7], 1), ([5, 18, 30], 1), ([12], 0)])
-def test_stack_op_is_the_layer_op_layer_by_layer(ops, session_seed, lens, decode):
+def test_stack_op_is_the_layer_op_layer_by_layer(ops, session_seed, lens, decode, quantized):
     """Three layers with their own weights and caches: the stack op against
-    the layer op called for each in turn (the first without a residual)."""
+    the layer op called for each in turn (the first without a residual);
+    bf16 weights, or blobs (_quantized)."""
     g = torch.Generator().manual_seed(session_seed)
     step = _step(g, lens, decode)
     ws, caches = [_weights(g) for _ in range(3)], [_caches(g) for _ in range(3)]
+    if quantized:
+        ws = [_quantized(g, w) for w in ws]
     hidden = torch.randn(len(step["slots"]), HIDDEN, generator=g).bfloat16()
     cos, sin = _rope(step["positions"])
     theirs = [[c.clone() for c in pair] for pair in caches]
@@ -170,3 +174,62 @@ def test_stack_op_checks_its_lists(ops, session_seed):
     args[0][10 + 3] = None  # the second layer's o_proj
     with pytest.raises(ValueError, match="layer 1 weight 3 is None"):
         ops.llama_layers(hidden, *args)
+
+
+def _quantized(g, w):
+    """The layer's four linear weights as blobs of legacy types (every width
+    here is a multiple of 32): q|k|v as three parts of three types, as a
+    Q4_K_M file mixes them."""
+    from kernels.quant import pack_quant_weight, quant_parts, quantize_weight
+
+    q_rows, kv_rows = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    qkv = w["qkv"].float()
+    pieces = [(qkv[:q_rows], "Q4_0"), (qkv[q_rows:q_rows + kv_rows], "Q5_1"), (qkv[q_rows + kv_rows:], "Q8_0")]
+    parts = [quant_parts(quantize_weight(piece, name))[0] for piece, name in pieces]
+    return dict(w, qkv=pack_quant_weight(parts, HIDDEN), o=quantize_weight(w["o"].float(), "Q4_1"),
+                gate_up=quantize_weight(w["gate_up"].float(), "Q5_0"), down=quantize_weight(w["down"].float(), "Q8_0"))
+
+
+def test_layer_op_takes_quantized_weights(ops, session_seed):
+    """A layer whose linears are blobs: (1) the layer op is the ops one by one
+    with quant_linear, to the bit (layer_parts::linear dispatches by dtype);
+    (2) each of those products is within the activation-quantization bound
+    of the exact de-quantized weights' float32 product (the bound of
+    tests/kernels/test_quant_linear.py: sum_i |w_i| * amax(x's block of i) / 254,
+    plus float32 and bf16 output rounding); (3) the whole layer stays close to
+    the same layer run with the de-quantized weights through the reference
+    linear (a loose end-to-end check: the bound does not compose through
+    attention and the norms)."""
+    from kernels.quant import dequantize_reference, quant_linear_reference
+    from test_quant_linear import _bound
+
+    g = torch.Generator().manual_seed(session_seed)
+    w, step, caches = _weights(g), _step(g, [5, 18, 30], 1), _caches(g)
+    wq = _quantized(g, w)
+    hidden = torch.randn(len(step["slots"]), HIDDEN, generator=g).bfloat16()
+    cos, sin = _rope(step["positions"])
+
+    class Checked:  # the compiled ops, with linear_bf16 as quant_linear held to the bound
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def linear_bf16(self, x, blob, bias):
+            got = ops.quant_linear(x, blob, bias)
+            expected = quant_linear_reference(x, blob, bias, float_out=True)
+            bound = _bound(x, dequantize_reference(blob), torch.bfloat16, expected)
+            assert bool(((got.float() - expected).abs() <= bound).all()), "a product outside the bound"
+            return got
+
+    theirs = [c.clone() for c in caches]
+    expected, expected_stream = _one_by_one(Checked(), hidden.clone(), None, wq, step, cos, sin, theirs)
+    out, stream = ops.llama_layer(hidden.clone(), None, *_layer_args(wq, step, cos, sin, caches))
+    assert torch.equal(out, expected) and torch.equal(stream, expected_stream)
+    assert torch.equal(caches[0], theirs[0]) and torch.equal(caches[1], theirs[1])
+
+    class Dequantized(Checked):  # the same layer, the exact weights through the reference linear
+        def linear_bf16(self, x, blob, bias):
+            return quant_linear_reference(x, blob, bias)
+
+    floats, _ = _one_by_one(Dequantized(), hidden.clone(), None, wq, step, cos, sin, [c.clone() for c in caches])
+    scale = floats.float().abs().max().item()
+    assert (out.float() - floats.float()).abs().max().item() <= 0.05 * scale

@@ -82,14 +82,19 @@ def _inputs(generator, type_names, rows, out_features, in_features, dtype):
 @pytest.mark.parametrize("type_name", TYPES)
 def test_product_is_within_the_activation_bound(builds, type_name, rows, session_seed):
     generator = torch.Generator().manual_seed(session_seed + rows)
-    in_features = _width(type_name, 5 if QUANT_TYPES[type_name].block_elems == 32 else 2)
-    for dtype in (torch.float32, torch.bfloat16):
-        blob, weight, x, bias = _inputs(generator, [type_name], rows, 37, in_features, dtype)
+    # Widths for the one-token path's groups of 8 sub-blocks (quant_gemv.h):
+    # a legacy row of 5 blocks is only a last, partial group; of 13 blocks,
+    # a whole group and a partial one; K-quants are whole groups.
+    legacy = QUANT_TYPES[type_name].block_elems == 32
+    for dtype, blocks, out_features in ((torch.float32, 5 if legacy else 2, 37),
+                                        (torch.bfloat16, 13 if legacy else 3, 101)):
+        in_features = _width(type_name, blocks)
+        blob, weight, x, bias = _inputs(generator, [type_name], rows, out_features, in_features, dtype)
         expected = quant_linear_reference(x, blob, bias, float_out=True)
         bound = _bound(x, weight, dtype, expected)
         for isa, ops in builds.items():
             got = ops.quant_linear(x, blob, bias)
-            assert got.dtype == dtype and got.shape == (rows, 37)
+            assert got.dtype == dtype and got.shape == (rows, out_features)
             error = (got.float() - expected).abs()
             worst = (error / bound).max().item()
             assert worst <= 1, f"{isa} {type_name} {dtype} rows={rows} seed {session_seed}: {worst:.2f}x the bound"

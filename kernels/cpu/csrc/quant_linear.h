@@ -35,7 +35,9 @@
 #include <optional>
 #include <vector>
 
+#include "quant_act.h"
 #include "quant_blob.h"
+#include "quant_gemv.h"
 #include "quant_blocks.h"
 #include "quant_strips.h"
 #include "types.h"
@@ -43,97 +45,9 @@
 namespace pagedserve {
 namespace quant {
 
-// One row's activation block of 32 inputs.
-struct XBlock {
-  float d;    // scale: x ~ d * q
-  float s;    // d * sum(q): what a weight min multiplies
-  int8_t q[32];
-};
-
 // From this many tokens a call de-quantizes strips to bf16 (run_many) instead
 // of quantizing the tokens (measured: docs/performance.md).
 constexpr int64_t kManyRows = 8;
-
-// ---- activations --------------------------------------------------------------------------
-
-template <typename T>
-inline void quantize_row(const T* x, int64_t K, XBlock* out) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    float v[32], amax = 0.f;
-    for (int i = 0; i < 32; ++i) {
-      v[i] = to_float(x[32 * b + i]);
-      amax = std::max(amax, std::fabs(v[i]));
-    }
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      const int q = int(std::nearbyint(v[i] * id));
-      out[b].q[i] = int8_t(q);
-      sum += q;
-    }
-    out[b].d = d;
-    out[b].s = d * float(sum);
-  }
-}
-
-#if defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// The vector path of quantize_row: same numbers (round to nearest even).
-template <typename T>
-inline void quantize_row_avx2(const T* x, int64_t K, XBlock* out) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int k = 0; k < 4; ++k) {
-      v[k] = load8(x + 32 * b + 8 * k);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    __m256i q[4];
-    for (int k = 0; k < 4; ++k)
-      q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(id)),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    const int sum = int(hsum(_mm256_cvtepi32_ps(sum32)));
-    // int32 -> int8 in order: packs interleave the 128-bit lanes, the permute undoes it.
-    const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
-    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b),
-                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q), q8);
-    out[b].d = d;
-    out[b].s = d * float(sum);
-  }
-}
-
-// sum of w[i] * x[i] over 32 bytes, as 8 int32 lanes (lane l: bytes 4l .. 4l + 3).
-template <bool Signed>
-inline __m256i dot32(__m256i w, __m256i x) {
-  if (Signed) {  // maddubs's first operand is unsigned: move w's sign onto x
-    x = _mm256_sign_epi8(x, w);
-    w = _mm256_sign_epi8(w, w);
-  }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-#endif
-}
-#endif  // __AVX2__
 
 // ---- one tile -----------------------------------------------------------------------------
 
@@ -230,6 +144,26 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
   using I4 = std::integral_constant<int, 4>;
+#if defined(__AVX2__)
+  if constexpr (kGemv<Q>) {  // a row at a time, 8 sub-blocks a step: quant_gemv.h
+    const XScales scales(x, xs, M);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* w = rows.data + (n - first) * rows.row_bytes;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {
+        float sums[4][1];
+        row_dot<Q, 4>(w, rows.blocks, x, scales, m, sums);
+        sink.template put<4, 1>(sums, m, n);
+      }
+      for (; m < M; ++m) {
+        float sums[1][1];
+        row_dot<Q, 1>(w, rows.blocks, x, scales, m, sums);
+        sink.template put<1, 1>(sums, m, n);
+      }
+    }
+    return;
+  }
+#endif
   if (M == 1) {
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) run(I1{}, I4{}, 0, n);

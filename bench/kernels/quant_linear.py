@@ -1,0 +1,108 @@
+"""The quantized linear (kernels/cpu/csrc/quant_linear.h) on real model shapes:
+µs a call, GB/s of weight bytes at one token against what `torch.sum` reads
+over the same bytes, and, at many tokens, the packed bf16 linear of the same
+shape beside it.
+
+    PAGEDSERVE_CPU_KERNELS=avx2 python -m bench.kernels.quant_linear [--rows 1,4,32,128]
+
+Cache-cold-ish: every timing cycles through enough copies of the weight to
+pass 64 MB (more than this machine's L2 and L3 together), because a decode
+step reads each weight once and from memory, never from cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import kernels
+from kernels.cpu import ops as cpu_ops
+from kernels.quant import pack_quant_weight, random_quant_blocks
+
+# (label, type, in_features K, out_features N)
+SHAPES = (
+    ("SmolLM2 gate_up", "Q4_1", 576, 1536),
+    ("SmolLM2 down", "Q4_1", 1536, 576),
+    ("SmolLM2 LM head", "Q8_0", 576, 49152),
+    ("Llama-1B up", "Q4_K", 2048, 8192),
+    ("Llama-1B up", "Q8_0", 2048, 8192),
+)
+COLD_BYTES = 64 << 20
+
+
+def _copies(make, nbytes: int) -> list:
+    """Enough independent tensors from make() to pass COLD_BYTES together."""
+    return [make() for _ in range(max(2, -(-COLD_BYTES // nbytes)))]
+
+
+def _micros(fn, copies: list, seconds: float = 0.4) -> float:
+    """The best pass's µs a fn(copy) call, cycling through the copies (the best,
+    not the median: this box is shared, and others' work only ever adds time)."""
+    for c in copies:
+        fn(c)  # warm-up: page faults, thread pool
+    samples, deadline = [], time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(samples) < 5:
+        start = time.perf_counter()
+        for c in copies:
+            fn(c)
+        samples.append((time.perf_counter() - start) / len(copies) * 1e6)
+    return min(samples)
+
+
+def sum_read_gbps(nbytes: int) -> float:
+    """The read rate of torch.sum over `nbytes` (as float32), cache-cold-ish."""
+    copies = _copies(lambda: torch.rand(nbytes // 4), nbytes)
+    return nbytes / _micros(torch.sum, copies) / 1e3
+
+
+def bench_shape(ops, label, type_name, K, N, rows, generator) -> list[str]:
+    make = lambda: pack_quant_weight([(type_name, random_quant_blocks(type_name, N, K, generator))], K)  # noqa: E731
+    blobs = _copies(make, make().numel())
+    nbytes = blobs[0].numel()
+    lines = []
+    for m in rows:
+        x = torch.randn(m, K).bfloat16() * 0.1
+        quant_us = _micros(lambda b: ops.quant_linear(x, b, None, False), blobs)
+        line = f"| {label} {type_name} {K}->{N} | {m} | {quant_us:,.1f} |"
+        if m == 1:
+            read = sum_read_gbps(nbytes)
+            got = nbytes / quant_us / 1e3
+            line += f" {got:.1f} GB/s ({100 * got / read:.0f} % of torch.sum's {read:.1f}) |"
+        else:
+            line += " |"
+        if m >= 32:
+            dense = _copies(lambda: kernels.pack_linear((torch.randn(N, K) * 0.02).bfloat16()), 2 * N * K)
+            bf16_us = _micros(lambda w: kernels.linear(x, w), dense)
+            faster = "quant" if quant_us < bf16_us else "bf16"
+            line += f" {bf16_us:,.1f} ({faster} faster) |"
+        else:
+            line += " |"
+        lines.append(line)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,32,128")
+    parser.add_argument("--only", default="", help="a substring of the shape labels to keep")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    ops = cpu_ops.current_ops()
+    isa = cpu_ops.requested_isa()
+    print(f"ISA {isa}, {torch.get_num_threads()} threads")
+    print("| shape | M | quant µs | GB/s of weights (M=1) | bf16 linear µs |")
+    print("|---|---:|---:|---:|---:|")
+    generator = torch.Generator().manual_seed(0)
+    for label, type_name, K, N in SHAPES:
+        if args.only in f"{label} {type_name}":
+            for line in bench_shape(ops, label, type_name, K, N, rows, generator):
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

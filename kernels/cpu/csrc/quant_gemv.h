@@ -1,0 +1,146 @@
+// The quantized linear at a few tokens (decode steps): a weight row against
+// the tokens' 8-bit blocks, 8 sub-blocks of 32 at a time, each decoded once
+// for up to 4 tokens.
+//
+// Why its own path: at one token the tile path (quant_linear.h) spends per 32
+// weights an int32 -> float conversion, a scalar scale product, a broadcast,
+// an FMA and a scalar min term: more instructions than the decode and the
+// dot product together, which left the 4-bit types compute-bound at about
+// half the memory's read rate.  Here the 8 dot products of a group (8 blocks
+// of a legacy type, or one K-quant super-block's 8 sub-blocks) are summed
+// across their lanes into one vector of 8 (lane j: sub-block j), so the
+// conversion, the scales (8 side by side, against the token's 8 block scales
+// loaded as one vector) and the min term are one vector operation per 256
+// weights instead of 8.
+//
+// Q6_K keeps the tile path: it scales each 16 weights apart, which a lane per
+// 32 cannot carry.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_act.h"
+#include "quant_blocks.h"
+
+namespace pagedserve {
+namespace quant {
+
+// Whether the one-token path takes type Q (a scale per 32 weights).
+template <typename Q>
+constexpr bool kGemv = !Q::kSplit;
+
+// The tokens' block scales d and sums s side by side: 8 of them load as one
+// vector (zeros past a token's last, which a row's last group reads).
+struct XScales {
+  int64_t stride, padded;  // XBlocks a token; floats a token here
+  std::vector<float> d, s;
+  XScales(const XBlock* x, int64_t n, int64_t tokens)
+      : stride(n), padded(n + 8), d(size_t(tokens * padded)), s(size_t(tokens * padded)) {
+    for (int64_t m = 0; m < tokens; ++m)
+      for (int64_t i = 0; i < n; ++i) {
+        d[size_t(m * padded + i)] = x[m * n + i].d;
+        s[size_t(m * padded + i)] = x[m * n + i].s;
+      }
+  }
+};
+
+#if defined(__AVX2__)
+// Lane j of the result: the sum of v[j]'s 8 lanes.
+inline __m256i sum_lanes8(const __m256i (&v)[8]) {
+  // a = [v0 v1 v2 v3 low halves' sums | the same of the high halves]; b of v4..v7.
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The scales (wd) and mins (wm) of the 8 sub-blocks of 32 that start at g,
+// in vectors, without the scalar decode per block (it cost as much as the
+// dot products).  Legacy types: one gather of the 8 blocks' leading words
+// (d, then m for the _1 types), both fp16 halves converted at once.
+template <typename Q>
+inline void group_scales(const uint8_t* g, int count, __m256& wd, __m256& wm) {
+  static_assert(Q::kSubs == 1, "K-quants have their own group_scales");
+  const __m256i at = _mm256_setr_epi32(0, Q::kBytes, 2 * Q::kBytes, 3 * Q::kBytes, 4 * Q::kBytes,
+                                       5 * Q::kBytes, 6 * Q::kBytes, 7 * Q::kBytes);
+  // lanes past `count` read nothing and stay 0 (a row's last group)
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i words =
+      _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(g), at, live, 1);
+  // per 128-bit lane: the four low halves (d), then the four high ones (m)
+  const __m256i split = _mm256_shuffle_epi8(
+      words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                              0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m256i halves = _mm256_permute4x64_epi64(split, 0xD8);  // d0..d7 | m0..m7
+  wd = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+  wm = Q::kMin ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)) : _mm256_setzero_ps();
+}
+
+// Q4_K and Q5_K: the 12 scale bytes' 8 (sc, m) pairs of 6 bits unpacked
+// four at a time in 32-bit words (llama.cpp's masks; scale_min_k4 is the
+// same unpacking one pair at a time), then wd = d * sc, wm = -dmin * m.
+inline void k4_scales(const uint8_t* g, __m256& wd, __m256& wm) {
+  uint32_t u[4];
+  std::memcpy(u, g + 4, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);  // m4..m7
+  const uint32_t m_low = u[1] & k6;                        // m0..m3
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);         // sc4..sc7
+  u[2] = m_low;
+  u[0] &= k6;                                              // sc0..sc3
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+  wd = _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(g)), sc);
+  wm = _mm256_mul_ps(_mm256_set1_ps(-fp16_to_float(g + 2)), m);
+}
+template <>
+inline void group_scales<Q4_K>(const uint8_t* g, int, __m256& wd, __m256& wm) { k4_scales(g, wd, wm); }
+template <>
+inline void group_scales<Q5_K>(const uint8_t* g, int, __m256& wd, __m256& wm) { k4_scales(g, wd, wm); }
+
+// The `count` sub-blocks of the group at g (all 8, or fewer in a legacy
+// row's last group), decoded once, times R tokens' blocks (x, token r at
+// x + (m0 + r) * xs.stride) into acc[r] and mins[r].
+template <typename Q, bool kFull, int R>
+inline void group_step(const uint8_t* g, int count, const XBlock* x, const XScales& xs, int64_t m0, int64_t x0,
+                       __m256 (&acc)[R], __m256 (&mins)[R]) {
+  __m256i q[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+    q[j] = !kFull && j >= count ? _mm256_setzero_si256()
+                                : Q::q_avx2(g + (j / Q::kSubs) * Q::kBytes, j % Q::kSubs);
+  __m256 wd, wm;
+  group_scales<Q>(g, kFull ? 8 : count, wd, wm);
+  for (int r = 0; r < R; ++r) {
+    const XBlock* xr = x + (m0 + r) * xs.stride + x0;
+    __m256i dots[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      dots[j] = !kFull && j >= count
+                    ? _mm256_setzero_si256()
+                    : dot32<!Q::kMin>(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j].q)));
+    const float* d = xs.d.data() + (m0 + r) * xs.padded + x0;
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dots)), _mm256_mul_ps(wd, _mm256_loadu_ps(d)), acc[r]);
+    if (Q::kMin) mins[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs.s.data() + (m0 + r) * xs.padded + x0), mins[r]);
+  }
+}
+
+// One weight row (`blocks` blocks of Q at w) times tokens m0 .. m0 + R - 1 (x, xs) into out[r].
+template <typename Q, int R>
+inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XScales& xs, int64_t m0,
+                    float (&out)[R][1]) {
+  constexpr int kPer = 8 / Q::kSubs;  // blocks a group
+  __m256 acc[R], mins[R];
+  for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + kPer <= blocks; b += kPer) group_step<Q, true, R>(w + b * Q::kBytes, 8, x, xs, m0, b * Q::kSubs, acc, mins);
+  if (b < blocks)  // a legacy row of 8 k + 1 .. 8 k + 7 blocks
+    group_step<Q, false, R>(w + b * Q::kBytes, int(blocks - b), x, xs, m0, b, acc, mins);
+  for (int r = 0; r < R; ++r) out[r][0] = hsum(_mm256_add_ps(acc[r], mins[r]));
+}
+#endif  // __AVX2__
+
+}  // namespace quant
+}  // namespace pagedserve
