@@ -80,3 +80,23 @@ def test_a_files_digest_is_read_once_per_path_size_and_mtime(tmp_path, monkeypat
     assert gguf_digest(gguf, tmp_path) != digest
     with pytest.raises(FileNotFoundError):
         gguf_digest(tmp_path / "missing.gguf", tmp_path)
+
+
+def test_a_gguf_folder_keeps_the_files_hf_names(tmp_path, tiny_gguf, monkeypatch):
+    """A server starting from a direct folder reads the names mapped when the
+    folder was made: mapping them again imports transformers' model classes,
+    ~115 MB (generation, dynamo, triton) held for the process's life."""
+    from engine.model.models import gguf_file
+
+    path = tiny_gguf("qwen3", "Q8_0")
+    folder = loader.gguf_folder(path, tmp_path)
+    checkpoint = gguf_file.GGUFCheckpoint.open(path)
+    assert json.loads((folder / loader.GGUF_NAMES).read_text()) == checkpoint.names
+    expected = [name for name, _ in checkpoint.tensors()]
+
+    def no_mapping(*args):
+        raise AssertionError("mapped the names again")
+
+    monkeypatch.setattr(gguf_file, "_name_map", no_mapping)
+    assert [name for name, _ in loader.iter_checkpoint(folder)] == expected
+    assert "model.layers.1.self_attn.q_norm.weight" in expected

@@ -81,20 +81,24 @@ class GGUFCheckpoint:
     """An open GGUF file of an architecture we serve (see `open`)."""
 
     def __init__(self, path: Path, reader, config_dict: dict, config, processor,
-                 entries: list[_Entry]) -> None:
+                 names: dict[str, str], entries: list[_Entry]) -> None:
         self.path = path
         self.reader = reader
         self.config_dict = config_dict  # transformers' key names, as the processors read them
         self.config = config
         self.processor = processor
+        self.names = names  # GGUF tensor name -> HF name (_name_map), experts aside
         self.entries = entries
 
     @classmethod
-    def open(cls, path, config=None) -> "GGUFCheckpoint":
+    def open(cls, path, config=None, names: dict[str, str] | None = None) -> "GGUFCheckpoint":
         """Read the metadata and the tensor index (not the tensor bytes).
         `config`: the file's HF config when already known (a model folder's
         config.json, written from it): mapping the metadata again reads the
         whole file's fields a second time (~3 s for SmolLM2's tokenizer).
+        `names`: the file's `names` when already known (a model folder keeps
+        them): mapping them builds transformers' model class, whose import
+        chain (generation, dynamo, triton) holds ~115 MB for the process's life.
 
         ValueError: an architecture we do not serve; a tensor of a type we do
         not take, one that no HF weight takes, or a transform that cannot be
@@ -112,9 +116,10 @@ class GGUFCheckpoint:
         architecture = _field(reader, "general.architecture")
         processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config_dict)
         _check_types(reader)
-        names = _name_map(config, architecture)
+        if names is None:
+            names = _name_map(config, architecture)
         entries = [_plan(tensor, names, processor) for tensor in reader.tensors]
-        return cls(path, reader, config_dict, config, processor, entries)
+        return cls(path, reader, config_dict, config, processor, names, entries)
 
     @property
     def architecture(self) -> str:

@@ -53,8 +53,10 @@ SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 # Part of the cache key: bump it when convert_gguf writes something new.
 CONVERSION = 3
 # The same for gguf_folder.
-DIRECT = 2
+DIRECT = 3
 GGUF_LINK = "model.gguf"  # in a direct folder: the file it serves
+# In a direct folder: the file's tensor names mapped to HF names, once (gguf_file.py).
+GGUF_NAMES = "gguf_names.json"
 # In the cache directory: {resolved path: [size, mtime_ns, sha256]} of GGUF files seen.
 DIGESTS_FILE = "gguf-digests.json"
 # The generation_config.json keys that are request defaults (vLLM's list).
@@ -138,7 +140,9 @@ def gguf_folder(gguf_path: Path, cache_dir: Path, sampling: dict | None = None) 
 def _write_metadata(folder: Path, checkpoint, gguf_path: Path, sampling: dict | None) -> Path:
     """A temporary sibling of `folder` holding the file's config.json (our
     reader's completed config: transformers' own drops keys, gguf_config.py),
-    its tokenizer and a generation_config.json (+ `sampling`); returns it."""
+    its tokenizer, its tensor names' HF names (so that a server starting from
+    the folder need not import transformers' model classes to map them again)
+    and a generation_config.json (+ `sampling`); returns it."""
     from engine.model.models.gguf_file import load_gguf_tokenizer
 
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
@@ -146,6 +150,7 @@ def _write_metadata(folder: Path, checkpoint, gguf_path: Path, sampling: dict | 
     config = checkpoint.config
     config.save_pretrained(tmp)
     load_gguf_tokenizer(gguf_path).save_pretrained(tmp)
+    (tmp / GGUF_NAMES).write_text(json.dumps(checkpoint.names, indent=1, sort_keys=True) + "\n")
     generation = {key: getattr(config, key) for key in ("bos_token_id", "eos_token_id")
                   if getattr(config, key, None) is not None}
     if sampling:
@@ -175,14 +180,17 @@ def _publish(tmp: Path, folder: Path) -> None:
 def iter_checkpoint(folder: Path, partition=None, config=None) -> Iterator[tuple[str, object]]:
     """Every checkpoint tensor of a model folder, HF-named: a GGUF's (quantized
     ones as models/gguf_file.QuantTensor; `config`, the folder's, spares
-    mapping the file's metadata again), else the safetensors files'."""
+    mapping the file's metadata again, the folder's names mapping its tensor
+    names again), else the safetensors files'."""
     if (folder / GGUF_LINK).exists():
         if partition is not None:
             raise ValueError("tensor parallelism does not slice a GGUF's quantized tensors yet: "
                              "serve it with --quantization none, or on one rank")
         from engine.model.models.gguf_file import GGUFCheckpoint
 
-        yield from GGUFCheckpoint.open(folder / GGUF_LINK, config).tensors()
+        names_file = folder / GGUF_NAMES
+        names = json.loads(names_file.read_text()) if names_file.exists() else None
+        yield from GGUFCheckpoint.open(folder / GGUF_LINK, config, names).tensors()
         return
     yield from iter_safetensors(folder, partition)
 
