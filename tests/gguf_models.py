@@ -2,8 +2,8 @@
 
 `write_tiny_gguf` builds a family's tiny HF model exactly as tiny_models.py's
 make_tiny_family does (same settings, same seed), then writes it with
-gguf.GGUFWriter: the architecture's metadata keys (gguf.Keys), SmolLM2's
-tokenizer metadata (the tiny models share its 49152-token vocabulary), the
+gguf.GGUFWriter: the architecture's metadata keys (gguf.Keys), the first
+TINY_VOCAB tokens of SmolLM2's tokenizer (and the merges that make them), the
 tensors under llama.cpp's names (gguf.get_tensor_name_map) with the inverse of
 the transforms transformers' GGUF loader undoes (Llama's q/k row permutation,
 Gemma's norms stored as 1 + w).
@@ -19,6 +19,7 @@ routers stay F32.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,20 @@ K_FAMILY_SHAPE = {"gemma3": dict(query_pre_attn_scalar=32),
                   "qwen3-moe": dict(moe_intermediate_size=256)}
 
 
+# Tokens a tiny file's vocabulary keeps: SmolLM2's first 4,096 and the 3,844
+# merges that make them (its merge i makes token 252 + i, so they form a
+# BPE of their own). Why: gguf's reader parses every token and merge of a
+# file's metadata in Python, ~3.3 s for the whole 49,152, and the engine
+# opens a file up to four times (its folder, its tokenizer, its tensors).
+TINY_VOCAB = 4096
+
+
+def tiny_settings(family: str, **shape) -> tuple[str, str, dict]:
+    """(config class, model class, config fields) of a GGUF_FAMILIES entry's tiny model."""
+    base, _, fixed = GGUF_FAMILIES[family]
+    return family_settings(base, **{"vocab_size": TINY_VOCAB, **fixed, **shape})
+
+
 def shape_for(family: str, tensor_type: str) -> dict:
     """Config overrides a file of this type needs: Q8_0 keeps the tiny shape,
     the others (K blocks of 256 among them) take K_SHAPE."""
@@ -72,8 +87,8 @@ def write_tiny_gguf(path: Path, family: str, tokenizer_gguf: Path, tensor_type: 
     reader must refuse). Returns `path`."""
     import gguf
 
-    base, arch, fixed = GGUF_FAMILIES[family]
-    config_name, model_name, settings = family_settings(base, **{**fixed, **shape})
+    arch = GGUF_FAMILIES[family][1]
+    config_name, model_name, settings = tiny_settings(family, **shape)
     model = build_tiny(config_name, model_name, settings, seed)
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -152,14 +167,47 @@ def _copy_tokenizer(writer, tokenizer_gguf: Path, config) -> None:
                for key, value in (("bos", config.bos_token_id), ("eos", config.eos_token_id),
                                   ("padding", getattr(config, "pad_token_id", None)))
                if isinstance(value, int)}
-    reader = gguf.GGUFReader(str(tokenizer_gguf))
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer.") or key in special:
-            continue
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for key, value, value_type, sub_type in _tokenizer_fields(Path(tokenizer_gguf)):
+        if key not in special:
+            writer.add_key_value(key, value, value_type, sub_type)
     for key, value in special.items():
         writer.add_key_value(key, value, gguf.GGUFValueType.UINT32)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_fields(tokenizer_gguf: Path) -> tuple:
+    """(key, value, type, array item type) of the file's tokenizer.* keys, its
+    vocabulary cut to TINY_VOCAB tokens; read once per process (~3.3 s)."""
+    import gguf
+
+    keep = {"tokenizer.ggml.tokens": TINY_VOCAB, "tokenizer.ggml.token_type": TINY_VOCAB,
+            "tokenizer.ggml.scores": TINY_VOCAB}
+    fields = []
+    for key, field in gguf.GGUFReader(str(tokenizer_gguf)).fields.items():
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            if key in keep:
+                value = value[:keep[key]]
+            elif key == "tokenizer.ggml.merges":
+                value = _merges_within(value, set(fields[_index(fields, "tokenizer.ggml.tokens")][1]))
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            fields.append((key, value, field.types[0], sub_type))
+    return tuple(fields)
+
+
+def _index(fields: list, key: str) -> int:
+    return next(i for i, field in enumerate(fields) if field[0] == key)
+
+
+def _merges_within(merges: list[str], tokens: set[str]) -> list[str]:
+    """The merges whose parts and product are all kept tokens (a prefix of the list)."""
+    kept = []
+    for merge in merges:
+        left, right = merge.split(" ")
+        if not {left, right, left + right} <= tokens:
+            break
+        kept.append(merge)
+    return kept
 
 
 def _gguf_tensors(model, arch: str):

@@ -104,7 +104,7 @@ def make_tiny_family(folder: Path, family: str, tokenizer_source: Path, seed: in
 def family_settings(family: str, **shape) -> tuple[str, str, dict]:
     """(config class name, model class name, config fields) of a FAMILIES entry."""
     config_name, model_name, extra = FAMILIES[family]
-    settings = dict(vocab_size=49152, architectures=[model_name], **{**_SHAPE, **extra, **shape})
+    settings = {"vocab_size": 49152, "architectures": [model_name], **_SHAPE, **extra, **shape}
     return config_name, model_name, settings
 
 

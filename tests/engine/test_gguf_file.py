@@ -21,8 +21,7 @@ from engine.model.models.gguf_file import (SUPPORTED_TYPES, GGUFCheckpoint, Quan
                                            load_gguf_tokenizer)
 from engine.model.models.registry import model_class
 from engine.model.models.loader import default_gguf_path
-from gguf_models import GGUF_FAMILIES, K_SHAPE, write_tiny_gguf
-from tiny_models import family_settings
+from gguf_models import GGUF_FAMILIES, K_SHAPE, TINY_VOCAB, tiny_settings, write_tiny_gguf
 
 # transformers' own GGUF config gets these families' shapes wrong (its mapping
 # drops head_dim, moe_intermediate_size) or, for Mixtral, loads a dense Llama;
@@ -47,8 +46,7 @@ def gguf_file(tiny_gguf):
 def _tiny_config(family: str):
     import transformers
 
-    base, _, fixed = GGUF_FAMILIES[family]
-    config_name, _, settings = family_settings(base, **fixed)
+    config_name, _, settings = tiny_settings(family)
     return getattr(transformers, config_name)(**settings)
 
 
@@ -113,8 +111,7 @@ def test_q8_0_values_are_the_hf_weights_quantized(gguf_file):
     from tiny_models import build_tiny
 
     _, checkpoint = gguf_file("llama")
-    base, _, fixed = GGUF_FAMILIES["llama"]
-    model = build_tiny(*family_settings(base, **fixed), seed=1234)
+    model = build_tiny(*tiny_settings("llama"), seed=1234)
     ours = dict(checkpoint.dequantized_tensors())
     for name, weight in model.state_dict().items():
         weight = weight.numpy()
@@ -183,7 +180,7 @@ def test_tokenizer_from_metadata(gguf_file):
     # gets Gemma's (and an extra <mask> token) whatever tokenizer.ggml.model says.
     path, _ = gguf_file("llama")
     tokenizer = load_gguf_tokenizer(path)
-    assert len(tokenizer) == 49152 and tokenizer.decode(tokenizer.encode("Hello there")) == "Hello there"
+    assert len(tokenizer) == TINY_VOCAB and tokenizer.decode(tokenizer.encode("Hello there")) == "Hello there"
 
 
 @pytest.mark.parametrize("bad_type", ["Q2_K", "IQ4_NL"])

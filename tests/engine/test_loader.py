@@ -31,13 +31,14 @@ def test_sampling_defaults_read_only_sampling_keys(tmp_path):
     assert set(SAMPLING_KEYS) == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
 
 
-def test_two_processes_converting_at_once_both_get_the_folder(tmp_path, smollm2_path):
+def test_two_processes_converting_at_once_both_get_the_folder(tmp_path, tiny_gguf):
     """Two servers starting together on a fresh cache must not fail on each other's output."""
+    gguf = tiny_gguf("llama")
     code = ("import sys; from pathlib import Path; "
-            "from engine.model.models.loader import convert_gguf, default_gguf_path; "
-            "print(convert_gguf(default_gguf_path(), Path(sys.argv[1])))")
+            "from engine.model.models.loader import convert_gguf; "
+            "print(convert_gguf(Path(sys.argv[2]), Path(sys.argv[1])))")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    children = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env,
+    children = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(gguf)], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for _ in range(2)]
     results = [child.communicate(timeout=600) for child in children]
@@ -48,7 +49,7 @@ def test_two_processes_converting_at_once_both_get_the_folder(tmp_path, smollm2_
     folder = Path(folders.pop())
     assert (folder / "config.json").exists()
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary left
-    assert convert_gguf(default_gguf_path(), tmp_path) == folder
+    assert convert_gguf(gguf, tmp_path) == folder
 
 
 def test_a_second_checkout_reuses_the_converted_folder(tmp_path, smollm2_path, monkeypatch):
