@@ -195,19 +195,28 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
     }
   });
   const Sink<TOut> sink{out, blob.N, bias};
-  int64_t first = 0;
-  for (const Part& p : blob.parts) {
-    const bool known = with_type(p.type, [&](auto q) {
-      using Q = decltype(q);
-      const Rows rows{p.data, p.row_bytes, K / Q::kElems};
-      // Strips of whole 4-row tiles; at least 16 rows a thread.
-      at::parallel_for(0, (p.rows + 3) / 4, 4, [&](int64_t t0, int64_t t1) {
-        part_rows<Q>(rows, first, first + 4 * t0, first + std::min(4 * t1, p.rows), xq.data(), M, sink);
-      });
-    });
-    TORCH_CHECK(known, "quant_linear: unsupported ggml type ", p.type);
-    first += p.rows;
-  }
+  for (const Part& p : blob.parts)
+    TORCH_CHECK(with_type(p.type, [](auto) {}), "quant_linear: unsupported ggml type ", p.type);
+  // Whole 4-row tiles of every part in one parallel region (at least 16 rows
+  // a thread), not a region per part. Why: at one token a region is a fork,
+  // a join and the two threads' imbalance at it, and a fused qkv or gate|up
+  // blob is 2-3 parts: SmolLM2's layer made 7 regions of its 4 linears.
+  std::vector<int64_t> tiles{0};  // tiles[i]: the first tile of part i
+  for (const Part& p : blob.parts) tiles.push_back(tiles.back() + (p.rows + 3) / 4);
+  at::parallel_for(0, tiles.back(), 4, [&](int64_t t0, int64_t t1) {
+    int64_t first = 0;  // the part's first row in the output
+    for (size_t i = 0; i < blob.parts.size(); ++i) {
+      const Part& p = blob.parts[i];
+      const int64_t a = std::max(t0, tiles[i]) - tiles[i], b = std::min(t1, tiles[i + 1]) - tiles[i];
+      if (a < b)
+        with_type(p.type, [&](auto q) {
+          using Q = decltype(q);
+          const Rows rows{p.data, p.row_bytes, K / Q::kElems};
+          part_rows<Q>(rows, first, first + 4 * a, first + std::min(4 * b, p.rows), xq.data(), M, sink);
+        });
+      first += p.rows;
+    }
+  });
 }
 
 }  // namespace quant
