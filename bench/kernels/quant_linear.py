@@ -28,6 +28,8 @@ SHAPES = (
     ("SmolLM2 LM head", "Q8_0", 576, 49152),
     ("Llama-1B up", "Q4_K", 2048, 8192),
     ("Llama-1B up", "Q8_0", 2048, 8192),
+    ("Llama-1B down", "Q6_K", 8192, 2048),
+    ("Llama-1B LM head", "Q6_K", 2048, 128256),
 )
 COLD_BYTES = 64 << 20
 

@@ -13,8 +13,10 @@
 // loaded as one vector) and the min term are one vector operation per 256
 // weights instead of 8.
 //
-// Q6_K keeps the tile path: it scales each 16 weights apart, which a lane per
-// 32 cannot carry.
+// Q6_K scales each 16 weights apart, so its sub-blocks' dot products are
+// summed as halves instead (split_step): two rounds of hadd leave the first
+// halves of four sub-blocks in one 128-bit lane and their second halves in
+// the other, which the 16 scales meet in two vectors.
 #pragma once
 
 #include <cstdint>
@@ -27,9 +29,9 @@
 namespace pagedserve {
 namespace quant {
 
-// Whether the one-token path takes type Q (a scale per 32 weights).
+// Whether the one-token path takes type Q: all of them (Q6_K by split_step).
 template <typename Q>
-constexpr bool kGemv = !Q::kSplit;
+constexpr bool kGemv = true;
 
 // The tokens' block scales d and sums s side by side: 8 of them load as one
 // vector (zeros past a token's last, which a row's last group reads).
@@ -127,10 +129,50 @@ inline void group_step(const uint8_t* g, int count, const XBlock* x, const XScal
   }
 }
 
+// One Q6_K super-block (its 8 sub-blocks of 32 at g) times R tokens' blocks
+// into acc[r].  A dot32 lane holds 4 bytes, so lanes 0-3 are a sub-block's
+// first 16 weights and lanes 4-7 its second; hadd(hadd(d0, d1), hadd(d2, d3))
+// is [d0 d1 d2 d3 first halves | the same second halves].  The scales are
+// ordered to match: sc[2 j] (first half of j) and sc[2 j + 1] (second).
+template <int R>
+inline void split_step(const uint8_t* g, const XBlock* x, const XScales& xs, int64_t m0, int64_t x0,
+                       __m256 (&acc)[R]) {
+  __m256i q[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) q[j] = Q6_K::q_avx2(g, j);
+  // sc[0 2 4 6 1 3 5 7 | 8 10 12 14 9 11 13 15] -> two vectors of floats times d
+  const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 192)),
+                                      _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+  const __m256 d = _mm256_set1_ps(fp16_to_float(g + 208));
+  const __m256 wa = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+  const __m256 wb = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+  for (int r = 0; r < R; ++r) {
+    const XBlock* xr = x + (m0 + r) * xs.stride + x0;
+    __m256i dots[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      dots[j] = dot32<true>(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j].q)));
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[4], dots[5]), _mm256_hadd_epi32(dots[6], dots[7]));
+    const float* dx = xs.d.data() + (m0 + r) * xs.padded + x0;
+    const __m256 da = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dx));
+    const __m256 db = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dx + 4));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(wa, da), acc[r]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_mul_ps(wb, db), acc[r]);
+  }
+}
+
 // One weight row (`blocks` blocks of Q at w) times tokens m0 .. m0 + R - 1 (x, xs) into out[r].
 template <typename Q, int R>
 inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XScales& xs, int64_t m0,
                     float (&out)[R][1]) {
+  if constexpr (Q::kSplit) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) split_step<R>(w + b * Q::kBytes, x, xs, m0, b * Q::kSubs, acc);
+    for (int r = 0; r < R; ++r) out[r][0] = hsum(acc[r]);
+    return;
+  } else {
   constexpr int kPer = 8 / Q::kSubs;  // blocks a group
   __m256 acc[R], mins[R];
   for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
@@ -139,6 +181,7 @@ inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XSc
   if (b < blocks)  // a legacy row of 8 k + 1 .. 8 k + 7 blocks
     group_step<Q, false, R>(w + b * Q::kBytes, int(blocks - b), x, xs, m0, b, acc, mins);
   for (int r = 0; r < R; ++r) out[r][0] = hsum(_mm256_add_ps(acc[r], mins[r]));
+  }
 }
 #endif  // __AVX2__
 
