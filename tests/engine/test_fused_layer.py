@@ -6,11 +6,11 @@ decodes, of prompt chunks, of both, and of drafted rows (n-gram speculation).
 
 The families that take it: SmolLM2 (Llama, the real weights, tied head),
 Qwen2 with its q/k/v biases and a sliding layer, Mistral sliding on every
-layer; the prompts run past the tiny models' 20-token windows. Several
+layer, Qwen3 with its per-head norms of q and k; the prompts run past the tiny models' 20-token windows. Several
 prompts at once, so a step decodes a batch; chunked prefill, so decode rows
 share steps with prompt chunks; n-gram drafts, so a sequence has several
 rows that the prefill kernel attends. And the
-layers that must not take it (per-head norms, Gemma's norms, MoE, float32)
+layers that must not take it (Gemma's norms, MoE experts, float32)
 never do.
 """
 
@@ -21,6 +21,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model.layers import fused_layer
+from engine.model.layers.activation import MLP
+from engine.model.layers.moe import FusedMoE
 from kernels.cpu import ops as cpu_ops
 from need import need
 from tiny_models import make_tiny_family
@@ -122,7 +124,32 @@ def test_biases_and_windows_give_the_same_numbers(family, tmp_path, smollm2_path
     assert max(windows) == 20
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "qwen3-moe"])
+def test_per_head_norms_give_the_same_numbers(tmp_path, smollm2_path, monkeypatch):
+    """Qwen3's norms of each q and k head run inside the op (and the stack op)."""
+    _compiled_ops_or_skip()
+    folder = make_tiny_family(tmp_path / "qwen3", "qwen3", smollm2_path, hidden_size=4 * HEAD_DIM)
+    llm = LLM(str(folder), dtype="bfloat16", block_size=16, max_num_batched_tokens=16)
+    generator = torch.Generator().manual_seed(7)
+    for layer in llm.engine.runner.model.layers:  # HF initialises the norms to ones: vary them
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.data.copy_(1 + 0.3 * torch.randn(norm.weight.shape, generator=generator))
+    _same_with_and_without(llm, monkeypatch)
+    assert all(layer._fused.weights[10] is layer.self_attn.q_norm.weight
+               for layer in llm.engine.runner.model.layers)
+
+
+def test_a_moe_models_dense_layers_take_the_op_and_its_expert_layers_do_not(tmp_path, smollm2_path,
+                                                                            monkeypatch):
+    _compiled_ops_or_skip()
+    folder = make_tiny_family(tmp_path / "qwen3-moe", "qwen3-moe", smollm2_path, hidden_size=4 * HEAD_DIM)
+    llm = LLM(str(folder), dtype="bfloat16", block_size=16)
+    _same_with_and_without(llm, monkeypatch, stacked=False)
+    layers = llm.engine.runner.model.layers
+    assert [layer._fused is None for layer in layers] == [type(layer.mlp) is FusedMoE for layer in layers]
+    assert {type(layer.mlp) for layer in layers} == {FusedMoE, MLP}
+
+
+@pytest.mark.parametrize("family", ["gemma2"])
 def test_layers_the_op_does_not_fuse_run_their_modules(family, tmp_path, smollm2_path, monkeypatch):
     folder = make_tiny_family(tmp_path / family, family, smollm2_path)
     llm = LLM(str(folder), dtype="bfloat16", block_size=16)

@@ -25,12 +25,16 @@ def ops(compiled_cpu_ops):
     return compiled_cpu_ops
 
 
-def _weights(g):
+def _weights(g, qk_norm: bool = False):
+    """A layer's weights; with `qk_norm`, Qwen3's norms of each q and k head."""
     def w(*shape):
         return (torch.randn(*shape, generator=g) * 0.2).bfloat16()
     qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    return dict(input_norm=1 + w(HIDDEN), qkv=w(qkv, HIDDEN), qkv_bias=w(qkv), o=w(HIDDEN, HEADS * HEAD_DIM),
-                post_norm=1 + w(HIDDEN), gate_up=w(2 * INTERMEDIATE, HIDDEN), down=w(HIDDEN, INTERMEDIATE))
+    weights = dict(input_norm=1 + w(HIDDEN), qkv=w(qkv, HIDDEN), qkv_bias=w(qkv), o=w(HIDDEN, HEADS * HEAD_DIM),
+                   post_norm=1 + w(HIDDEN), gate_up=w(2 * INTERMEDIATE, HIDDEN), down=w(HIDDEN, INTERMEDIATE))
+    if qk_norm:
+        weights.update(q_norm=1 + w(HEAD_DIM), k_norm=1 + w(HEAD_DIM))
+    return weights
 
 
 def _step(g, lens, decode):
@@ -56,7 +60,8 @@ def _rope(positions):
 def _layer_args(w, step, cos, sin, caches):
     d = step["decode"]
     return (w["input_norm"], w["qkv"], w["qkv_bias"], w["o"], None, w["post_norm"], w["gate_up"], None,
-            w["down"], None, cos, sin, caches[0], caches[1], step["slots"], d, step["tables"][:d],
+            w["down"], None, w.get("q_norm"), w.get("k_norm"), cos, sin, caches[0], caches[1], step["slots"], d,
+            step["tables"][:d],
             step["lens"][:d], step["tables"][d:], step["cu"], step["lens"][d:], HEADS, KV_HEADS, EPS, SCALE)
 
 
@@ -67,6 +72,10 @@ def _one_by_one(ops, hidden, residual, w, step, cos, sin, caches):
     x = ops.rms_norm(hidden, w["input_norm"], EPS, None if residual is None else stream)
     qkv = ops.linear_bf16(x, w["qkv"], w["qkv_bias"])
     qk = qkv[:, : q_size + kv_size].view(tokens, HEADS + KV_HEADS, HEAD_DIM)
+    if "q_norm" in w:  # as Attention._norm_heads: each head a row of the norm op, then one tensor
+        q, k = qk.split([HEADS, KV_HEADS], dim=1)
+        qk = torch.cat((ops.rms_norm(q.reshape(-1, HEAD_DIM), w["q_norm"], EPS, None).view(q.shape),
+                        ops.rms_norm(k.reshape(-1, HEAD_DIM), w["k_norm"], EPS, None).view(k.shape)), dim=1)
     ops.rotary_embedding(qk, cos, sin)
     q = qk[:, :HEADS].contiguous()
     ops.store_kvcache(qk[:, HEADS:], qkv[:, q_size + kv_size:].view(tokens, KV_HEADS, HEAD_DIM),
@@ -86,11 +95,12 @@ def _caches(g):
     return [torch.randn(*shape, generator=g).bfloat16() for _ in range(2)]
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-norms"])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("lens,decode", [([7], 1), ([20, 9], 2), ([5, 18, 30], 1), ([12], 0)])
-def test_layer_op_is_the_ops_one_by_one(ops, session_seed, lens, decode, with_residual):
+def test_layer_op_is_the_ops_one_by_one(ops, session_seed, lens, decode, with_residual, qk_norm):
     g = torch.Generator().manual_seed(session_seed)
-    w, step, caches = _weights(g), _step(g, lens, decode), _caches(g)
+    w, step, caches = _weights(g, qk_norm), _step(g, lens, decode), _caches(g)
     tokens = len(step["slots"])
     hidden = torch.randn(tokens, HIDDEN, generator=g).bfloat16()
     residual = torch.randn(tokens, HIDDEN, generator=g).bfloat16() if with_residual else None
@@ -128,24 +138,24 @@ def test_layer_op_checks_what_it_writes_through_pointers(ops, session_seed):
 
 
 def _stack_args(ws, step, cos, sin, caches):
-    """llama_layers' arguments: ten weights a layer, a K and a V cache a layer."""
+    """llama_layers' arguments: twelve weights a layer, a K and a V cache a layer."""
     d = step["decode"]
     weights = [t for w in ws for t in (w["input_norm"], w["qkv"], w["qkv_bias"], w["o"], None, w["post_norm"],
-                                       w["gate_up"], None, w["down"], None)]
+                                       w["gate_up"], None, w["down"], None, w.get("q_norm"), w.get("k_norm"))]
     return (weights, cos, sin, [c[0] for c in caches], [c[1] for c in caches], step["slots"], d,
             step["tables"][:d], step["lens"][:d], step["tables"][d:], step["cu"], step["lens"][d:], HEADS,
             KV_HEADS, EPS, SCALE)
 
 
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized,qk_norm", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("lens,decode", [([7], 1), ([5, 18, 30], 1), ([12], 0)])
-def test_stack_op_is_the_layer_op_layer_by_layer(ops, session_seed, lens, decode, quantized):
+def test_stack_op_is_the_layer_op_layer_by_layer(ops, session_seed, lens, decode, quantized, qk_norm):
     """Three layers with their own weights and caches: the stack op against
     the layer op called for each in turn (the first without a residual);
-    bf16 weights, or blobs (_quantized)."""
+    bf16 weights, or blobs (_quantized); with or without per-head norms."""
     g = torch.Generator().manual_seed(session_seed)
     step = _step(g, lens, decode)
-    ws, caches = [_weights(g) for _ in range(3)], [_caches(g) for _ in range(3)]
+    ws, caches = [_weights(g, qk_norm) for _ in range(3)], [_caches(g) for _ in range(3)]
     if quantized:
         ws = [_quantized(g, w) for w in ws]
     hidden = torch.randn(len(step["slots"]), HIDDEN, generator=g).bfloat16()
@@ -167,11 +177,11 @@ def test_stack_op_checks_its_lists(ops, session_seed):
     hidden = torch.randn(1, HIDDEN, generator=g).bfloat16()
     cos, sin = _rope(step["positions"])
     args = list(_stack_args(ws, step, cos, sin, caches))
-    with pytest.raises(ValueError, match="2 K caches, 1 V caches and 20 weights"):
+    with pytest.raises(ValueError, match="2 K caches, 1 V caches and 24 weights"):
         ops.llama_layers(hidden, *args[:4], args[4][:1], *args[5:])
-    with pytest.raises(ValueError, match="2 K caches, 2 V caches and 19 weights"):
-        ops.llama_layers(hidden, args[0][:19], *args[1:])
-    args[0][10 + 3] = None  # the second layer's o_proj
+    with pytest.raises(ValueError, match="2 K caches, 2 V caches and 23 weights"):
+        ops.llama_layers(hidden, args[0][:23], *args[1:])
+    args[0][12 + 3] = None  # the second layer's o_proj
     with pytest.raises(ValueError, match="layer 1 weight 3 is None"):
         ops.llama_layers(hidden, *args)
 

@@ -24,12 +24,12 @@ to the same op build and the same numbers, a step makes one call for the
 whole stack (`kernels.llama_layers_op`: the layer op for each in turn in
 C++, so again the same numbers).
 
-Eligible: a layer built from the shared parts as they are (`Attention`
-without per-head norms, `MLP` with SiLU, `RMSNorm`, `Linear` or
-`QuantLinear`: the op multiplies a quantized weight by its dtype), no tensor
-parallelism; then per step: bf16 on the CPU, caches of the model's dtype,
-and a build of the compiled ops that takes every width. Anything else
-(Gemma's norms, per-head norms, MoE, float32, a GPU) runs the modules,
+Eligible: a layer built from the shared parts as they are (`Attention`,
+with or without Qwen3's per-head `RMSNorm`s of q and k, `MLP` with SiLU,
+`RMSNorm`, `Linear` or `QuantLinear`: the op multiplies a quantized weight
+by its dtype), no tensor parallelism; then per step: bf16 on the CPU, caches
+of the model's dtype, and a build of the compiled ops that takes every
+width. Anything else (Gemma's norms, MoE, float32, a GPU) runs the modules,
 whose kernels choose for themselves.
 """
 
@@ -68,10 +68,12 @@ def shape_of(layer) -> Shape | None:
     """The layer's Shape if it is built from the parts the op fuses, else None."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if type(attn) is Attention and attn.q_norm is not None:  # Qwen3's, inside the op
+        norms += (attn.q_norm, attn.k_norm)
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if type(mlp) is MLP else ()
-    if (type(attn) is not Attention or attn.q_norm is not None or attn.group is not None
+    if (type(attn) is not Attention or attn.group is not None
             or type(mlp) is not MLP or mlp.group is not None or mlp.act_and_mul is not attn.kernels.silu_and_mul
-            or any(type(norm) is not RMSNorm for norm in norms) or norms[0].eps != norms[1].eps
+            or any(type(norm) is not RMSNorm or norm.eps != norms[0].eps for norm in norms)
             or any(type(linear) not in (Linear, QuantLinear) for linear in linears)):
         return None
     features = attn.attn.features
@@ -91,7 +93,7 @@ class Bound:
     shape: Shape
     op: Callable
     paged: PagedAttention  # the layer's attention: which cache slice and batch view it reads
-    weights: tuple  # the op's ten weight arguments, norms to down_proj's bias
+    weights: tuple  # the op's twelve weight arguments, input norm to k_norm (None: none)
     numbers: tuple  # the op's trailing numbers, from Shape
 
 
@@ -108,7 +110,9 @@ def bind(layer) -> Bound | None:
         return None
     weights = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
                attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-               mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+               mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
+               None if attn.q_norm is None else attn.q_norm.weight,
+               None if attn.k_norm is None else attn.k_norm.weight)
     numbers = (shape.num_heads, shape.num_kv_heads, shape.eps, shape.scale, shape.sliding_window,
                shape.logits_soft_cap)
     return Bound(shape, op, attn.attn, weights, numbers)
@@ -170,7 +174,7 @@ def run_layers(layers, step: StepArgs | None, rope_tables, hidden: torch.Tensor,
 @dataclass(frozen=True, eq=False)
 class Stacked:
     """Every layer of a model bound to one op build with one Shape, gathered
-    for the stack op: its weights in layer order (ten a layer, as Bound holds
+    for the stack op: its weights in layer order (twelve a layer, as Bound holds
     them) and which caches the layers read; they all read the first layer's
     view of the batch (`stack` checks)."""
 

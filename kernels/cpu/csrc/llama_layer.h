@@ -9,7 +9,7 @@
 // a layer costs one call from Python (a whole stack of them one call, with
 // llama_layers at the end of this file):
 //
-//   hidden ─► RMSNorm(+residual) ─► qkv ─► RoPE(q, k) ─► K/V into the cache
+//   hidden ─► RMSNorm(+residual) ─► qkv ─► [RMSNorm of each q, k head] ─► RoPE(q, k) ─► K/V into the cache
 //          ─► attention: decode rows (one per sequence), then prefill rows
 //          ─► o_proj ─► RMSNorm(+residual) ─► gate_up ─► SiLU·mul ─► down
 //
@@ -19,7 +19,8 @@
 // place inside it (rows of heads, any token stride), as the Python path does.
 // Only what that path would send to these same ops comes here
 // (engine/model/layers/fused_layer.py checks): bf16, no tensor parallelism,
-// no per-head norms, SiLU; each linear's weight bf16 or quantized.
+// SiLU, per-head norms (Qwen3's q_norm, k_norm) only as RMSNorm with the
+// layer's eps; each linear's weight bf16 or quantized.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -57,10 +58,31 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
 // of qkv (aten's narrow, view and contiguous cost ~1 us each, and the Python
 // layer's path took seven of them a layer); returns q, contiguous, for the
 // attention kernels.
+// Qwen3's norms of each q and k head over head_dim, in place in qkv's rows:
+// the numbers of the rms_norm op over those heads as rows (Attention._norm_heads).
+inline void norm_heads(bf16_t* rows, int64_t tokens, int64_t width, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, const at::Tensor& q_norm, const at::Tensor& k_norm, double eps) {
+  for (const at::Tensor* w : {&q_norm, &k_norm})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == head_dim && w->is_contiguous() &&
+                    w->scalar_type() == at::kBFloat16,
+                "llama_layer: q_norm and k_norm must be contiguous bf16 [head_dim]");
+  const auto* qw = reinterpret_cast<const bf16_t*>(q_norm.data_ptr());
+  const auto* kw = reinterpret_cast<const bf16_t*>(k_norm.data_ptr());
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      bf16_t* q = rows + t * width;
+      bf16_t* k = q + num_heads * head_dim;
+      norm::rows(q, static_cast<bf16_t*>(nullptr), qw, q, 0, num_heads, head_dim, float(eps));
+      norm::rows(k, static_cast<bf16_t*>(nullptr), kw, k, 0, num_kv_heads, head_dim, float(eps));
+    }
+  });
+}
+
 inline at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                    const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-                                   int64_t head_dim) {
+                                   int64_t head_dim, const std::optional<at::Tensor>& q_norm,
+                                   const std::optional<at::Tensor>& k_norm, double eps) {
   const int64_t tokens = qkv.size(0), width = qkv.size(1), q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;  // width is q_size + 2 * kv_size (checked by the caller)
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16 && head_dim % 2 == 0,
@@ -70,6 +92,9 @@ inline at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos,
   const int64_t* slot =
       kv_store::checked_slots(slot_mapping, tokens, k_cache.size(0) * k_cache.size(1), "llama_layer");
   auto* rows = reinterpret_cast<bf16_t*>(qkv.data_ptr());
+  const bool normed = q_norm.has_value() && q_norm->defined();
+  TORCH_CHECK(normed == (k_norm.has_value() && k_norm->defined()), "llama_layer: q_norm without k_norm");
+  if (normed) norm_heads(rows, tokens, width, num_heads, num_kv_heads, head_dim, *q_norm, *k_norm, eps);
   rope::rows(rows, tokens, num_heads + num_kv_heads, head_dim, width,
              reinterpret_cast<const bf16_t*>(cos.data_ptr()), reinterpret_cast<const bf16_t*>(sin.data_ptr()));
   const int64_t row_bytes = width * int64_t(sizeof(bf16_t)), kv_bytes = kv_size * int64_t(sizeof(bf16_t));
@@ -124,7 +149,8 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& o_weight, const std::optional<at::Tensor>& o_bias,
     const at::Tensor& post_norm, const at::Tensor& gate_up_weight,
     const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_weight,
-    const std::optional<at::Tensor>& down_bias, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& down_bias, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
     int64_t num_decode_tokens, const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
     const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
@@ -145,7 +171,7 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_layer: qkv_proj gives ", qkv.size(1),
               " columns, the heads need ", q_size + 2 * kv_size);
   const at::Tensor q = layer_parts::rotate_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
-                                                     num_kv_heads, head_dim);
+                                                     num_kv_heads, head_dim, q_norm, k_norm, eps);
   const layer_parts::Rows rows{num_decode_tokens, decode_block_tables, decode_context_lens,
                                prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens};
   const at::Tensor attn = layer_parts::attend(q, k_cache, v_cache, rows, scale, sliding_window, logits_soft_cap);
@@ -161,10 +187,11 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
 // from Python costs ~21 us on a one-stream SmolLM2 step on AVX2 (29
 // arguments parsed and boxed, on code the previous layer's weight stream
 // pushed out of the caches), ~0.6 ms of a ~12 ms step for 30 layers.
-// `weights` holds ten per layer, in llama_layer's order (input norm, qkv
+// `weights` holds twelve per layer, in llama_layer's order (input norm, qkv
 // weight and bias, o weight and bias, post norm, gate_up weight and bias,
-// down weight and bias; biases may be None); layer l reads k_caches[l] and
-// v_caches[l].  Every layer shares the heads, eps, scale and features.
+// down weight and bias, q_norm, k_norm; biases and the per-head norms may be
+// None); layer l reads k_caches[l] and v_caches[l].  Every layer shares the
+// heads, eps, scale and features.
 inline std::tuple<at::Tensor, at::Tensor> llama_layers(
     const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& weights, const at::Tensor& cos,
     const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
@@ -173,20 +200,22 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layers(
     const at::Tensor& prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
     int64_t sliding_window, double logits_soft_cap) {
   const int64_t layers = int64_t(k_caches.size());
-  TORCH_CHECK_VALUE(layers > 0 && int64_t(v_caches.size()) == layers && int64_t(weights.size()) == 10 * layers,
+  constexpr int64_t kPer = 12;  // weights a layer
+  TORCH_CHECK_VALUE(layers > 0 && int64_t(v_caches.size()) == layers && int64_t(weights.size()) == kPer * layers,
                     "llama_layers: ", layers, " K caches, ", v_caches.size(), " V caches and ", weights.size(),
-                    " weights; expected one K and one V cache and ten weights a layer");
+                    " weights; expected one K and one V cache and twelve weights a layer");
   auto weight = [&](int64_t l, int i) {
-    const std::optional<at::Tensor> w = weights.get(10 * l + i);
+    const std::optional<at::Tensor> w = weights.get(kPer * l + i);
     TORCH_CHECK_VALUE(w.has_value() && w->defined(), "llama_layers: layer ", l, " weight ", i, " is None");
     return *w;
   };
   at::Tensor h = hidden;
   std::optional<at::Tensor> residual;  // none before the first layer: hidden is the stream
   for (int64_t l = 0; l < layers; ++l) {
+    auto optional = [&](int i) { return weights.get(kPer * l + i); };
     std::tie(h, residual) = llama_layer(
-        h, residual, weight(l, 0), weight(l, 1), weights.get(10 * l + 2), weight(l, 3), weights.get(10 * l + 4),
-        weight(l, 5), weight(l, 6), weights.get(10 * l + 7), weight(l, 8), weights.get(10 * l + 9), cos, sin,
+        h, residual, weight(l, 0), weight(l, 1), optional(2), weight(l, 3), optional(4), weight(l, 5),
+        weight(l, 6), optional(7), weight(l, 8), optional(9), optional(10), optional(11), cos, sin,
         k_caches[l], v_caches[l], slot_mapping, num_decode_tokens, decode_block_tables, decode_context_lens,
         prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, num_heads, num_kv_heads, eps, scale,
         sliding_window, logits_soft_cap);

@@ -69,7 +69,8 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         &pagedserve::store_kvcache);
   m.def("llama_layer(Tensor hidden, Tensor(a!)? residual, Tensor input_norm, Tensor qkv_weight, "
         "Tensor? qkv_bias, Tensor o_weight, Tensor? o_bias, Tensor post_norm, Tensor gate_up_weight, "
-        "Tensor? gate_up_bias, Tensor down_weight, Tensor? down_bias, Tensor cos, Tensor sin, "
+        "Tensor? gate_up_bias, Tensor down_weight, Tensor? down_bias, Tensor? q_norm, Tensor? k_norm, "
+        "Tensor cos, Tensor sin, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_decode_tokens, "
         "Tensor decode_block_tables, Tensor decode_context_lens, Tensor prefill_block_tables, "
         "Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, int num_heads, int num_kv_heads, "
