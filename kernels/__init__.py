@@ -6,7 +6,7 @@ Three implementations share one contract (see ``kernels/reference.py``):
 * ``torch``  - pure PyTorch reference (any device),
 * ``triton`` - Triton GPU kernels (``kernels/store_kvcache_triton.py``,
   ``kernels/paged_decode.py``, ``kernels/paged_prefill.py``, sharing
-  ``kernels/paged_attention.py``),
+  ``kernels/paged_attention.py``; GGUF blocks: ``kernels/quant_triton.py``),
 * ``cpu``    - compiled C++ ops for the CPU (``kernels/cpu/csrc/``, built on
   first use by ``kernels/cpu/ops.py``): attention reading the paged cache in
   place, the K/V store, the bf16-weight linear, and a layer's element-wise
@@ -131,8 +131,10 @@ def _triton_modules():
 def _triton_backend() -> KernelBackend:
     store, decode, prefill = _triton_modules()
     moe = importlib.import_module("kernels.fused_moe_triton")
+    quant = importlib.import_module("kernels.quant_triton")
     return KernelBackend("triton", store.store_kvcache, decode.paged_decode_attention,
-                         prefill.paged_prefill_attention, fused_moe=moe.fused_moe)
+                         prefill.paged_prefill_attention, fused_moe=moe.fused_moe,
+                         quant_linear=quant.quant_linear, quant_dequantize=quant.quant_dequantize)
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -210,9 +212,10 @@ def quant_linear(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None 
                  float_out: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` with W a quantized blob (kernels/quant.py): on the
     CPU the compiled op (activations quantized per 32 inputs to 8 bits,
-    integer dot products: kernels/cpu/csrc/quant_linear.h), output in x's
-    dtype or float32 with ``float_out``; elsewhere the reference, which
-    de-quantizes on every call."""
+    integer products: kernels/cpu/csrc/quant_linear.h), on CUDA Triton's; out
+    in x's dtype or float32 with ``float_out``; else the reference (slow)."""
+    if x.is_cuda:
+        return importlib.import_module("kernels.quant_triton").quant_linear(x, blob, bias, float_out)
     if x.is_cpu and x.dtype in (torch.bfloat16, torch.float32):
         ops = cpu_ops.current_ops()
         if ops is not None:
@@ -224,7 +227,9 @@ def quant_linear(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None 
 
 def quant_dequantize(blob: torch.Tensor) -> torch.Tensor:
     """A blob's weights as float32 [N, K]: the file's numbers, bit for bit
-    (the compiled decoder on the CPU, gguf's own code otherwise)."""
+    (Triton's decoder on CUDA, the compiled one on the CPU, else gguf's)."""
+    if blob.is_cuda:
+        return importlib.import_module("kernels.quant_triton").quant_dequantize(blob)
     ops = cpu_ops.current_ops()
     return ops.quant_dequantize(blob) if ops is not None else dequantize_reference(blob)
 
@@ -315,12 +320,8 @@ def get_backend(name: str) -> KernelBackend:
                              quant_linear=quant_linear, quant_dequantize=quant_dequantize,
                              llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op)
     if name == "torch":
-        return KernelBackend(
-            "torch",
-            store_kvcache_reference,
-            paged_decode_attention_reference,
-            paged_prefill_attention_reference,
-        )
+        return KernelBackend("torch", store_kvcache_reference, paged_decode_attention_reference,
+                             paged_prefill_attention_reference)
     if name == "triton":
         return _triton_backend()
     if name == "cpu":
