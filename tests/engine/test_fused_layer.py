@@ -6,12 +6,12 @@ decodes, of prompt chunks, of both, and of drafted rows (n-gram speculation).
 
 The families that take it: SmolLM2 (Llama, the real weights, tied head),
 Qwen2 with its q/k/v biases and a sliding layer, Mistral sliding on every
-layer, Qwen3 with its per-head norms of q and k; the prompts run past the tiny models' 20-token windows. Several
-prompts at once, so a step decodes a batch; chunked prefill, so decode rows
-share steps with prompt chunks; n-gram drafts, so a sequence has several
-rows that the prefill kernel attends. And the
-layers that must not take it (Gemma's norms, MoE experts, float32)
-never do.
+layer, Qwen3 with its per-head norms of q and k, a Qwen3-MoE's dense layers;
+the prompts run past the tiny models' 20-token windows. Several prompts at
+once, so a step decodes a batch; chunked prefill, so decode rows share steps
+with prompt chunks; n-gram drafts, so a sequence has several rows that the
+prefill kernel attends. And the layers that must not take it (Gemma's
+norms, MoE experts, float32) never do.
 """
 
 from __future__ import annotations

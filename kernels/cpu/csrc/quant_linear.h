@@ -22,9 +22,12 @@
 // price is the activations' 8-bit rounding, which the tests bound
 // (tests/kernels/test_quant_linear.py).
 //
-// Tiles: R tokens x C weight rows; a weight sub-block is decoded once per
-// tile and meets the R tokens.  One token takes C = 4 rows (four independent
-// chains), several take R = 4 x C = 2.  Threads split the rows in strips.
+// Up to 7 tokens, the AVX2 and AVX512 builds take quant_gemv.h's row path
+// (every type).  The portable build takes tiles: R tokens x C weight rows; a
+// weight sub-block is decoded once per tile and meets the R tokens.  One
+// token takes C = 4 rows (four independent chains), several take R = 4 x
+// C = 2.  Either way threads split the rows in strips; from 8 tokens,
+// quant_strips.h.
 #pragma once
 
 #include <ATen/Parallel.h>
