@@ -10,6 +10,7 @@ culprit.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -114,3 +115,19 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run_cases_script(script: Path, device: str, cases: list, prefix: str):
+    """({case id: None or error}, the finished child) of a cases script
+    (moe_cases.py, quant_cases.py) run once on `cases`: it reads them as JSON
+    on stdin and prints a `prefix` line of JSON per case it finished."""
+    proc = subprocess.run(
+        [sys.executable, str(script), device], input=json.dumps(cases), cwd=REPO_ROOT,
+        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(HERE)])))
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(prefix):
+            result = json.loads(line[len(prefix):])
+            results[result["id"]] = result["error"]
+    return results, proc

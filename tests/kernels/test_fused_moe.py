@@ -11,7 +11,6 @@ that no block divides, token counts spanning several blocks per expert.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 import kernels
 from kernels.moe import fused_moe_cpu, pack_experts
 from kernels.reference import fused_moe_reference
+from kernel_subprocess import run_cases_script
 from moe_cases import RESULT_PREFIX, make_inputs
 from need import need
 
@@ -149,16 +149,7 @@ print("ok")
 @pytest.fixture(scope="module")
 def triton_moe_results(kernel_test_device):
     need(importlib.util.find_spec("triton") is not None, "triton is not installed")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "moe_cases.py"), kernel_test_device],
-        input=json.dumps(TRITON_CASES), cwd=REPO, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)])))
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
-            results[result["id"]] = result["error"]
-    return results, proc
+    return run_cases_script(HERE / "moe_cases.py", kernel_test_device, TRITON_CASES, RESULT_PREFIX)
 
 
 @pytest.mark.parametrize("case", TRITON_CASES, ids=[case["id"] for case in TRITON_CASES])

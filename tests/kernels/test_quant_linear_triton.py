@@ -17,10 +17,7 @@ The cases run in child processes (quant_cases.py): the interpreter on a CPU
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,10 +25,10 @@ import pytest
 from kernels import get_backend
 from kernels.quant import QUANT_TYPES
 from need import need
+from kernel_subprocess import run_cases_script
 from quant_cases import RESULT_PREFIX
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 TYPES = tuple(QUANT_TYPES)
 CASES = [{"id": name, "kind": "type", "type": name} for name in TYPES]
 CASES.append({"id": "mixed-parts", "kind": "mixed"})
@@ -41,16 +38,7 @@ def _run_children(device: str, cases: list[dict], seed: int) -> tuple[dict, subp
     """{case id: None or error} of cases run by quant_cases.py on `device`."""
     need(importlib.util.find_spec("triton") is not None, "triton is not installed")
     jobs = [dict(case, seed=seed + index) for index, case in enumerate(cases)]
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "quant_cases.py"), device],
-        input=json.dumps(jobs), cwd=REPO, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)])))
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
-            results[result["id"]] = result["error"]
-    return results, proc
+    return run_cases_script(HERE / "quant_cases.py", device, jobs, RESULT_PREFIX)
 
 
 def _outcome(results, proc, case_id: str, seed: int) -> None:
