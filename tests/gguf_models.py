@@ -182,21 +182,19 @@ def _tokenizer_fields(tokenizer_gguf: Path) -> tuple:
 
     keep = {"tokenizer.ggml.tokens": TINY_VOCAB, "tokenizer.ggml.token_type": TINY_VOCAB,
             "tokenizer.ggml.scores": TINY_VOCAB}
-    fields = []
+    fields, tokens = [], set()
     for key, field in gguf.GGUFReader(str(tokenizer_gguf)).fields.items():
         if key.startswith("tokenizer."):
             value = field.contents()
             if key in keep:
                 value = value[:keep[key]]
-            elif key == "tokenizer.ggml.merges":
-                value = _merges_within(value, set(fields[_index(fields, "tokenizer.ggml.tokens")][1]))
+            if key == "tokenizer.ggml.tokens":
+                tokens = set(value)
+            elif key == "tokenizer.ggml.merges":  # after the tokens in a llama.cpp file
+                value = _merges_within(value, tokens)
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             fields.append((key, value, field.types[0], sub_type))
     return tuple(fields)
-
-
-def _index(fields: list, key: str) -> int:
-    return next(i for i, field in enumerate(fields) if field[0] == key)
 
 
 def _merges_within(merges: list[str], tokens: set[str]) -> list[str]:

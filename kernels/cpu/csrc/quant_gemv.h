@@ -29,10 +29,6 @@
 namespace pagedserve {
 namespace quant {
 
-// Whether the one-token path takes type Q: all of them (Q6_K by split_step).
-template <typename Q>
-constexpr bool kGemv = true;
-
 // The tokens' block scales d and sums s side by side: 8 of them load as one
 // vector (zeros past a token's last, which a row's last group reads).
 struct XScales {
@@ -162,25 +158,32 @@ inline void split_step(const uint8_t* g, const XBlock* x, const XScales& xs, int
   }
 }
 
+// One Q6_K row (`blocks` super-blocks at w) times tokens m0 .. m0 + R - 1 into out[r].
+template <int R>
+inline void split_row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XScales& xs, int64_t m0,
+                          float (&out)[R][1]) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) split_step<R>(w + b * Q6_K::kBytes, x, xs, m0, b * Q6_K::kSubs, acc);
+  for (int r = 0; r < R; ++r) out[r][0] = hsum(acc[r]);
+}
+
 // One weight row (`blocks` blocks of Q at w) times tokens m0 .. m0 + R - 1 (x, xs) into out[r].
 template <typename Q, int R>
 inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XScales& xs, int64_t m0,
                     float (&out)[R][1]) {
   if constexpr (Q::kSplit) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) split_step<R>(w + b * Q::kBytes, x, xs, m0, b * Q::kSubs, acc);
-    for (int r = 0; r < R; ++r) out[r][0] = hsum(acc[r]);
-    return;
+    split_row_dot<R>(w, blocks, x, xs, m0, out);
   } else {
-  constexpr int kPer = 8 / Q::kSubs;  // blocks a group
-  __m256 acc[R], mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + kPer <= blocks; b += kPer) group_step<Q, true, R>(w + b * Q::kBytes, 8, x, xs, m0, b * Q::kSubs, acc, mins);
-  if (b < blocks)  // a legacy row of 8 k + 1 .. 8 k + 7 blocks
-    group_step<Q, false, R>(w + b * Q::kBytes, int(blocks - b), x, xs, m0, b, acc, mins);
-  for (int r = 0; r < R; ++r) out[r][0] = hsum(_mm256_add_ps(acc[r], mins[r]));
+    constexpr int kPer = 8 / Q::kSubs;  // blocks a group
+    __m256 acc[R], mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + kPer <= blocks; b += kPer)
+      group_step<Q, true, R>(w + b * Q::kBytes, 8, x, xs, m0, b * Q::kSubs, acc, mins);
+    if (b < blocks)  // a legacy row of 8 k + 1 .. 8 k + 7 blocks
+      group_step<Q, false, R>(w + b * Q::kBytes, int(blocks - b), x, xs, m0, b, acc, mins);
+    for (int r = 0; r < R; ++r) out[r][0] = hsum(_mm256_add_ps(acc[r], mins[r]));
   }
 }
 #endif  // __AVX2__

@@ -60,40 +60,18 @@ struct Rows {
   int64_t row_bytes, blocks;  // blocks per row, of the type's kElems
 };
 
+#if !defined(__AVX2__)
 // out[r][c] = sum over K of x row r times weight row c, for R tokens (XBlock
-// rows, stride xs) and C weight rows starting at `w`.
+// rows, stride xs) and C weight rows starting at `w`: the portable build's
+// path (the AVX2 and AVX512 builds take quant_gemv.h's row_dot).
 template <typename Q, int R, int C>
 inline void tile(const Rows& rows, const uint8_t* w, const XBlock* x, int64_t xs, float (&out)[R][C]) {
-  constexpr bool kSigned = !Q::kMin;
-  float mins[R][C] = {};
-#if defined(__AVX2__)
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-#else
-  float acc[R][C] = {};
-#endif
+  float mins[R][C] = {}, acc[R][C] = {};
   for (int64_t b = 0; b < rows.blocks; ++b) {
     float wd[C][2 * Q::kSubs], wm[C][Q::kSubs];
     for (int c = 0; c < C; ++c) Q::scales(w + c * rows.row_bytes + b * Q::kBytes, wd[c], wm[c]);
     for (int j = 0; j < Q::kSubs; ++j) {
       const int64_t xb = b * Q::kSubs + j;
-#if defined(__AVX2__)
-      __m256i q[C];
-      for (int c = 0; c < C; ++c) q[c] = Q::q_avx2(w + c * rows.row_bytes + b * Q::kBytes, j);
-      for (int r = 0; r < R; ++r) {
-        const XBlock& xr = x[r * xs + xb];
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q));
-        for (int c = 0; c < C; ++c) {
-          const __m256 dot = _mm256_cvtepi32_ps(dot32<kSigned>(q[c], xq));
-          const __m256 scale = Q::kSplit ? _mm256_set_m128(_mm_set1_ps(wd[c][2 * j + 1] * xr.d),
-                                                           _mm_set1_ps(wd[c][2 * j] * xr.d))
-                                         : _mm256_set1_ps(wd[c][2 * j] * xr.d);
-          acc[r][c] = _mm256_fmadd_ps(dot, scale, acc[r][c]);
-          if (Q::kMin) mins[r][c] += wm[c][j] * xr.s;
-        }
-      }
-#else
       int8_t q[C][32];
       for (int c = 0; c < C; ++c) Q::q(w + c * rows.row_bytes + b * Q::kBytes, j, q[c]);
       for (int r = 0; r < R; ++r) {
@@ -106,18 +84,12 @@ inline void tile(const Rows& rows, const uint8_t* w, const XBlock* x, int64_t xs
           if (Q::kMin) mins[r][c] += wm[c][j] * xr.s;
         }
       }
-#endif
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-#if defined(__AVX2__)
-      out[r][c] = hsum(acc[r][c]) + mins[r][c];
-#else
-      out[r][c] = acc[r][c] + mins[r][c];
-#endif
-    }
+    for (int c = 0; c < C; ++c) out[r][c] = acc[r][c] + mins[r][c];
 }
+#endif
 
 // Where a tile's sums go: out[m, n] (+ bias[n]), stored as TOut.
 template <typename TOut>
@@ -138,6 +110,25 @@ template <typename Q, typename TOut>
 inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, const XBlock* x,
                       int64_t M, const Sink<TOut>& sink) {
   const int64_t xs = rows.blocks * Q::kSubs;  // XBlocks per token
+#if defined(__AVX2__)
+  // Every type, a row at a time, 8 sub-blocks a step: quant_gemv.h.
+  const XScales scales(x, xs, M);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = rows.data + (n - first) * rows.row_bytes;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      float sums[4][1];
+      row_dot<Q, 4>(w, rows.blocks, x, scales, m, sums);
+      sink.template put<4, 1>(sums, m, n);
+    }
+    for (; m < M; ++m) {
+      float sums[1][1];
+      row_dot<Q, 1>(w, rows.blocks, x, scales, m, sums);
+      sink.template put<1, 1>(sums, m, n);
+    }
+  }
+#else
+  // The portable build: tiles (quant_linear.h's header).
   auto run = [&](auto r_tag, auto c_tag, int64_t m, int64_t n) {
     constexpr int R = decltype(r_tag)::value, C = decltype(c_tag)::value;
     float sums[R][C];
@@ -147,26 +138,6 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
   using I4 = std::integral_constant<int, 4>;
-#if defined(__AVX2__)
-  if constexpr (kGemv<Q>) {  // a row at a time, 8 sub-blocks a step: quant_gemv.h
-    const XScales scales(x, xs, M);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* w = rows.data + (n - first) * rows.row_bytes;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) {
-        float sums[4][1];
-        row_dot<Q, 4>(w, rows.blocks, x, scales, m, sums);
-        sink.template put<4, 1>(sums, m, n);
-      }
-      for (; m < M; ++m) {
-        float sums[1][1];
-        row_dot<Q, 1>(w, rows.blocks, x, scales, m, sums);
-        sink.template put<1, 1>(sums, m, n);
-      }
-    }
-    return;
-  }
-#endif
   if (M == 1) {
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) run(I1{}, I4{}, 0, n);
@@ -181,6 +152,7 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
   }
   for (; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) run(I1{}, I1{}, m, n);
+#endif
 }
 
 template <typename TX, typename TOut>
