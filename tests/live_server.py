@@ -8,10 +8,14 @@ model runner. Tests that need a separate process (SIGTERM) start one themselves.
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -92,7 +96,27 @@ def run_server(config: ServiceConfig, startup_timeout: float = 120) -> Iterator[
         server.should_exit = True
         thread.join(60)
         if thread.is_alive():  # a server left running would serve (and log) into later tests
-            raise RuntimeError(f"the server on port {port} did not stop within 60 s")
+            raise RuntimeError(f"the server on port {port} did not stop within 60 s; "
+                               f"where it stands:\n{where_it_stands(server, app)}")
+
+
+def where_it_stands(server: uvicorn.Server, app) -> str:
+    """Every thread's stack, the loop's tasks and the server's open connections:
+    what a stuck shutdown waits on, for a failure seen once in a CI log."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = [f"open connections: {len(server.server_state.connections)}, "
+             f"tasks: {len(server.server_state.tasks)}"]
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"--- thread {names.get(ident, ident)}\n"
+                     + "".join(traceback.format_stack(frame, limit=12)))
+    state = getattr(app.state, "service", None)
+    loop = getattr(getattr(state, "engine", None), "_loop", None)
+    if loop is not None:
+        for task in list(asyncio.all_tasks(loop)):  # read from another thread: a best effort
+            text = io.StringIO()
+            task.print_stack(limit=8, file=text)
+            parts.append(text.getvalue())
+    return "\n".join(parts)
 
 
 def tiny_config(model_path, engine: dict | None = None, **service) -> ServiceConfig:

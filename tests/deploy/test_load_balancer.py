@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -31,8 +32,12 @@ from redis_server import start_redis
 
 pytestmark = pytest.mark.slow
 
-FLAGS = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20)]
-SYSTEMS = system_prompts(6, 250, seed=7)  # enough that B's warm-up takes seconds
+# B's warm-up must outlast (e) several-fold on any machine: six ~850-token system
+# prompts, all within the warm-up budget (the default, a fifth of the pool,
+# would take two), against six concurrent two-token chats.
+FLAGS = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20),
+         "--warm-max-blocks", "400"]
+SYSTEMS = system_prompts(6, 700, seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +138,9 @@ def test_e_a_warming_replica_serves_nothing(fleet):
             statuses.append("not listening")
             time.sleep(0.02)
     assert statuses[-1] == "warming", statuses
-    ids = [chat(fleet, [{"role": "user", "content": f"Hello {i}"}], session=f"s-{i}",
-                max_tokens=2)[0] for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        ids = list(pool.map(lambda i: chat(fleet, [{"role": "user", "content": f"Hello {i}"}],
+                                           session=f"s-{i}", max_tokens=2)[0], range(6)))
     still_warming = httpx.get(f"{fleet.replicas['B'].url}/health").json()["status"]
     assert still_warming == "warming", "the warm-up ended too soon for this test to show"
     assert served(fleet, ids) == ["A"] * 6
