@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
+from kernels.layer_ops import gemma_layer_op, llama_layer_op, llama_layers_op
 from kernels.moe import fused_moe, fused_moe_cpu, fused_moe_reference
 from kernels.packed_layout import (PACKED_DIMS, embedding, over_rows, pack_linear,
                                    packed_linear, unpack_linear)
@@ -73,6 +74,7 @@ __all__ = [
     "compiled_bf16_linear",
     "embedding",
     "fused_moe",
+    "gemma_layer_op",
     "get_backend",
     "linear",
     "llama_layer_op",
@@ -118,6 +120,8 @@ class KernelBackend:
     llama_layer_op: Callable[..., Callable | None] = no_layer_op
     # widths -> a stack of such layers in one op, or None (a call per layer)
     llama_layers_op: Callable[..., Callable | None] = no_layer_op
+    # widths -> a whole Gemma 2 / 3 layer in one op, or None (the modules)
+    gemma_layer_op: Callable[..., Callable | None] = no_layer_op
 
 
 def _triton_modules():
@@ -272,28 +276,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_reference(x)
 
 
-def llama_layer_op(*widths: int):
-    """The compiled op that runs a whole Llama decoder layer over a step's
-    tokens (kernels/cpu/csrc/llama_layer.h: this module's CPU ops chained in
-    C++, same order, same numbers), if this process's build takes rows of
-    every width given (head_dim and each linear's in_features); else None."""
-    ops = cpu_ops.current_ops()
-    if ops is None or not hasattr(ops, "llama_layer"):
-        return None
-    if any(cpu_ops.ops_for(width) is None for width in widths):
-        return None
-    return ops.llama_layer.default  # the overload itself: one lookup less a layer
-
-
-def llama_layers_op(*widths: int):
-    """The compiled op that runs a stack of such layers in one call
-    (llama_layer.h's llama_layers: the layer op for each in turn), under the
-    same conditions as ``llama_layer_op``; else None."""
-    if llama_layer_op(*widths) is None or not hasattr(cpu_ops.current_ops(), "llama_layers"):
-        return None
-    return cpu_ops.current_ops().llama_layers.default
-
-
 def compiled_bf16_linear(in_features: int) -> bool:
     """Whether ``linear`` multiplies bf16 weights of this width with the compiled op."""
     return cpu_ops.ops_for(in_features) is not None
@@ -318,7 +300,8 @@ def get_backend(name: str) -> KernelBackend:
         return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
                              linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe,
                              quant_linear=quant_linear, quant_dequantize=quant_dequantize,
-                             llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op)
+                             llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op,
+                             gemma_layer_op=gemma_layer_op)
     if name == "torch":
         return KernelBackend("torch", store_kvcache_reference, paged_decode_attention_reference,
                              paged_prefill_attention_reference)
@@ -329,7 +312,8 @@ def get_backend(name: str) -> KernelBackend:
                              _compiled("paged_prefill_attention"), linear, rms_norm, pack_linear, embedding,
                              rope, silu_and_mul, fused_moe=fused_moe_cpu,
                              quant_linear=quant_linear, quant_dequantize=quant_dequantize,
-                             llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op)
+                             llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op,
+                             gemma_layer_op=gemma_layer_op)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

@@ -10,8 +10,9 @@ layer, Qwen3 with its per-head norms of q and k, a Qwen3-MoE's dense layers;
 the prompts run past the tiny models' 20-token windows. Several prompts at
 once, so a step decodes a batch; chunked prefill, so decode rows share steps
 with prompt chunks; n-gram drafts, so a sequence has several rows that the
-prefill kernel attends. And the layers that must not take it (Gemma's
-norms, MoE experts, float32) never do.
+prefill kernel attends. Gemma 2 and Gemma 3 (bf16, and served from GGUF
+files) take their own op (kernels/cpu/csrc/gemma_layer.h), a call a layer.
+And the layers that must not take it (MoE experts, float32) never do.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from engine import LLM, SamplingParams
 from engine.model.layers import fused_layer
 from engine.model.layers.activation import MLP
 from engine.model.layers.moe import FusedMoE
+from engine.model.layers.norm import GemmaRMSNorm, RMSNorm
+from engine.model.layers.quantization import QuantLinear
 from kernels.cpu import ops as cpu_ops
 from need import need
 from tiny_models import make_tiny_family
@@ -149,15 +152,55 @@ def test_a_moe_models_dense_layers_take_the_op_and_its_expert_layers_do_not(tmp_
     assert {type(layer.mlp) for layer in layers} == {FusedMoE, MLP}
 
 
-@pytest.mark.parametrize("family", ["gemma2"])
-def test_layers_the_op_does_not_fuse_run_their_modules(family, tmp_path, smollm2_path, monkeypatch):
-    folder = make_tiny_family(tmp_path / family, family, smollm2_path)
-    llm = LLM(str(folder), dtype="bfloat16", block_size=16)
-    _, taken = _generate(llm, "stack", monkeypatch)
-    assert taken == 0
+def _vary_norms(llm) -> None:
+    """HF initialises every norm to the identity (RMSNorm's weight to ones,
+    Gemma's offset from one to zeros): give each weight, so that a norm the
+    op skipped or swapped would show."""
+    generator = torch.Generator().manual_seed(7)
+    for norm in llm.engine.runner.model.layers.modules():
+        if isinstance(norm, (RMSNorm, GemmaRMSNorm)):
+            one = 1.0 if isinstance(norm, RMSNorm) else 0.0
+            norm.weight.data.copy_(one + 0.3 * torch.randn(norm.weight.shape, generator=generator))
+
+
+def _same_op_by_op(llm, monkeypatch) -> list:
+    """Modules, then an op a layer (Gemma's layers have no stack op): every
+    token and log-probability the same; returns the layers' Bounds."""
+    modules, none = _generate(llm, "modules", monkeypatch)
+    per_layer, taken = _generate(llm, "layer", monkeypatch)
+    assert none == 0 and taken > 0
+    assert per_layer == modules  # every token and float the same
+    return [layer._fused for layer in llm.engine.runner.model.layers]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_layers_give_the_same_numbers(family, tmp_path, smollm2_path, monkeypatch):
+    """Gemma 2 (soft-capped scores, sliding and global layers) and Gemma 3
+    (per-head norms, RoPE tables per kind of layer, the sliding layers' own
+    pool) in the Gemma op, a call a layer: the modules' numbers to the bit."""
+    _compiled_ops_or_skip()
+    folder = make_tiny_family(tmp_path / family, family, smollm2_path, hidden_size=4 * HEAD_DIM,
+                              head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM)
+    llm = LLM(str(folder), dtype="bfloat16", block_size=16, max_num_batched_tokens=16)
+    _vary_norms(llm)
+    bound = _same_op_by_op(llm, monkeypatch)
+    assert all(b is not None and b.shape.gemma for b in bound)
+    assert {b.shape.sliding_window > 0 for b in bound} == {True, False}
+    assert (bound[0].weights[12] is not None) == (family == "gemma3")  # Gemma 3's head norms
     assert llm.engine.runner.model.layer_stack.stacked in (None, fused_layer.UNKNOWN)
-    for layer in llm.engine.runner.model.layers:
-        assert getattr(layer, "_fused", None) in (None, fused_layer.UNKNOWN)
+
+
+@pytest.mark.parametrize("family,tensor_type", [("gemma2", "Q4_1"), ("gemma3", "Q6_K")])
+def test_quantized_gemma_layers_give_the_same_numbers(family, tensor_type, tiny_gguf, monkeypatch):
+    """Served from a GGUF file: the blobs in the Gemma op, the same numbers
+    as the modules (QuantLinear, op by op)."""
+    _compiled_ops_or_skip()
+    llm = LLM(str(tiny_gguf(family, tensor_type)), max_model_len=128, kv_cache_memory_bytes=16 << 20,
+              block_size=16)
+    assert llm.engine.runner.dtype == torch.bfloat16
+    assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    _vary_norms(llm)
+    assert None not in _same_op_by_op(llm, monkeypatch)
 
 
 def test_float32_runs_the_modules(smollm2_path, monkeypatch):

@@ -29,8 +29,11 @@ with or without Qwen3's per-head `RMSNorm`s of q and k, `MLP` with SiLU,
 `RMSNorm`, `Linear` or `QuantLinear`: the op multiplies a quantized weight
 by its dtype), no tensor parallelism; then per step: bf16 on the CPU, caches
 of the model's dtype, and a build of the compiled ops that takes every
-width. Anything else (Gemma's norms, MoE, float32, a GPU) runs the modules,
-whose kernels choose for themselves.
+width. Gemma 2 / 3's layers (four `GemmaRMSNorm`s, GELU-tanh, Gemma 3's
+per-head norms) take a second op, `kernels.gemma_layer_op`, a call a layer
+(`run_kinds`: each kind of layer has its own RoPE tables). Anything else
+(MoE experts, float32, a GPU) runs the modules, whose kernels choose for
+themselves.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from engine.model.attention_metadata import AttentionMetadata
 from engine.model.layers.activation import MLP
 from engine.model.layers.attention import Attention, PagedAttention
 from engine.model.layers.linear import Linear
-from engine.model.layers.norm import RMSNorm
+from engine.model.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model.layers.quantization import QuantLinear
+from kernels.reference import gelu_tanh_and_mul_reference
 
 
 UNKNOWN = object()  # a layer's Bound before its first step
@@ -62,25 +66,42 @@ class Shape:
     scale: float
     sliding_window: int
     logits_soft_cap: float
+    gemma: bool  # GemmaDecoderLayer: gemma_layer_op, else llama_layer_op
+
+
+def _is_gemma(layer) -> bool:
+    """A GemmaDecoderLayer (models/gemma.py imports this module): four norms."""
+    return hasattr(layer, "pre_feedforward_layernorm")
+
+
+def _norms(layer) -> tuple:
+    """The layer's norms in its op's order, the per-head ones aside."""
+    if _is_gemma(layer):
+        return (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm)
+    return layer.input_layernorm, layer.post_attention_layernorm
 
 
 def shape_of(layer) -> Shape | None:
     """The layer's Shape if it is built from the parts the op fuses, else None."""
-    attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if type(attn) is Attention and attn.q_norm is not None:  # Qwen3's, inside the op
+    attn, mlp, gemma = layer.self_attn, layer.mlp, _is_gemma(layer)
+    norms = _norms(layer)
+    if type(attn) is Attention and attn.q_norm is not None:  # Qwen3's, Gemma 3's: inside the op
         norms += (attn.q_norm, attn.k_norm)
+    # Gemma's op runs the reference GELU's torch ops: a backend's own would differ.
+    norm_type, act = ((GemmaRMSNorm, gelu_tanh_and_mul_reference) if gemma
+                      else (RMSNorm, attn.kernels.silu_and_mul))
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if type(mlp) is MLP else ()
     if (type(attn) is not Attention or attn.group is not None
-            or type(mlp) is not MLP or mlp.group is not None or mlp.act_and_mul is not attn.kernels.silu_and_mul
-            or any(type(norm) is not RMSNorm or norm.eps != norms[0].eps for norm in norms)
+            or type(mlp) is not MLP or mlp.group is not None or mlp.act_and_mul is not act
+            or any(type(norm) is not norm_type or norm.eps != norms[0].eps for norm in norms)
             or any(type(linear) not in (Linear, QuantLinear) for linear in linears)):
         return None
     features = attn.attn.features
     return Shape(attn.num_heads, attn.num_kv_heads,
                  (attn.head_dim,) + tuple(linear.in_features for linear in linears),
                  norms[0].eps, attn.attn.scale, features.get("sliding_window") or 0,
-                 features.get("logits_soft_cap") or 0.0)
+                 features.get("logits_soft_cap") or 0.0, gemma)
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,7 +114,7 @@ class Bound:
     shape: Shape
     op: Callable
     paged: PagedAttention  # the layer's attention: which cache slice and batch view it reads
-    weights: tuple  # the op's twelve weight arguments, input norm to k_norm (None: none)
+    weights: tuple  # the op's weight arguments (Llama's twelve, Gemma's fourteen; None: none)
     numbers: tuple  # the op's trailing numbers, from Shape
 
 
@@ -105,13 +126,16 @@ def bind(layer) -> Bound | None:
     if shape is None:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    op = attn.kernels.llama_layer_op(*shape.widths)
+    op = (attn.kernels.gemma_layer_op if shape.gemma else attn.kernels.llama_layer_op)(*shape.widths)
     if op is None:
         return None
-    weights = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-               attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-               mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
-               None if attn.q_norm is None else attn.q_norm.weight,
+    norms = [norm.weight for norm in _norms(layer)]
+    # Gemma's pre-feedforward norm follows the post-attention one, its
+    # post-feedforward norm follows down_proj.
+    middle, last = (norms[1:3], norms[3:]) if shape.gemma else (norms[1:], [])
+    weights = (norms[0], attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
+               *middle, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight,
+               mlp.down_proj.bias, *last, None if attn.q_norm is None else attn.q_norm.weight,
                None if attn.k_norm is None else attn.k_norm.weight)
     numbers = (shape.num_heads, shape.num_kv_heads, shape.eps, shape.scale, shape.sliding_window,
                shape.logits_soft_cap)
@@ -159,15 +183,32 @@ def run_layers(layers, step: StepArgs | None, rope_tables, hidden: torch.Tensor,
     then) unless its `fuse` is False."""
     residual = None
     for layer in layers:
-        bound = None
-        if step is not None and layer.fuse:
-            if layer._fused is UNKNOWN:
-                layer._fused = bind(layer)
-            bound = layer._fused
-        if bound is None:
-            hidden, residual = layer(rope_tables, hidden, residual, kv_cache, meta)
-        else:
-            hidden, residual = run(bound, step, hidden, residual)
+        hidden, residual = run_layer(layer, step, rope_tables, hidden, residual, kv_cache, meta)
+    return hidden, residual
+
+
+def run_layer(layer, step: StepArgs | None, rope_tables, hidden: torch.Tensor, residual, kv_cache,
+              meta: AttentionMetadata):
+    """(MLP output, residual) of one layer: in one op where it is bound and
+    the step allows, else by its modules (which take `rope_tables` as given)."""
+    bound = None
+    if step is not None and layer.fuse:
+        if layer._fused is UNKNOWN:
+            layer._fused = bind(layer)
+        bound = layer._fused
+    if bound is None:
+        return layer(rope_tables, hidden, residual, kv_cache, meta)
+    return run(bound, step, hidden, residual)
+
+
+def run_kinds(layers, rope_tables: dict, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
+    """Gemma's layer loop: run_layers with RoPE tables per kind of layer
+    (`layer.layer_type`), so a step's StepArgs per kind; a call a layer."""
+    steps = {kind: step_args(tables, hidden, kv_cache, meta) for kind, tables in rope_tables.items()}
+    residual = None
+    for layer in layers:
+        hidden, residual = run_layer(layer, steps[layer.layer_type], rope_tables, hidden, residual,
+                                     kv_cache, meta)
     return hidden, residual
 
 
@@ -193,6 +234,8 @@ def stack(layers) -> Stacked | None:
     if not bounds or any(b is None or b is UNKNOWN for b in bounds):
         return None
     first = bounds[0]
+    if first.shape.gemma:  # Gemma's layers have no stack op
+        return None
     windows = {"sliding_window" in b.paged.features for b in bounds}
     if any(b.shape != first.shape or b.op is not first.op for b in bounds) or len(windows) > 1:
         return None

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.model.distributed.partition import Partition
+from engine.model.layers import fused_layer
 from engine.model.layers.activation import MLP
 from engine.model.layers.attention import Attention
 from engine.model.layers.norm import GemmaRMSNorm
@@ -42,6 +43,8 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.mlp = MLP(size, part.intermediate_size, False, kernels, group, args.hidden_act)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.fuse = True  # the whole layer in one compiled call where eligible (fused_layer.py)
+        self._fused = fused_layer.UNKNOWN  # its fused_layer.Bound, or None, from the first step
 
     def forward(self, rope_tables, hidden, residual, kv_cache, meta):
         """(the previous layer's normed MLP output, the residual stream) -> the
@@ -81,9 +84,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         # HF rounds the scale to the model's dtype before multiplying.
         hidden = hidden * torch.tensor(self.args.hidden_size**0.5, dtype=hidden.dtype)
         rope_tables = {kind: rope.tables(positions, hidden.dtype) for kind, rope in self.rope.items()}
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(rope_tables, hidden, residual, kv_cache, meta)
+        hidden, residual = fused_layer.run_kinds(self.layers, rope_tables, hidden, kv_cache, meta)
         if residual is None:
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]

@@ -109,6 +109,14 @@ inline at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos,
   return q;
 }
 
+// What a layer op checks of its step: bf16 rows, the decode rows among them.
+inline void check_step(const char* op, const at::Tensor& hidden, int64_t num_decode_tokens) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16, op,
+              ": hidden must be bf16 [tokens, hidden]");
+  TORCH_CHECK(num_decode_tokens >= 0 && num_decode_tokens <= hidden.size(0), op, ": num_decode_tokens ",
+              num_decode_tokens, " of ", hidden.size(0), " tokens");
+}
+
 // The step's attention rows, as AttentionMetadata gives them.
 struct Rows {
   int64_t num_decode;
@@ -156,11 +164,8 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
     const at::Tensor& prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
     double scale, int64_t sliding_window, double logits_soft_cap) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16,
-              "llama_layer: hidden must be bf16 [tokens, hidden]");
+  layer_parts::check_step("llama_layer", hidden, num_decode_tokens);
   const int64_t tokens = hidden.size(0), head_dim = k_cache.size(-1);
-  TORCH_CHECK(num_decode_tokens >= 0 && num_decode_tokens <= tokens,
-              "llama_layer: num_decode_tokens ", num_decode_tokens, " of ", tokens, " tokens");
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const bool first = !(residual.has_value() && residual->defined());
   const at::Tensor stream = first ? hidden : *residual;

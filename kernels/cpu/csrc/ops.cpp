@@ -6,7 +6,8 @@
 // ops of a Llama layer, one pass each: RMSNorm with its residual add
 // (rms_norm.h), RoPE (rope.h), SiLU(gate) * up (activation.h); and a whole
 // Llama layer over a step's tokens, those ops chained in C++, and a stack of
-// such layers in one call (llama_layer.h).
+// such layers in one call (llama_layer.h); a Gemma 2 / 3 layer alike, a call
+// a layer (gemma_layer.h).
 //
 // Both attention ops take two optional features: sliding_window W (a query
 // sees only its last W tokens; blocks before the window are never read) and
@@ -30,6 +31,7 @@
 
 #include "activation.h"
 #include "decode.h"
+#include "gemma_layer.h"
 #include "kv_store.h"
 #include "linear.h"
 #include "linear_packed.h"
@@ -82,6 +84,15 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         "Tensor prefill_context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
         "int sliding_window=0, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
         &pagedserve::llama_layers);
+  m.def("gemma_layer(Tensor hidden, Tensor(a!)? residual, Tensor input_norm, Tensor qkv_weight, "
+        "Tensor? qkv_bias, Tensor o_weight, Tensor? o_bias, Tensor post_attention_norm, "
+        "Tensor pre_feedforward_norm, Tensor gate_up_weight, Tensor? gate_up_bias, Tensor down_weight, "
+        "Tensor? down_bias, Tensor post_feedforward_norm, Tensor? q_norm, Tensor? k_norm, Tensor cos, "
+        "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_decode_tokens, "
+        "Tensor decode_block_tables, Tensor decode_context_lens, Tensor prefill_block_tables, "
+        "Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, int num_heads, int num_kv_heads, "
+        "float eps, float scale, int sliding_window=0, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
+        &pagedserve::gemma_layer);
   m.def("quant_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor",
         &pagedserve::quant_linear);
   m.def("quant_dequantize(Tensor weight) -> Tensor", &pagedserve::quant_dequantize);
