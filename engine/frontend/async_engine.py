@@ -331,7 +331,8 @@ class AsyncEngine:
                 for command in commands:
                     command.run()
                 outputs = []
-                if engine.has_unfinished_requests():
+                stepped = engine.has_unfinished_requests()
+                if stepped:
                     started = time.perf_counter()
                     outputs = engine.step()
                     elapsed = time.perf_counter() - started
@@ -347,6 +348,8 @@ class AsyncEngine:
                         self._num_queued_adds -= self._adds_taken
                         self._adds_taken = 0
                 self._deliver_soon([(output.request_id, output) for output in outputs])
+                if stepped and not engine.has_unfinished_requests():
+                    engine.release_idle_memory()  # the last request just finished: idle now
         except BaseException as exc:  # noqa: BLE001 - any fault kills the engine
             logger.exception("the engine thread failed; the engine is now dead")
             self.error = exc

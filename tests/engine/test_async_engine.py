@@ -184,6 +184,33 @@ def test_idle_engine_thread_does_not_spin(llm_engine):
     assert woke[-1].finished
 
 
+
+def test_an_engine_gone_idle_gives_its_freed_memory_back_once(llm_engine, monkeypatch):
+    """The heap is trimmed when the last running request ends, not while any
+    still runs, and not again on the idle wake-ups after it."""
+    calls = []
+    release = llm_engine.release_idle_memory
+    monkeypatch.setattr(llm_engine, "release_idle_memory",
+                        lambda: (calls.append(llm_engine.has_unfinished_requests()), release()))
+
+    async def body():
+        async with started(llm_engine) as bridge:
+            await asyncio.gather(collect(bridge.generate("short", PROMPT, long_params(3))),
+                                 collect(bridge.generate("long", PROMPT, long_params(30))))
+            # A call runs on the engine thread after the step that ended them
+            # (and its trim), and wakes it without a step: no second trim.
+            await engine_view(bridge)
+            first = list(calls)
+            await engine_view(bridge)
+            await collect(bridge.generate("again", PROMPT, long_params(2)))
+            await engine_view(bridge)
+            return first
+
+    first = run(body())
+    assert first == [False]
+    assert calls == [False, False]
+
+
 # -- abort -------------------------------------------------------------------------------
 def test_closing_a_stream_mid_generation_frees_its_blocks_within_one_step(llm_engine):
     async def body():
