@@ -8,6 +8,10 @@ import json
 from dataclasses import dataclass
 
 SPECULATIVE_METHODS = ("ngram", "suffix")  # proposers that need no draft model
+# Drafted tokens a step may verify per sequence. Why a bound: each position
+# is a row of every step and a series in /metrics (100,000 made every scrape
+# 7.9 MB), and past a few dozen a draft is almost never accepted whole.
+MAX_DRAFT_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -46,15 +50,16 @@ class SpeculativeConfig:
         elif self.num_speculative_tokens is None:  # vLLM: the tree depth for suffix
             object.__setattr__(self, "num_speculative_tokens",
                                self.suffix_decoding_max_tree_depth)
-        for name, minimum in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1),
-                              ("prompt_lookup_max", 1), ("disable_by_batch_size", 1),
-                              ("suffix_decoding_max_tree_depth", 1),
-                              ("suffix_decoding_max_cached_requests", 0)):
+        for name, minimum, maximum in (
+                ("num_speculative_tokens", 1, MAX_DRAFT_TOKENS), ("prompt_lookup_min", 1, None),
+                ("prompt_lookup_max", 1, None), ("disable_by_batch_size", 1, None),
+                ("suffix_decoding_max_tree_depth", 1, MAX_DRAFT_TOKENS),
+                ("suffix_decoding_max_cached_requests", 0, None)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < minimum):
+                                      or value < minimum or (maximum and value > maximum)):
                 raise ValueError(f"speculative_config.{name}={value!r} must be an integer "
-                                 f">= {minimum}")
+                                 f">= {minimum}" + (f" and <= {maximum}" if maximum else ""))
         for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, None),
                                 ("suffix_decoding_min_token_prob", 0.0, 1.0)):
             value = getattr(self, name)

@@ -39,15 +39,18 @@ GGUF_FAMILIES = {
               dict(use_sliding_window=False, sliding_window=None)),
     "qwen3": ("qwen3", "qwen3", {}),
     "phi3": ("phi3", "phi3", {}),
-    "gemma2": ("gemma2", "gemma2", {}),
-    "gemma3": ("gemma3", "gemma3", {}),
+    # A GGUF has no key for query_pre_attn_scalar: llama.cpp scales by head_dim ** -0.5
+    # (below 27B), so a file's tiny Gemma has the scalar equal to its head_dim.
+    "gemma2": ("gemma2", "gemma2", dict(query_pre_attn_scalar=16)),
+    "gemma3": ("gemma3", "gemma3", dict(query_pre_attn_scalar=16)),
     "mixtral": ("mixtral", "llama", {}),
     "qwen3-moe": ("qwen3-moe", "qwen3moe", dict(mlp_only_layers=[])),
 }
 # K blocks hold 256 values: every in_features a multiple of 256, head_dim 32.
 K_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8,
                num_key_value_heads=4, head_dim=32)
-K_FAMILY_SHAPE = {"gemma3": dict(query_pre_attn_scalar=32),
+K_FAMILY_SHAPE = {"gemma2": dict(query_pre_attn_scalar=32),
+                  "gemma3": dict(query_pre_attn_scalar=32),
                   "qwen3-moe": dict(moe_intermediate_size=256)}
 
 

@@ -70,12 +70,16 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              dict(sliding_window=WINDOW, tie_word_embeddings=False, pad_token_id=0)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
-               dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+               # Every option away from its neighbour's value, so that one taken for
+               # the other shows: the scale's scalar is not head_dim, and the caps
+               # are small enough to bend the tiny model's scores and logits.
+               dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
                     num_hidden_layers=3,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, pad_token_id=0, initializer_range=0.1)),
+                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0, pad_token_id=0,
+                    initializer_range=0.1)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+               dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
                     num_hidden_layers=3,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

@@ -23,7 +23,6 @@ the Responses field it came from.
 
 from __future__ import annotations
 
-import json
 import re
 
 from engine.errors import ValidationError
@@ -34,6 +33,7 @@ from service.protocol.requests import (
     NamedToolChoice, Tool, ToolCall,
 )
 from service.responses.protocol import ContentPart, InputItem, ResponsesRequest
+from service.tool_calls.base import request_arguments
 
 TEXT_PARTS = frozenset({"input_text", "output_text"})
 THOUGHT_PARTS = frozenset({"reasoning_text", "summary_text"})
@@ -105,6 +105,7 @@ class _Items:
     def __init__(self, messages: list[ChatMessage], sources: list[str]) -> None:
         self.messages, self.sources = messages, sources
         self.calls: set[str] = set()  # the call ids of earlier function_call items
+        self.answered: set[str] = set()  # the call ids earlier outputs answered
         self.thought: str | None = None  # a reasoning item's, for the next assistant turn
 
     def read(self, item: InputItem, param: str) -> None:
@@ -143,11 +144,13 @@ class _Items:
             if getattr(item, field) is None:
                 raise bad_request(f"{param}.{field} is missing: a function_call item needs "
                                   "call_id, name and arguments", param=f"{param}.{field}")
-        try:
-            json.loads(item.arguments)
-        except ValueError:
-            raise bad_request(f"{param}.arguments must be JSON text",
-                              param=f"{param}.arguments") from None
+        if not item.call_id:
+            raise bad_request(f"{param}.call_id is empty: a function_call item needs an id "
+                              "its output can name", param=f"{param}.call_id")
+        if item.call_id in self.calls:
+            raise bad_request(f"{param}.call_id {item.call_id!r} is an earlier function_call "
+                              "item's: each call needs its own id", param=f"{param}.call_id")
+        request_arguments(item.arguments, f"{param}.arguments")
         call = ToolCall(item.call_id, FunctionCall(item.name, item.arguments))
         last = self.messages[-1] if self.messages else None
         if last is not None and last.role == "assistant":  # one turn: its text, then calls
@@ -165,6 +168,10 @@ class _Items:
         if item.call_id not in self.calls:
             raise bad_request(f"{param}.call_id {item.call_id!r} answers no function_call item "
                               "before it", param=f"{param}.call_id")
+        if item.call_id in self.answered:
+            raise bad_request(f"{param}.call_id {item.call_id!r} was answered by an earlier "
+                              "function_call_output item", param=f"{param}.call_id")
+        self.answered.add(item.call_id)
         if item.output is None:
             raise bad_request(f"{param}.output is missing", param=f"{param}.output")
         output = _text(item.output, f"{param}.output", TEXT_PARTS)
@@ -276,6 +283,8 @@ def responses_param(param: str | None, sources: list[str]) -> str | None:
 
 
 def translated(error: APIError, sources: list[str]) -> APIError:
-    """The same refusal, naming the Responses field."""
-    return APIError(error.status, error.message, param=responses_param(error.param, sources),
-                    code=error.code, headers=error.headers)
+    """The same refusal, naming the Responses field, in its param and its text."""
+    param, message = responses_param(error.param, sources), error.message
+    if error.param and param and param != error.param:
+        message = re.sub(rf"(?<![\w.\[]){re.escape(error.param)}(?![\w\[])", param, message)
+    return APIError(error.status, message, param=param, code=error.code, headers=error.headers)

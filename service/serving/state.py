@@ -90,9 +90,9 @@ class ServiceState:
         fewest = self.token_bytes.min_tokens(size)
         if fewest >= limit:
             raise bad_request(
-                f"this model's maximum context length is {limit} tokens; the {param} has "
-                f"{size} characters, which is at least {fewest} tokens. Reduce the length "
-                f"of the {param}.", param=param,
+                f"this model's maximum context length is {limit} tokens; {size} characters "
+                f"of {param} are at least {fewest} tokens. Reduce the length of the {param}.",
+                param=param,
             )
 
     def admit(

@@ -9,6 +9,13 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
+from service.errors import bad_request
+
+# Nesting a request's call arguments may have. Why a bound: Python's JSON
+# decoder and the chat templates recurse once a level, and 50,000 levels of
+# "[" were a 500 (RecursionError) on every route that takes a call.
+MAX_ARGUMENTS_DEPTH = 64
+
 
 @dataclass
 class CallPiece:
@@ -94,9 +101,38 @@ def json_call(text: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) from '{"name": ..., "arguments"|"parameters": {...}}'."""
     try:
         call = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return call_of(call)
+
+
+def request_arguments(text: str, param: str):
+    """A request's call arguments (JSON text, as OpenAI sends them) as a value, or a
+    400 naming `param`: not JSON, or nested deeper than MAX_ARGUMENTS_DEPTH."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value, too_deep = None, True
+    except ValueError:
+        raise bad_request(f"{param} must be JSON text", param=param) from None
+    else:
+        too_deep = depth(value) > MAX_ARGUMENTS_DEPTH
+    if too_deep:
+        raise bad_request(f"{param} is nested more than {MAX_ARGUMENTS_DEPTH} levels deep",
+                          param=param)
+    return value
+
+
+def depth(value) -> int:
+    """How many arrays and objects deep a decoded JSON value goes (without recursing)."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, (list, dict)):
+            level += 1
+            deepest = max(deepest, level)
+            todo.extend((child, level) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def call_of(call) -> tuple[str, str] | None:

@@ -35,7 +35,7 @@ from engine.sampling.structured_outputs import StructuredOutputsParams
 from service.errors import bad_request
 from service.protocol.requests import ChatCompletionRequest, ChatMessage, Tool
 from service.tool_calls.arguments import ArgumentsParser
-from service.tool_calls.base import ToolCallParser
+from service.tool_calls.base import ToolCallParser, request_arguments
 from service.tool_calls.call_list import CallListParser
 from service.tool_calls.mistral import mistral_history_id
 from service.tool_calls.registry import FORMATS, auto_parser
@@ -243,11 +243,7 @@ def _message(message: ChatMessage, index: int, renders_tools: bool, fit_id) -> d
 
 def _arguments(text: str, message: int, call: int):
     """A call's arguments as a value: templates write them out themselves."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        param = f"messages[{message}].tool_calls[{call}].function.arguments"
-        raise bad_request(f"{param} must be JSON text", param=param) from None
+    return request_arguments(text, f"messages[{message}].tool_calls[{call}].function.arguments")
 
 
 def _with_tool_note(messages: list[dict], plan: ToolPlan) -> list[dict]:

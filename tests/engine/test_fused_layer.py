@@ -180,7 +180,7 @@ def test_gemma_layers_give_the_same_numbers(family, tmp_path, smollm2_path, monk
     pool) in the Gemma op, a call a layer: the modules' numbers to the bit."""
     _compiled_ops_or_skip()
     folder = make_tiny_family(tmp_path / family, family, smollm2_path, hidden_size=4 * HEAD_DIM,
-                              head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM)
+                              head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM + 16)
     llm = LLM(str(folder), dtype="bfloat16", block_size=16, max_num_batched_tokens=16)
     _vary_norms(llm)
     bound = _same_op_by_op(llm, monkeypatch)

@@ -164,6 +164,7 @@ def test_config_takes_vllms_json_and_names_what_it_refuses():
     assert config.speculative_config == SpeculativeConfig("ngram", 3, 5, 5)
     assert SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=4).prompt_lookup_min == 4
     assert SpeculativeConfig(method="suffix").num_speculative_tokens == 24
+    assert SpeculativeConfig(num_speculative_tokens=64).num_speculative_tokens == 64
     errors = {
         '{"method": "eagle", "num_speculative_tokens": 3}': "speculative_config.method",
         '{"method": "ngram"}': "speculative_config.num_speculative_tokens",
@@ -171,6 +172,12 @@ def test_config_takes_vllms_json_and_names_what_it_refuses():
             "speculative_config.lookahead",
         '{"method": "ngram", "num_speculative_tokens": 0}':
             "speculative_config.num_speculative_tokens",
+        # a row per drafted position in every step, a series each in /metrics
+        '{"method": "ngram", "num_speculative_tokens": 100000}':
+            "speculative_config.num_speculative_tokens=100000 must be an integer >= 1 and <= 64",
+        '{"method": "suffix", "num_speculative_tokens": 8, '
+        '"suffix_decoding_max_tree_depth": 65}':
+            "speculative_config.suffix_decoding_max_tree_depth",
         '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
         '"prompt_lookup_max": 2}': "speculative_config.prompt_lookup_min",
         '{"method": "suffix", "suffix_decoding_min_token_prob": 2}':

@@ -66,3 +66,14 @@ def test_refusals_name_the_field(live, path, body, param):
 def test_both_need_a_key(live):
     assert post(live, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
     assert post(live, "/detokenize", {"tokens": [1]}, key=None).status_code == 401
+
+
+def test_detokenize_at_the_vocabularys_edge(live):
+    """The last id decodes; the vocabulary's size itself is the first id refused."""
+    vocab = len(live.state.tokenizer)
+    last = post(live, "/detokenize", {"tokens": [vocab - 1]})
+    assert last.status_code == 200 and last.json()["prompt"], last.text
+    refused = post(live, "/detokenize", {"tokens": [vocab]})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "tokens"
+    assert f"(0..{vocab - 1})" in refused.json()["error"]["message"]

@@ -80,6 +80,27 @@ def test_rate_zero_turns_pacing_off():
     assert not pacer.buckets
 
 
+def test_only_refusals_are_paced_not_the_servers_own_errors():
+    """A 5xx is the server's fault, 408 and 429 have their own meaning: none takes a
+    token or waits; only the second 400 past a burst of one does."""
+    pacer = RefusalPacer(rate=1000.0, burst=1, clock=Clock())  # a wait is 1 ms
+    sent, waited = [], []
+
+    async def answer(status: int) -> None:
+        async def send(message):
+            sent.append(message["status"])
+
+        paced = pacer.paced_send({"client": ("10.1.2.3", 5000)}, send,
+                                 on_wait=lambda: waited.append(status))
+        await paced({"type": "http.response.start", "status": status})
+
+    statuses = [500, 503, 504, 408, 429, 500, 400, 503, 400]
+    for status in statuses:
+        asyncio.run(answer(status))
+    assert sent == statuses
+    assert waited == [400]
+
+
 RATE, BURST = 5.0, 3
 GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
 BAD = {**GOOD, "foo": 1}  # 400: an unknown field

@@ -252,6 +252,19 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed(tiny_llama_
      "input[1].call_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
      "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                 "arguments": "[" * 50_000 + "]" * 50_000}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}]},
+     "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c", "name": "g", "arguments": "{}"}]},
+     "input[1].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "1"},
+                {"type": "function_call_output", "call_id": "c", "output": "2"}]},
+     "input[2].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                 "arguments": '{"a": ' * 30_000 + "1" + "}" * 30_000}]}, "input[0].arguments"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {
         "type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}}}},
      "text.format.schema"),
@@ -263,6 +276,16 @@ def test_what_is_not_served_is_a_400_naming_it(smollm2_server, extra, param):
     response = httpx.post(f"{smollm2_server.url}/v1/responses", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+def test_an_input_too_long_for_the_context_is_refused_in_the_responses_words(smollm2_server):
+    response = httpx.post(f"{smollm2_server.url}/v1/responses", timeout=60,
+                          json={"input": "a " * 200_000, "max_output_tokens": 4})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input", error
+    assert "characters of input are at least" in error["message"], error
+    assert "messages" not in error["message"], error
 
 
 def test_the_sdk_raises_the_400_with_its_param(sdk):

@@ -177,6 +177,34 @@ def test_refusals_name_the_field(smollm2_server, body, param):
     assert response.json()["error"]["param"] == param, response.json()
 
 
+DEEP = "[" * 50_000 + "]" * 50_000  # Python's decoder recursed past its limit: a 500
+
+
+def called(arguments: str) -> list[dict]:
+    return [*ask("Hi"), {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+
+
+@pytest.mark.parametrize("arguments", [DEEP, '{"a": ' * 30_000 + "1" + "}" * 30_000,
+                                       "[" * 65 + "]" * 65])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_arguments_nested_too_deeply_are_a_400_naming_them(smollm2_server, route, arguments):
+    extra = {"max_tokens": 2} if route.startswith("/v1") else {}
+    response = httpx.post(f"{smollm2_server.url}{route}", timeout=60,
+                          json={"messages": called(arguments), **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments", error
+    assert "nested more than 64 levels" in error["message"]
+
+
+def test_arguments_64_levels_deep_are_served(smollm2_server):
+    response = httpx.post(f"{smollm2_server.url}/tokenize", timeout=60,
+                          json={"messages": called("[" * 64 + "]" * 64)})
+    assert response.status_code == 200, response.text
+
+
 TEMPLATES = {"hermes": HERMES_CHAT_TEMPLATE, "mistral": MISTRAL_CHAT_TEMPLATE}
 
 

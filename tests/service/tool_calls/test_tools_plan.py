@@ -142,3 +142,19 @@ def test_arguments_that_are_not_json_are_refused_by_position():
     with pytest.raises(APIError) as caught:
         template_messages(request(messages=history).messages, None, renders_tools=True)
     assert caught.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_the_depth_of_arguments_is_counted_without_recursing():
+    from service.tool_calls.base import depth, request_arguments
+
+    assert [depth(v) for v in (1, "x", None, [], {}, [[]], {"a": [{"b": 1}]})] == [0, 0, 0, 1, 1, 2, 3]
+    nested = []
+    for _ in range(100_000):  # deeper than any recursion limit
+        nested = [nested]
+    assert depth(nested) == 100_001
+    assert depth(request_arguments("[" * 64 + "]" * 64, "p")) == 64
+    assert request_arguments("null", "p") is None
+    for refused in ("[" * 65 + "]" * 65, "[" * 50_000 + "]" * 50_000, "{oops"):
+        with pytest.raises(APIError) as caught:
+            request_arguments(refused, "p")
+        assert caught.value.param == "p"
