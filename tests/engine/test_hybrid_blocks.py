@@ -45,6 +45,36 @@ def test_a_short_window_pool_refuses_without_changing_anything():
     bm.check_invariants()
 
 
+
+def test_the_window_pool_gives_its_last_free_block():
+    """At the boundary: a request for exactly the window blocks left is served
+    (allocation and growth alike); one more is refused."""
+    bm = manager(num_window=5)  # 4 usable window blocks
+    assert bm.allocate("a", 16) is not None  # all 4
+    bm.free("a")
+    assert bm.allocate("b", 12) is not None  # 3 of 4
+    assert bm.window.num_free_blocks == 1
+    assert bm.append_slots("b", 13) is not None  # the last one
+    assert bm.window.num_free_blocks == 0
+    assert bm.append_slots("b", 17) is None
+    bm.check_invariants()
+
+
+def test_the_budget_splits_by_each_pools_own_layer_count():
+    """Three sliding layers and one global one: the window pool takes what the
+    running sequences' windows need at three layers a block, the main pool the
+    rest at one layer a block."""
+    from engine.config import EngineConfig
+    from engine.model.kv_groups import KVGroups
+
+    config = EngineConfig(model="unused", block_size=16, max_num_seqs=2,
+                          max_num_batched_tokens=32, max_model_len=256)
+    groups = KVGroups((1,), (0, 2, 3), 20)
+    # each sequence: ceil(19 / 16) + 2 window blocks; a step's 2; the null block
+    assert groups.window_blocks_wanted(config) == 2 * 4 + 2 + 1
+    assert groups.split(10_000, 100, config) == ((10_000 - 11 * 100 * 3) // 100, 11)
+    assert KVGroups((0, 1, 2, 3), (), None).split(10_000, 100, config) == (25, 0)
+
 def test_a_prefix_hit_needs_the_windows_blocks_and_nulls_the_older_ones():
     bm = manager(num_window=8)  # 7 usable window blocks
     chain = hashes(6)
