@@ -50,6 +50,16 @@ engine must match HF transformers token-for-token in float32.  fp16/bf16 use
 tensor cores with fp32 accumulation.  Under the Triton interpreter (CPU
 tensors) everything is upcast to fp32 right after loading, because the
 interpreter's bf16 arithmetic is wrong.
+
+int8 caches (``--kv-cache-dtype int8``, layout in ``kernels/kv_quant.py``)
+---------------------------------------------------------------------------
+The kernels read the int8 blocks in place: ``load_kv_tile`` loads a tile's
+codes and, beside each row, its fp16 scale, and multiplies them in fp32 inside
+the tile loop, so no de-quantized copy of the cache is ever built.  Whether a
+cache is int8 is read from its pointer's type at compile time: the float
+caches compile exactly as before.  The query (float32/bf16/fp16) sets the
+arithmetic and the output dtype, as with a cache of the query's dtype; the
+values are rounded to it once, as a cache in that dtype would hold them.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import cache_head_dim, is_quantized
 from kernels.reference import attention_features
 
 LOG2E = 1.4426950408889634
@@ -68,20 +79,34 @@ LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------
 
 @triton.jit
-def kv_tile_offsets(table_row_ptr, token_start, context_len, kv_head,
-                     stride_block, stride_slot, stride_head, stride_dim,
-                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
-    """Offsets and mask of a [BLOCK_N, DIM_PAD] tile of context tokens."""
+def kv_tile_rows(table_row_ptr, token_start, context_len, kv_head,
+                 stride_block, stride_slot, stride_head,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile of BLOCK_N context tokens: the tokens, the offset of each one's
+    (token, kv head) row in the cache, and which of them are in the context."""
     tokens = token_start + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, DIM_PAD)
     in_context = tokens < context_len
     page = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=in_context, other=0)
     # int64: page * stride_block overflows int32 on large caches.
     rows = page.to(tl.int64) * stride_block + (tokens % BLOCK_SIZE) * stride_slot + kv_head * stride_head
-    offsets = rows[:, None] + dims[None, :] * stride_dim
+    return tokens, rows, in_context
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, rows, in_context, stride_dim,
+                 HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """The [BLOCK_N, DIM_PAD] K or V values of ``rows``: the cache's own dtype,
+    or, for an int8 cache (kernels/kv_quant.py), each row's codes times its
+    fp16 scale in fp32, read in place (the scale sits after the HEAD_DIM codes)."""
+    dims = tl.arange(0, DIM_PAD)
     mask = in_context[:, None] & (dims < HEAD_DIM)[None, :]
-    return tokens, offsets, mask
+    x = tl.load(cache_ptr + rows[:, None] + dims[None, :] * stride_dim, mask=mask, other=0.0)
+    if cache_ptr.dtype.element_ty == tl.int8:
+        # check_int8_layout made the scale's two bytes contiguous and 2-aligned.
+        scale_ptr = (cache_ptr + rows + HEAD_DIM * stride_dim).to(tl.pointer_type(tl.float16), bitcast=True)
+        scale = tl.load(scale_ptr, mask=in_context, other=0.0).to(tl.float32)
+        x = x.to(tl.float32) * scale[:, None]
+    return x
 
 
 @triton.jit
@@ -118,22 +143,21 @@ def online_softmax_step(acc, m_i, l_i, scores, v):
 def attend_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_ptr,
                   kv_start, kv_end, context_len, kv_head, qk_scale, window, soft_cap,
                   stride_block, stride_slot, stride_head, stride_dim,
-                  CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                  CAUSAL: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                   WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Attend rows of ``q`` (at positions ``q_pos``) to context tokens [kv_start, kv_end);
     ``soft_cap`` is the cap times log2(e), as the scores are in base 2."""
     for token_start in range(kv_start, kv_end, BLOCK_N):
-        tokens, offsets, mask = kv_tile_offsets(
+        tokens, rows, in_context = kv_tile_rows(
             table_row_ptr, token_start, context_len, kv_head,
-            stride_block, stride_slot, stride_head, stride_dim,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD)
-        k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N)
+        # In q's dtype, so tl.dot takes the tensor cores: the cache's own (q is
+        # fp32 under the interpreter, whose bf16 arithmetic is wrong: upcast),
+        # or an int8 cache's values rounded once to it, as a bf16 cache holds them.
+        k = load_kv_tile(k_cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD).to(q.dtype)
+        v = load_kv_tile(v_cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if SOFT_CAP:
             scores = soft_cap * soft_cap_tanh(scores / soft_cap)
@@ -155,16 +179,28 @@ def check_inputs(query, k_cache, v_cache, block_tables, context_lens):
     heads, head_dim = query.shape[1], query.shape[2]
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim mismatch: query {head_dim}, cache {k_cache.shape[3]}")
+    if cache_head_dim(k_cache) != head_dim:
+        raise ValueError(f"head_dim mismatch: query {head_dim}, cache {cache_head_dim(k_cache)}")
     if heads % k_cache.shape[2]:
         raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({k_cache.shape[2]})")
-    if k_cache.dtype != query.dtype:
+    if is_quantized(k_cache):
+        check_int8_layout(k_cache)
+        check_int8_layout(v_cache)
+    elif k_cache.dtype != query.dtype:
         raise ValueError(f"cache dtype {k_cache.dtype} differs from query dtype {query.dtype}")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise ValueError("block_tables and context_lens must be int32")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
+
+
+def check_int8_layout(cache: torch.Tensor) -> None:
+    """The kernels read (and the store writes) an int8 row's scale as one fp16:
+    its two bytes must be adjacent and start at an even address."""
+    odd = cache.data_ptr() % 2 or any(stride % 2 for stride in cache.stride()[:3])
+    if cache.stride(3) != 1 or odd:
+        raise ValueError("an int8 cache needs contiguous rows at even byte offsets "
+                         f"(strides {tuple(cache.stride())})")
 
 
 def feature_args(sliding_window, logits_soft_cap) -> dict:

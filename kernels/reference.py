@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import dequantize_rows, is_quantized, quantize_rows
+
 # Bound on the fp32 elements of gathered K (and again V) per decode chunk, so a
 # batch with one very long sequence does not materialise
 # batch * longest_context * kv_heads * head_dim floats at once.
@@ -40,7 +42,8 @@ def store_kvcache_reference(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each token's K/V into its cache slot, in place; slot -1 = skip."""
+    """Write each token's K/V into its cache slot, in place; slot -1 = skip.
+    An int8 cache (kernels/kv_quant.py) takes each row quantized."""
     slots = slot_mapping.to(device=key.device, dtype=torch.long)
     if bool((slots < 0).any()):  # rare (padding): drop the skipped rows first
         keep = slots >= 0
@@ -49,6 +52,8 @@ def store_kvcache_reference(
     # silently writing into a copy.
     flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
     flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+    if is_quantized(k_cache):
+        key, value = quantize_rows(key), quantize_rows(value)
     flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
     flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
@@ -65,8 +70,13 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int
     ids = block_tables[:, :num_blocks].to(device=cache.device, dtype=torch.long)
     pages = cache[ids]  # [rows, num_blocks, block_size, kv_heads, head_dim]
     rows = pages.shape[0]
-    flat = pages.reshape(rows, num_blocks * block_size, cache.shape[2], cache.shape[3])
-    return flat[:, :length].to(dtype)
+    flat = pages.reshape(rows, num_blocks * block_size, cache.shape[2], cache.shape[3])[:, :length]
+    return _values(flat).to(dtype)
+
+
+def _values(rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows as values: an int8 cache's rows de-quantized to float32."""
+    return dequantize_rows(rows) if is_quantized(rows) else rows
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -177,7 +187,7 @@ def _context_slots(block_tables, allowed, positions, block_size):
 def _gather_slots(cache, slots):
     """K or V at ``slots``, as fp32 ``[rows, kv_heads, L, head_dim]``."""
     flat = cache.view(-1, cache.shape[2], cache.shape[3])
-    return flat[slots].float().transpose(1, 2)
+    return _values(flat[slots]).float().transpose(1, 2)
 
 
 def paged_decode_attention_reference(

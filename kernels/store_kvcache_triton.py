@@ -5,6 +5,11 @@ One program per token copies all of that token's kv heads::
     key[t] : [num_kv_heads, head_dim]  ──►  k_cache.view(-1, kv_heads, head_dim)[slot[t]]
 
 slot = -1 marks a padding token: its program loads and stores nothing.
+
+An int8 cache (``kernels/kv_quant.py``) takes each (token, kv head) row
+quantized as it is written: head_dim codes, then the row's fp16 scale, the
+numbers of ``kv_quant.quantize_rows`` bit for bit (correctly rounded
+divisions, round half to even).
 """
 
 from __future__ import annotations
@@ -12,6 +17,62 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_quant import CODE_MAX, FP16_MAX, cache_head_dim, is_quantized
+from kernels.paged_attention import check_int8_layout
+
+# A @triton.jit function may read a global only as a constexpr.
+_CODE_MAX = tl.constexpr(float(CODE_MAX))
+_FP16_MAX = tl.constexpr(FP16_MAX)
+
+
+@triton.jit
+def _round_half_even(y):
+    """fp32 round to nearest, ties to even (torch.round), for |y| < 2**31.
+    By hand: the interpreter has no libdevice rint, and floor(y + 0.5) both
+    rounds ties up and misrounds the float just below 0.5.  y - floor(y) is
+    exact, so a tie is seen exactly."""
+    low = tl.floor(y)
+    frac = y - low
+    odd = (low.to(tl.int32) & 1) == 1
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return tl.where(up, low + 1.0, low)
+
+
+@triton.jit
+def _quantize(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """kv_quant.quantize_rows of fp32 rows [ROWS, COLS] (zero past head_dim):
+    (int8 codes, fp16 scale of each row).  div_rn: Triton's plain fp32 `/` is
+    not correctly rounded on the GPU, torch's is, and a scale one fp16 step
+    off would change every code of its row."""
+    absmax = tl.max(tl.abs(x), 1)
+    scale = tl.math.div_rn(absmax, tl.full([ROWS], _CODE_MAX, tl.float32))
+    scale = tl.minimum(scale, _FP16_MAX).to(tl.float16)
+    s32 = scale.to(tl.float32)
+    divisor = tl.broadcast_to(tl.where(s32 > 0.0, s32, 1.0)[:, None], (ROWS, COLS))
+    # Clamped before rounding (the same codes: 127 is an integer) so that an
+    # fp16-max scale under a huge x cannot overflow the int32 parity test.
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, divisor), -_CODE_MAX), _CODE_MAX)
+    # An all-zero row has scale 0: its codes are 0, not 0 / 0.
+    codes = tl.where(s32[:, None] > 0.0, _round_half_even(y), 0.0)
+    return codes.to(tl.int8), scale
+
+
+@triton.jit
+def _store_rows(x, cache_ptr, rows, mask, row_mask, stride_d,
+                HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
+    """Write one token's rows x [HEADS_PAD, DIM_PAD] at their cache ``rows``:
+    converted to the cache dtype, or quantized into an int8 cache."""
+    dims = tl.arange(0, DIM_PAD)
+    offsets = rows[:, None] + dims[None, :] * stride_d
+    if cache_ptr.dtype.element_ty == tl.int8:
+        codes, scale = _quantize(x.to(tl.float32), HEADS_PAD, DIM_PAD)
+        tl.store(cache_ptr + offsets, codes, mask=mask)
+        # check_int8_layout made the scale's two bytes contiguous and 2-aligned.
+        scale_ptr = (cache_ptr + rows + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float16), bitcast=True)
+        tl.store(scale_ptr, scale, mask=row_mask)
+    else:
+        tl.store(cache_ptr + offsets, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -28,10 +89,11 @@ def _store_kvcache_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, DIM_PAD)
-    mask = (slot >= 0) & (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+    row_mask = (slot >= 0) & (heads < NUM_KV_HEADS)
+    mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
     safe_slot = tl.maximum(slot, 0)
 
-    cache_offsets = safe_slot * stride_cache_slot + heads[:, None] * stride_cache_h + dims[None, :] * stride_cache_d
+    rows = safe_slot * stride_cache_slot + heads * stride_cache_h
     k_offsets = token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd
     v_offsets = token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd
     k = tl.load(key_ptr + k_offsets, mask=mask, other=0.0)
@@ -41,8 +103,26 @@ def _store_kvcache_kernel(
         # which is exact for any of our dtypes.
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    _store_rows(k, k_cache_ptr, rows, mask, row_mask, stride_cache_d, HEAD_DIM, HEADS_PAD, DIM_PAD)
+    _store_rows(v, v_cache_ptr, rows, mask, row_mask, stride_cache_d, HEAD_DIM, HEADS_PAD, DIM_PAD)
+
+
+def _check_store(key, value, k_cache, v_cache, slot_mapping) -> None:
+    num_tokens, kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if (k_cache.shape[2], cache_head_dim(k_cache)) != (kv_heads, head_dim):
+        raise ValueError(f"cache {tuple(k_cache.shape)} {k_cache.dtype} does not match "
+                         f"key {tuple(key.shape)}")
+    if k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
+        raise ValueError("cache blocks must be laid out slot after slot (view(-1, ...) must work)")
+    if is_quantized(k_cache):
+        check_int8_layout(k_cache)
+        check_int8_layout(v_cache)
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
 
 
 def store_kvcache(
@@ -53,17 +133,8 @@ def store_kvcache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write ``key``/``value`` [num_tokens, kv_heads, head_dim] into their slots, in place."""
+    _check_store(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, kv_heads, head_dim = key.shape
-    if value.shape != key.shape:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if tuple(k_cache.shape[2:]) != (kv_heads, head_dim):
-        raise ValueError(f"cache {tuple(k_cache.shape)} does not match key {tuple(key.shape)}")
-    if k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
-        raise ValueError("cache blocks must be laid out slot after slot (view(-1, ...) must work)")
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     if num_tokens == 0:
         return
     _store_kvcache_kernel[(num_tokens,)](

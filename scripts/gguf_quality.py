@@ -1,13 +1,20 @@
-"""What serving a GGUF quantized costs in answers: KL divergence and perplexity.
+"""What serving a GGUF quantized, or a quantized KV cache, costs in answers:
+KL divergence and perplexity.
 
     python scripts/gguf_quality.py [--model smollm2-135m-instruct] [--text FILE]
                                    [--ctx 2048] [--windows 2] [--output quality.json]
+                                   [--kv-cache-dtype int8]
 
 Both sides are this engine on the same file:
 
     reference   --quantization none: the file de-quantized to float32 (HF's numbers)
     measured    --quantization gguf: the file's blocks in the compiled op, its
                 activations quantized per 32 to 8 bits, bf16 between layers
+
+With --kv-cache-dtype the weights are the same on both sides (float32) and
+only the cache differs: the reference keeps float32 K/V, the measured side
+stores them as the given dtype, and every position of the window attends
+through the paged cache (the prompt's K/V are stored, then read back).
 
 The text is cut into `--windows` windows of `--ctx` tokens, each one prompt,
 and scored as llama.cpp's llama-perplexity scores a chunk: every position of
@@ -93,6 +100,8 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="measure this KV-cache dtype against float32 K/V instead of the weights")
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(resolve_model_path(args.model, default_cache_dir()), required=True)
@@ -104,8 +113,14 @@ def main() -> None:
                   enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20)
     reference = window_logits(LLM(args.model, quantization="none", dtype="float32", **common),
                               windows)
-    measured = window_logits(LLM(args.model, quantization="gguf", **common), windows)
+    if args.kv_cache_dtype:
+        measured_llm = LLM(args.model, quantization="none", dtype="float32",
+                           kv_cache_dtype=args.kv_cache_dtype, **common)
+    else:
+        measured_llm = LLM(args.model, quantization="gguf", **common)
+    measured = window_logits(measured_llm, windows)
     result = {"model": args.model, "text": args.text, "ctx": args.ctx, "windows": args.windows,
+              "measured": f"kv_cache_dtype={args.kv_cache_dtype}" if args.kv_cache_dtype else "gguf",
               **score(reference, measured, windows)}
     print(json.dumps(result, indent=2))
     if args.output:

@@ -16,6 +16,12 @@ Two sources feed one registry (per app, so two servers in one process never mix)
 
 `pagedserve:kv_cache_usage_perc` is a fraction in [0, 1], as vLLM's is.
 Cached blocks that no request holds count as free: they are evictable.
+
+The KV cache's configuration, fixed at start-up, is an info gauge as vLLM's
+`vllm:cache_config_info` (value 1, the settings in its labels):
+`pagedserve:cache_config_info{cache_dtype="int8",block_size="16",num_gpu_blocks="2049"}`
+(num_gpu_blocks is vLLM's name: the blocks of the device pool, CPU memory
+included), with the tokens they hold beside it, `pagedserve:kv_cache_capacity_tokens`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.frontend.async_engine import AsyncEngine
+from engine.model.kv_cache import token_capacity
 
 PREFIX = "pagedserve:"
 
@@ -74,7 +81,21 @@ class EngineCollector:
         self.memory = engine.engine.memory_per_rank()  # fixed once the model is loaded
         self.by_priority = engine.engine.config.scheduling_policy == "priority"
 
+    def cache_config(self):
+        """The KV cache's settings (cache_config_info) and its token capacity."""
+        blocks, block_size = self.engine.engine.runner.num_blocks, self.engine.config.block_size
+        info = GaugeMetricFamily(
+            PREFIX + "cache_config_info", "The KV cache's configuration (value 1): the "
+            "dtype it stores, tokens per block, blocks of the device pool.",
+            labels=["cache_dtype", "block_size", "num_gpu_blocks"])
+        info.add_metric([self.engine.kv_cache_dtype, str(block_size), str(blocks)], 1)
+        yield info
+        yield GaugeMetricFamily(PREFIX + "kv_cache_capacity_tokens", "Tokens the KV cache "
+                                "holds: its usable blocks (all but the null block) times "
+                                "block_size.", value=token_capacity(blocks, block_size))
+
     def collect(self):
+        yield from self.cache_config()
         for name, help_text, key in MEMORY_GAUGES:
             family = GaugeMetricFamily(PREFIX + name, help_text, labels=["rank"])
             for rank, memory in enumerate(self.memory):

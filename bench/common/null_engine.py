@@ -51,7 +51,7 @@ class NullRunner:
     schedule's order and spends as little as it can."""
 
     device = "cpu"
-    dtype = torch.float32  # nominal: there are no weights and no K/V
+    dtype = kv_cache_dtype = torch.float32  # nominal: there are no weights and no K/V
     failure = None  # no workers to lose
     sliding_window = None  # full attention: every block stays needed
     hybrid_window, num_window_blocks = None, 0  # one KV pool

@@ -65,7 +65,7 @@ class TimingRunner:
         self.runner = runner
         self.num_blocks = runner.num_blocks
         self.device = runner.device
-        self.dtype = runner.dtype
+        self.dtype, self.kv_cache_dtype = runner.dtype, runner.kv_cache_dtype
         self.sliding_window = runner.sliding_window
         self.hybrid_window = runner.hybrid_window
         self.num_window_blocks = runner.num_window_blocks

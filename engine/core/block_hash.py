@@ -37,13 +37,14 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> b
     return digest.digest()
 
 
-def cache_namespace(fingerprint: bytes, block_size: int, dtype: str,
+def cache_namespace(fingerprint: bytes, block_size: int, kv_cache_dtype: str,
                     scheme: int = HASH_SCHEME_VERSION) -> str:
     """What two processes must share for one's cached K/V to fit the other:
     the model fingerprint (weights, dtype, quantization), the block size, the
-    KV dtype and this hash scheme. The fleet's registry and the shared KV tiers
+    KV cache's dtype (--kv-cache-dtype: an int8 block's bytes are not a float
+    block's) and this hash scheme. The fleet's registry and the shared KV tiers
     key everything they store by it."""
-    return f"{fingerprint.hex()[:16]}:{block_size}:{dtype}:h{scheme}"
+    return f"{fingerprint.hex()[:16]}:{block_size}:{kv_cache_dtype}:h{scheme}"
 
 
 def salt_digest(cache_salt: str | None) -> bytes:

@@ -38,6 +38,7 @@ from engine.config import EngineConfig
 from engine.frontend.bridge import Command, EngineDeadError, EngineStats, QueueFullError
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.request_stream import RequestStream
+from engine.model.kv_cache import dtype_name
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -120,9 +121,9 @@ class AsyncEngine:
         return self.engine.fingerprint
 
     @property
-    def dtype(self) -> str:
-        """The dtype the model runs in, as a name ("bfloat16")."""
-        return str(self.engine.runner.dtype).removeprefix("torch.")
+    def kv_cache_dtype(self) -> str:
+        """The dtype of the KV cache, as a name ("int8"): a block's identity across replicas."""
+        return dtype_name(self.engine.runner.kv_cache_dtype)
 
     @property
     def is_alive(self) -> bool:

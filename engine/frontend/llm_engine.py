@@ -28,6 +28,7 @@ from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.core.kv_events import KVEventPublisher
 from engine.core.kv_offload import KVOffload, build_offload
 from engine.model.cpu_allocator import release_freed_heap
+from engine.model.kv_cache import dtype_name
 from engine.model.model_info import ModelInfo, load_model
 from engine.model.runner import Runner
 from engine.outputs import RequestOutput
@@ -117,7 +118,7 @@ class LLMEngine:
         runner = self.runner
         return build_offload(
             self.config, block_manager, runner, fingerprint=self.fingerprint,
-            dtype=str(runner.dtype).removeprefix("torch."),
+            kv_cache_dtype=dtype_name(runner.kv_cache_dtype),
             payload_bytes=runner.block_record_bytes(),
             pin_memory=torch.device(runner.device).type == "cuda")
 

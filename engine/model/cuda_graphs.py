@@ -174,7 +174,7 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.hybrid = hybrid
         self.scratch_shape = scratch_shape  # a 2-block cache for the reserve measurement
-        self.dtype = dtype
+        self.dtype = dtype  # the KV cache's
         self.device = torch.device(device)
         self.inputs = StaticDecodeInputs(sizes[-1], max_blocks, hybrid, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -192,11 +192,10 @@ class DecodeGraphs:
             if runner.device.type == "cuda":
                 logger.info("decode steps run eager: %s", reason)
             return None
-        scratch = (2, args.num_layers, 2, runner.block_size, runner.partition.num_kv_heads,
-                   args.head_dim)
+        scratch = runner.kv_layout.shape(args.num_layers, 2)  # in the cache's own layout
         return cls(runner.model, capture_sizes(config.max_num_seqs),
                    max_blocks_to_capture(config.max_model_len, runner.block_size),
-                   runner.kv_groups.hybrid, scratch, runner.dtype, runner.device)
+                   runner.kv_groups.hybrid, scratch, runner.kv_cache_dtype, runner.device)
 
     def _forward(self, size: int, caches) -> torch.Tensor:
         inputs = self.inputs

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.model.distributed.executor import TensorParallelRunner
+from engine.model.kv_cache import dtype_name, token_capacity
 from engine.model.model_runner import ModelRunner
 from engine.model.models.loader import GGUF_LINK, load_hf_config, load_tokenizer, resolve_model_path
 
@@ -62,8 +63,10 @@ def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunn
         path=model_path,
     )
     logger.info(
-        "model ready: %s on %s (%s), %d KV blocks of %d tokens",
-        model_path.name, runner.device, runner.dtype, runner.num_blocks, config.block_size,
+        "model ready: %s on %s (%s); KV cache in %s: %d blocks of %d tokens, %d tokens in all",
+        model_path.name, runner.device, dtype_name(runner.dtype),
+        dtype_name(runner.kv_cache_dtype), runner.num_blocks, config.block_size,
+        token_capacity(runner.num_blocks, config.block_size),
     )
     for rank, memory in enumerate(runner.memory_per_rank()):
         logger.info("rank %d of %d holds %.1f MiB of weights and %.1f MiB of KV cache",

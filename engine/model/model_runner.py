@@ -12,7 +12,8 @@ into the flat tensors the model wants:
     sampling:   one SamplingRequest per such sequence (engine/model/sampling_batch.py)
                 from the SchedulerOutput; the tokens it may not draw come from stopping
 
-The KV cache is one tensor, [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim];
+The KV cache is one tensor, [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+(int8 rows of head_dim + 2 with --kv-cache-dtype int8: engine/model/kv_cache.py);
 layer i reads kv_cache[0][i] (K) and kv_cache[1][i] (V). A model mixing sliding
 and global layers has two, one per KV-cache group (engine/model/kv_groups.py).
 
@@ -33,6 +34,7 @@ from engine.config import EngineConfig
 from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory, weights_on_huge_pages
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.distributed.partition import Partition
+from engine.model.kv_cache import KVLayout, resolve_kv_cache_dtype
 from engine.model.kv_groups import KVGroups
 from engine.model.models.registry import model_class
 from engine.model.layers.quantization import LOAD_QUANTIZATIONS, check_load_quantization
@@ -127,6 +129,8 @@ class ModelRunner:
         rank = group.rank if group is not None else 0
         self.device = resolve_device(config, rank)
         self.dtype = resolve_dtype(config, hf_config, self.device)
+        # Before the weights load: a cache dtype the kernels cannot read fails at once.
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.kernels = get_backend(config.kernel_backend)
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -134,6 +138,8 @@ class ModelRunner:
         self.model_class = model_class(hf_config, size)
         args = self.model_class.model_args(hf_config)
         self.partition = Partition.of(args, rank, size)
+        self.kv_layout = KVLayout(self.kv_cache_dtype, self.block_size,
+                                  self.partition.num_kv_heads, args.head_dim)
         self.sliding_window = shared_window(args.sliding_windows)
         self.kv_groups = KVGroups.plan(args.sliding_windows, config)
         self.hybrid_window = self.kv_groups.window
@@ -189,16 +195,15 @@ class ModelRunner:
                          "serve a GGUF de-quantized with --quantization none")
 
     def _new_cache(self, num_layers: int, num_blocks: int) -> torch.Tensor:
-        cache = torch.empty(2, num_layers, num_blocks, self.block_size, self.partition.num_kv_heads,
-                            self.model.args.head_dim, dtype=self.dtype, device=self.device)
+        cache = torch.empty(self.kv_layout.shape(num_layers, num_blocks),
+                            dtype=self.kv_cache_dtype, device=self.device)
         if self.device.type == "cpu":
             advise_huge_pages(cache)  # before zero_() touches the pages
         return cache.zero_()
 
     def layer_block_bytes(self) -> int:
-        """One block's K and V of one layer, on this rank."""
-        elements = 2 * self.block_size * self.partition.num_kv_heads * self.model.args.head_dim
-        return elements * torch.tensor([], dtype=self.dtype).element_size()
+        """One block's K and V of one layer, on this rank, in the cache's own bytes."""
+        return self.kv_layout.layer_block_bytes()
 
     def bytes_per_block(self) -> int:
         """One block's K/V of every layer of the main pool, on this rank."""
@@ -272,11 +277,7 @@ class ModelRunner:
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """One prefill of `num_tokens` tokens into a one-block scratch cache (slots -1)."""
-        args = self.model.args
-        scratch = torch.zeros(
-            2, args.num_layers, 2, self.block_size, self.partition.num_kv_heads, args.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
+        scratch = self.kv_layout.zeros(self.model.args.num_layers, 2, self.device)
         # No sequences, so attention itself is skipped; the rest runs at full size.
         header = [Op.STEP, num_tokens, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
         payload = [0] * (2 * num_tokens) + [-1] * num_tokens + [0, num_tokens - 1]
@@ -364,8 +365,9 @@ class ModelRunner:
         """Copies of blocks' K/V, all layers: [n, block_record_bytes] uint8 on the CPU.
 
         Each row is one block laid out [2 (K, V), layers, block_size, kv_heads,
-        head_dim]: the record one tier value holds (pinned on CUDA, so the copy
-        out is a DMA the host can read as soon as it is done).
+        head_dim] in the cache's dtype (int8 rows: kernels/kv_quant.py): the record
+        one tier value holds (pinned on CUDA, so the copy out is a DMA the host can
+        read as soon as it is done).
         """
         return self.to_host(self.block_rows(block_ids))
 
@@ -384,7 +386,7 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """The inverse of read_blocks: fill blocks with rows of bytes."""
         shape = (len(block_ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
-        blocks = data.to(self.device, non_blocking=True).view(self.dtype).view(shape)
+        blocks = data.to(self.device, non_blocking=True).view(self.kv_cache_dtype).view(shape)
         self.kv_cache.index_copy_(2, self._tensor(block_ids), blocks.permute(1, 2, 0, 3, 4, 5))
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:

@@ -41,10 +41,13 @@ class Runner(Protocol):
     num_blocks: int
     # Where seeded requests' generators are made; on CUDA the offload tiers pin host memory.
     device: torch.device | str
-    # The dtype of the model and its KV cache: in the offload tiers' namespace (a
-    # block computed in bfloat16 is no use to a float32 replica), and in the service's
-    # prefix registry and metrics.
+    # The dtype the model runs in (in its fingerprint: a block computed in bfloat16
+    # is no use to a float32 replica).
     dtype: torch.dtype
+    # The dtype of its KV cache: `dtype`, or int8 (engine/model/kv_cache.py). In the
+    # offload tiers' namespace and the service's prefix registry (an int8 block's
+    # bytes are no float block's), and in the start-up log and /metrics.
+    kv_cache_dtype: torch.dtype
     # The window every layer attends within (Mistral, Phi-3, Mixtral), or None: the
     # block manager then releases blocks that left it (free_outside_window).
     sliding_window: int | None

@@ -7,7 +7,7 @@ reads the most popular ones and prefills them before it reports ready
 Two replicas may share KV only when everything that decides the numbers
 matches, so all keys live under a namespace of those things:
 
-    pagedserve:prefixes:<fingerprint>:<block size>:<dtype>:h<hash scheme>:<salt id>
+    pagedserve:prefixes:<fingerprint>:<block size>:<KV cache dtype>:h<hash scheme>:<salt id>
         :popular      ZSET  prefix id -> log2 popularity (below)
         :p:<id>       HASH  tokens (int32, little-endian), hashes (32 bytes each),
                             seen (sightings), last_used (unix seconds)
@@ -68,15 +68,15 @@ class Namespace:
 
     fingerprint: bytes  # the model fingerprint of the engine (weights, dtype, quantization)
     block_size: int
-    dtype: str
+    kv_cache_dtype: str  # --kv-cache-dtype resolved ("bfloat16", "int8"): a block's bytes
     salt_id: str = "-"  # "-" when no tenant salt
     scheme: int = HASH_SCHEME_VERSION
 
     @property
     def key(self) -> str:
-        return (f"{KEY_ROOT}:prefixes:"
-                f"{cache_namespace(self.fingerprint, self.block_size, self.dtype, self.scheme)}:"
-                f"{self.salt_id}")
+        space = cache_namespace(self.fingerprint, self.block_size, self.kv_cache_dtype,
+                                self.scheme)
+        return f"{KEY_ROOT}:prefixes:{space}:{self.salt_id}"
 
 
 def salt_id(salt_digest: bytes) -> str:

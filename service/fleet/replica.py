@@ -215,7 +215,7 @@ class Fleet:
 def namespace(state: ServiceState, salt: str | None) -> Namespace:
     """The registry namespace of requests with this cache salt on this replica."""
     engine = state.engine
-    return Namespace(engine.fingerprint, engine.config.block_size, engine.dtype,
+    return Namespace(engine.fingerprint, engine.config.block_size, engine.kv_cache_dtype,
                      salt_id(salt_digest(salt)))
 
 

@@ -231,11 +231,13 @@ def test_the_documented_flags_keep_their_spelling():
             "--max-model-len", "128", "--gpu-memory-utilization", "0.5",
             "--kv-cache-memory-bytes", "4096", "--tensor-parallel-size", "1",
             "--no-enable-prefix-caching", "--kernel-backend", "torch", "--device", "cpu",
-            "--num-threads", "2", "--seed", "7", "--schedule-conservativeness", "0.5"]
+            "--num-threads", "2", "--seed", "7", "--schedule-conservativeness", "0.5",
+            "--kv-cache-dtype", "int8"]
     assert config_from_args(engine_parser().parse_args(argv)) == EngineConfig(
         model="m", tokenizer="t", dtype="bfloat16", quantization="q4_0", block_size=32,
         max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-        gpu_memory_utilization=0.5, kv_cache_memory_bytes=4096, tensor_parallel_size=1,
+        gpu_memory_utilization=0.5, kv_cache_memory_bytes=4096, kv_cache_dtype="int8",
+        tensor_parallel_size=1,
         enable_prefix_caching=False, kernel_backend="torch", device="cpu", num_threads=2, seed=7,
         schedule_conservativeness=0.5)
     assert engine_parser().parse_args(["--enable-prefix-caching"]).enable_prefix_caching is True
@@ -247,6 +249,32 @@ def test_flags_outside_their_choices_or_type_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         engine_parser().parse_args(argv)
     assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+CACHE_DTYPE_CHOICES = r"choose one of \('auto', 'bfloat16', 'float32', 'int8'\)"
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"])
+def test_fp8_kv_caches_are_refused_with_the_choices(value):
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{value}' is not supported \(no fp8 "
+                                         rf"KV cache here.*\): {CACHE_DTYPE_CHOICES}"):
+        EngineConfig(kv_cache_dtype=value)
+
+
+@pytest.mark.parametrize("value", ["float16", "int4", "", None, 8])
+def test_other_kv_cache_dtypes_are_refused_with_the_choices(value):
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype={value!r} is not supported: "
+                                         rf"{CACHE_DTYPE_CHOICES}"):
+        EngineConfig(kv_cache_dtype=value)
+
+
+def test_the_kv_cache_dtype_flag_names_its_choices(capsys):
+    assert engine_parser().parse_args([]).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit) as exc:
+        engine_parser().parse_args(["--kv-cache-dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--kv-cache-dtype" in err
+    assert all(f"'{name}'" in err for name in ("auto", "bfloat16", "float32", "int8")), err
 
 
 def test_flag_values_go_through_the_config_checks():

@@ -98,6 +98,15 @@ def test_smollm2_fused_layers_give_the_same_numbers(smollm2_path, engine_args, m
     assert None not in bound and len({one.shape for one in bound}) == 1
 
 
+def test_int8_caches_give_the_same_numbers(smollm2_path, monkeypatch):
+    """--kv-cache-dtype int8: the op quantizes k and v into the cache as the
+    store does, and its attention reads the int8 blocks as the modules' does."""
+    _compiled_ops_or_skip()
+    llm = LLM(str(smollm2_path), dtype="bfloat16", kv_cache_dtype="int8")
+    assert llm.engine.runner.kv_cache.dtype == torch.int8
+    _same_with_and_without(llm, monkeypatch)
+
+
 def test_drafted_rows_give_the_same_numbers(smollm2_path, monkeypatch):
     """Steps whose sequences carry n-gram drafts: several rows each, attended
     by the prefill kernel inside the op, accepted or rolled back as before."""

@@ -5,7 +5,8 @@ The workload cycles six distinct 48-token prefixes (6 blocks of 8) three times
 through a device pool that holds about two of them, so each prefix has been
 evicted by the time it comes round again. Round 1 computes a prefix, round 2
 (its second sighting) stores it, round 3 finds it in the tier. Every run is
-compared token for token with the same workload and offloading off.
+compared token for token with the same workload and offloading off, with the
+same KV cache dtype (float32, or int8 rows: --kv-cache-dtype int8).
 """
 
 from __future__ import annotations
@@ -85,15 +86,20 @@ def tier_args(kind: str, tmp_path, redis_url=None) -> dict:
     return {"kv_offload_redis_url": redis_url}
 
 
-@pytest.mark.parametrize("kind", ["host", "disk", "redis"])
-def test_each_tier_gives_identical_outputs_with_hits(kind, baseline, tiny_llama_path, tmp_path,
-                                                     request):
+def empty_tier_args(kind: str, tmp_path, request) -> dict:
+    """tier_args of a tier that holds nothing yet (the module's Redis flushed)."""
     redis_url = request.getfixturevalue("redis_url") if kind == "redis" else None
     if redis_url:
         import redis
         redis.Redis.from_url(redis_url).flushall()
+    return tier_args(kind, tmp_path, redis_url)
+
+
+@pytest.mark.parametrize("kind", ["host", "disk", "redis"])
+def test_each_tier_gives_identical_outputs_with_hits(kind, baseline, tiny_llama_path, tmp_path,
+                                                     request):
     outputs, stats, offload, _ = run(tiny_llama_path, workload(),
-                                     **tier_args(kind, tmp_path, redis_url))
+                                     **empty_tier_args(kind, tmp_path, request))
     base_outputs, base_stats = baseline
     assert outputs == base_outputs
     tier = offload["tiers"][kind]
@@ -104,6 +110,41 @@ def test_each_tier_gives_identical_outputs_with_hits(kind, baseline, tiny_llama_
     saved = base_stats["prompt_tokens_computed"] - stats["prompt_tokens_computed"]
     assert saved == PREFIXES * PREFIX_TOKENS
     assert stats["prefix_cache_hits"] - base_stats["prefix_cache_hits"] == saved
+
+
+# -- an int8 KV cache (--kv-cache-dtype int8): its blocks are bytes like any other ----------
+@pytest.fixture(scope="module")
+def int8_baseline(tiny_llama_path, single_thread) -> list[list[int]]:
+    outputs, _, offload, _ = run(tiny_llama_path, workload(), kv_cache_dtype="int8")
+    assert offload is None
+    return outputs
+
+
+@pytest.mark.parametrize("kind", ["host", "disk", "redis"])
+def test_each_tier_gives_int8_blocks_back_unchanged(kind, int8_baseline, tiny_llama_path,
+                                                    tmp_path, request):
+    outputs, _, offload, _ = run(tiny_llama_path, workload(), kv_cache_dtype="int8",
+                                 **empty_tier_args(kind, tmp_path, request))
+    assert outputs == int8_baseline
+    assert offload["tiers"][kind]["hits"] == PREFIXES * (PREFIX_TOKENS // BS)
+    assert offload["blocks_load_failed"] == 0
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_a_block_of_another_cache_dtype_is_never_read(kind, int8_baseline, tiny_llama_path,
+                                                      tmp_path, request):
+    """A float32 cache's replica stores rounds 1-2 in a shared tier; an int8 one
+    serving round 3 from it finds none of those blocks (the cache dtype is in
+    their namespace) and computes what an int8 cache computes."""
+    args = empty_tier_args(kind, tmp_path, request)
+    prompts = workload()
+    run(tiny_llama_path, prompts[:2 * PREFIXES], **args)
+    outputs, _, offload, _ = run(tiny_llama_path, prompts[2 * PREFIXES:], kv_cache_dtype="int8",
+                                 **args)
+    assert outputs == int8_baseline[2 * PREFIXES:]
+    tier = offload["tiers"][kind]
+    assert tier["hits"] == 0 and tier["bad_records"] == 0  # missed, not read and refused
+    assert offload["blocks_loaded"] == 0
 
 
 def test_disk_tier_outlives_the_engine(baseline, tiny_llama_path, tmp_path):

@@ -30,6 +30,7 @@ def test_record_round_trip_and_every_check():
     assert record.decode(NS, h("a"), good[:10]) is None  # not even a header
     assert record.decode(NS, h("b"), good) is None  # another block's
     assert record.decode("model-b:16:bfloat16:h1", h("a"), good) is None  # another model's
+    assert record.decode("model-a:16:int8:h1", h("a"), good) is None  # another cache dtype's
     assert record.decode(NS, h("a"), b"XXXX" + good[4:]) is None  # not a record
     with pytest.raises(ValueError):
         record.encode(NS, b"short", payload("a"))

@@ -102,18 +102,31 @@ def test_smollm2_over_three_ranks_matches_one_rank(smollm2_path):
     assert_sharded_memory(tp1_memory, memory, 3)
 
 
-def test_offload_tier_records_hold_every_ranks_slice(tiny_llama_path, tiny_tp1):
-    # The first prompt's 10 full blocks go to the host tier (gathered from both
-    # ranks); the device cache is then dropped, so the other prompts load the
-    # shared prefix back from the tier (each rank writes its slice).
-    def drop_device_cache(llm) -> None:
-        assert wait_until(lambda: llm.engine.offload_stats()["blocks_stored"] == 10, timeout=30)
-        llm.reset_prefix_cache()
+def drop_device_cache(llm) -> None:
+    """Once the first prompt's 10 full blocks are in the host tier (gathered from
+    every rank), drop them from the device: the other prompts load the shared
+    prefix back from the tier (each rank writes its slice)."""
+    assert wait_until(lambda: llm.engine.offload_stats()["blocks_stored"] == 10, timeout=30)
+    llm.reset_prefix_cache()
 
+
+HOST_TIER = {"kv_offload_host_bytes": 4 << 20, "kv_offload_store_threshold": 1}
+
+
+def test_offload_tier_records_hold_every_ranks_slice(tiny_llama_path, tiny_tp1):
     tokens, _, offload, _ = greedy_run(tiny_llama_path, 2, between=drop_device_cache,
-                                       kv_offload_host_bytes=4 << 20,
-                                       kv_offload_store_threshold=1)
+                                       **HOST_TIER)
     assert tokens == tiny_tp1[0]
+    assert offload["blocks_loaded"] == 10
+
+
+def test_an_int8_cache_over_two_ranks_matches_one_rank(tiny_llama_path):
+    """--kv-cache-dtype int8: each rank holds its KV heads' int8 rows, and a
+    block's offload record is both ranks' slices of them."""
+    expected, _, _, _ = greedy_run(tiny_llama_path, 1, kv_cache_dtype="int8")
+    tokens, _, offload, _ = greedy_run(tiny_llama_path, 2, between=drop_device_cache,
+                                       kv_cache_dtype="int8", **HOST_TIER)
+    assert tokens == expected
     assert offload["blocks_loaded"] == 10
 
 

@@ -232,6 +232,18 @@ def build_store_inputs(case: dict, seed: int, device) -> dict:
                 slot_mapping=slots.to(device))
 
 
+def call_decode(op, x: dict, **features):
+    """A decode attention op (any backend's) on a build_decode_inputs dict."""
+    return op(x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["context_lens"],
+              x["scale"], **features)
+
+
+def call_prefill(op, x: dict, **features):
+    """A prefill attention op (any backend's) on a build_prefill_inputs dict."""
+    return op(x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu_seqlens_q"],
+              x["context_lens"], x["scale"], **features)
+
+
 def poisoned_before(x: dict, starts) -> dict:
     """x with copies of its caches in which sequence i's positions before
     starts[i] are NaN: a kernel that reads any of them outputs NaN (how the

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import kernels
-from kernel_cases import (build_decode_inputs, build_prefill_inputs, compare, feature_sets,
-                          make_paged_cache, poisoned_before, window_starts)
+from kernel_cases import (build_decode_inputs, build_prefill_inputs, call_decode, call_prefill, compare,
+                          feature_sets, make_paged_cache, poisoned_before, window_starts)
 from kernels.cpu import ops as cpu_ops
 from kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
 
@@ -30,21 +30,11 @@ SHAPES = ((64, 4, 4, 1), (128, 8, 1, 16), (64, 16, 2, 128), (64, 9, 3, 16))
 FEATURES = ("window", "cap", "both")
 
 
-def _decode(op, x, **features):
-    return op(x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["context_lens"],
-              x["scale"], **features)
-
-
-def _prefill(op, x, **features):
-    return op(x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu_seqlens_q"],
-              x["context_lens"], x["scale"], **features)
-
-
 def _check(kernel, builds, x, features, dtype, seed) -> dict:
     """Each build's op, on caches NaN before each window, against the reference
     on clean ones; {isa: output}."""
-    run, reference = {"decode": (_decode, paged_decode_attention_reference),
-                      "prefill": (_prefill, paged_prefill_attention_reference)}[kernel]
+    run, reference = {"decode": (call_decode, paged_decode_attention_reference),
+                      "prefill": (call_prefill, paged_prefill_attention_reference)}[kernel]
     expected = run(reference, x, **features)
     starts = window_starts(x, features.get("sliding_window"), prefill=kernel == "prefill")
     poisoned = poisoned_before(x, starts)
@@ -102,15 +92,15 @@ def test_long_contexts_split_with_a_window_change_no_bit(builds, window, session
 def test_the_dispatch_takes_the_compiled_op(compiled_cpu_ops, session_seed):
     x = _long_batch(session_seed, torch.float32, lengths=(70, 5, 300))
     features = {"sliding_window": 33, "logits_soft_cap": 7.5}
-    expected = _decode(compiled_cpu_ops.paged_decode_attention, x, **features)
-    assert torch.equal(_decode(kernels.paged_decode_attention, x, **features), expected)
+    expected = call_decode(compiled_cpu_ops.paged_decode_attention, x, **features)
+    assert torch.equal(call_decode(kernels.paged_decode_attention, x, **features), expected)
     cpu = kernels.get_backend("cpu")
-    assert torch.equal(_decode(cpu.paged_decode_attention, x, **features), expected)
-    assert not torch.equal(_decode(kernels.paged_decode_attention, x), expected)
+    assert torch.equal(call_decode(cpu.paged_decode_attention, x, **features), expected)
+    assert not torch.equal(call_decode(kernels.paged_decode_attention, x), expected)
     p = build_prefill_inputs({"shape": [64, 8, 2, 16], "dtype": "float32"}, session_seed, "cpu")
-    expected = _prefill(compiled_cpu_ops.paged_prefill_attention, p, **features)
-    assert torch.equal(_prefill(kernels.paged_prefill_attention, p, **features), expected)
-    assert torch.equal(_prefill(cpu.paged_prefill_attention, p, **features), expected)
+    expected = call_prefill(compiled_cpu_ops.paged_prefill_attention, p, **features)
+    assert torch.equal(call_prefill(kernels.paged_prefill_attention, p, **features), expected)
+    assert torch.equal(call_prefill(cpu.paged_prefill_attention, p, **features), expected)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -118,13 +108,13 @@ def test_without_the_compiled_op_the_reference_serves(dtype, session_seed, monke
     monkeypatch.setenv(cpu_ops.ENV_VAR, "off")
     features = {"sliding_window": 20, "logits_soft_cap": 3.0}
     x = build_decode_inputs({"shape": [64, 8, 2, 16], "dtype": dtype}, session_seed, "cpu")
-    assert torch.equal(_decode(kernels.paged_decode_attention, x, **features),
-                       _decode(paged_decode_attention_reference, x, **features))
+    assert torch.equal(call_decode(kernels.paged_decode_attention, x, **features),
+                       call_decode(paged_decode_attention_reference, x, **features))
     p = build_prefill_inputs({"shape": [64, 8, 2, 16], "dtype": dtype}, session_seed, "cpu")
     expected = paged_prefill_attention_reference(
         p["query"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_seqlens_q"],
         p["context_lens"], p["scale"], compute_dtype=p["k_cache"].dtype, **features)
-    assert torch.equal(_prefill(kernels.paged_prefill_attention, p, **features), expected)
+    assert torch.equal(call_prefill(kernels.paged_prefill_attention, p, **features), expected)
 
 
 @pytest.mark.parametrize("features", [{"sliding_window": 0}, {"sliding_window": -3},
@@ -132,4 +122,4 @@ def test_without_the_compiled_op_the_reference_serves(dtype, session_seed, monke
 def test_a_window_or_cap_that_is_not_positive_is_a_value_error(features):
     x = _long_batch(0, torch.float32, lengths=(5,))
     with pytest.raises(ValueError, match="must be"):
-        _decode(kernels.paged_decode_attention, x, **features)
+        call_decode(kernels.paged_decode_attention, x, **features)

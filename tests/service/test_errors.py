@@ -19,6 +19,7 @@ import re
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from live_server import LiveServer, is_error_event, run_server, tiny_config, wait_until
 
@@ -41,10 +42,11 @@ def keyed_server(tiny_llama_path):
 
 @pytest.fixture(scope="module")
 def shared_server(tiny_llama_path):
-    """Two API keys sharing one prefix cache, with /health and /metrics behind a key."""
+    """Two API keys sharing one prefix cache, with /health and /metrics behind a
+    key; its KV cache is int8 (the prefix cache test below runs on it)."""
     config = tiny_config(
-        tiny_llama_path, api_keys=KEYS, share_prefix_cache_across_keys=True,
-        protect_health_and_metrics=True,
+        tiny_llama_path, engine={"kv_cache_dtype": "int8"}, api_keys=KEYS,
+        share_prefix_cache_across_keys=True, protect_health_and_metrics=True,
     )
     with run_server(config) as live:
         yield live
@@ -318,10 +320,21 @@ def test_both_keys_work(keyed_server):
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
 
 
+def cache_config(text: str) -> tuple[dict, float]:
+    """/metrics' cache_config_info labels and kv_cache_capacity_tokens."""
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    [info] = families["pagedserve:cache_config_info"].samples
+    [capacity] = families["pagedserve:kv_cache_capacity_tokens"].samples
+    return info.labels, capacity.value
+
+
 def test_health_and_metrics_open_by_default(keyed_server):
     assert httpx.get(keyed_server.url + "/health", timeout=30).status_code == 200
     metrics = httpx.get(keyed_server.url + "/metrics", timeout=30)
     assert metrics.status_code == 200 and "pagedserve:kv_blocks_total" in metrics.text
+    labels, capacity = cache_config(metrics.text)
+    assert labels["cache_dtype"] == "float32" and labels["block_size"] == "16"
+    assert capacity == (int(labels["num_gpu_blocks"]) - 1) * 16  # all but the null block
     # ... but a wrong key on them is not an error either: they simply do not look.
     assert httpx.get(keyed_server.url + "/health", headers=bearer("nope"),
                      timeout=30).status_code == 200
@@ -336,6 +349,10 @@ def test_health_and_metrics_protected_when_configured(shared_server):
         for key in KEYS:
             assert httpx.get(shared_server.url + path, headers=bearer(key),
                              timeout=30).status_code == 200
+    metrics = httpx.get(shared_server.url + "/metrics", headers=bearer(KEYS[0]), timeout=30)
+    labels, capacity = cache_config(metrics.text)
+    # The same 64 MiB as keyed_server's float32 cache: 3.56x the tokens at head_dim 16.
+    assert labels["cache_dtype"] == "int8" and capacity > 3.5 * 64 * 2**20 / (2 * 2 * 2 * 16 * 4)
     # The API itself still needs a key too.
     assert_error(httpx.post(shared_server.url + CHAT, json={"messages": HELLO}, timeout=30), 401)
 

@@ -41,12 +41,14 @@ def build_tiers(config: EngineConfig, namespace: str, payload_bytes: int,
 
 
 def build_offload(config: EngineConfig, block_manager: BlockManager, io: BlockIO, *,
-                  fingerprint: bytes, dtype: str, payload_bytes: int,
+                  fingerprint: bytes, kv_cache_dtype: str, payload_bytes: int,
                   pin_memory: bool = False) -> KVOffload | None:
-    """The offload manager over the configured tiers, or None when there are none."""
+    """The offload manager over the configured tiers, or None when there are none.
+    `kv_cache_dtype` names the cache's dtype ("int8"): in every record's namespace,
+    so a replica never loads a block of another layout."""
     if not config.kv_offload_enabled:
         return None
-    namespace = cache_namespace(fingerprint, config.block_size, dtype)
+    namespace = cache_namespace(fingerprint, config.block_size, kv_cache_dtype)
     tiers = build_tiers(config, namespace, payload_bytes, pin_memory)
     # Loads may hold what one longest sequence leaves free: whoever is ready first fits.
     longest = block_manager.blocks_for(config.max_model_len)

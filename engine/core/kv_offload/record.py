@@ -13,8 +13,10 @@ TTFT of one 0.5-2 MB unit).
     40      8     payload length in bytes
     48      4     CRC-32 of the payload
     52      4     reserved (0)
-    56      n     namespace (utf-8): model fingerprint, block size, dtype, hash scheme
-    56+n    ...   payload: [2 (K, V), layers, block_size, kv_heads, head_dim] in the KV dtype
+    56      n     namespace (utf-8): model fingerprint, block size, KV cache dtype, hash scheme
+    56+n    ...   payload: [2 (K, V), layers, block_size, kv_heads, head_dim] in the KV
+                  cache's dtype (int8: rows of head_dim codes + an fp16 scale,
+                  kernels/kv_quant.py)
 
 `decode` returns the payload only when the magic, version, namespace, hash,
 length and checksum all agree; anything else (a corrupt or truncated file, a

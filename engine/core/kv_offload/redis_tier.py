@@ -2,7 +2,7 @@
 
     pagedserve:kv:<namespace>:<block hash hex>   STRING  the record (record.py), EX ttl
 
-The namespace (model fingerprint, block size, dtype, hash scheme) is in the
+The namespace (model fingerprint, block size, KV cache dtype, hash scheme) is in the
 key, so replicas of different models share one Redis without ever reading
 each other's blocks; the record's own checks catch anything else.
 

@@ -154,12 +154,13 @@ class StepArgs:
 
 def step_args(rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata) -> StepArgs | None:
     """The step's shared arguments, or None where this step cannot take the op
-    (then every layer runs its modules): bf16 rows on the CPU, RoPE tables and
-    caches of that dtype, int64 slots."""
+    (then every layer runs its modules): bf16 rows on the CPU, RoPE tables of
+    that dtype, caches of that dtype or int8 (kernels/kv_quant.py), int64 slots."""
     cos, sin = rope_tables
+    cache_dtype = kv_cache[0][0].dtype
     if not (hidden.dtype == torch.bfloat16 and hidden.is_cpu and hidden.dim() == 2
-            and hidden.is_contiguous() and hidden.shape[0] > 0
-            and cos.dtype == kv_cache[0][0].dtype == kv_cache[1][0].dtype == hidden.dtype
+            and hidden.is_contiguous() and hidden.shape[0] > 0 and cos.dtype == hidden.dtype
+            and cache_dtype in (hidden.dtype, torch.int8) and kv_cache[1][0].dtype == cache_dtype
             and cos.is_contiguous() and sin.is_contiguous()
             and meta.slot_mapping.dtype == torch.int64):
         return None

@@ -49,15 +49,24 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 //
 //   block 7:  token 0 [h0 h1 h2] token 1 [h0 h1 h2] ... token 15 [h0 h1 h2]
 //             <- slot_stride ->
+//
+// A head's row is head_dim elements, or in an int8 cache (q8_t) head_dim
+// codes and the row's 2-byte scale: `row` elements apart.
 template <typename T>
 struct KvView {
   const T* k;
   const T* v;
   const int32_t* table;  // this sequence's block table row
   int64_t block_size;
-  int64_t slot_stride;   // kv_heads * head_dim
-  int head0, heads, head_dim;
+  int64_t slot_stride;   // kv_heads * row
+  int head0, heads, head_dim, row;
 };
+
+// Elements one (token, kv head) row of a cache of type C takes.
+template <typename C>
+constexpr int row_elements(int head_dim) {
+  return is_q8<C> ? head_dim + kQ8ScaleBytes : head_dim;
+}
 
 // The next tile's K and V, fetched a cache line at a time while this tile
 // computes.  Its blocks sit where no hardware prefetcher can guess, and a
@@ -74,7 +83,7 @@ struct Prefetcher {
 
   template <typename T>
   void reset(const KvView<T>& kv, const int64_t* slots, int n) {
-    bytes = int64_t(sizeof(T)) * kv.heads * kv.head_dim;
+    bytes = int64_t(sizeof(T)) * kv.heads * kv.row;
     count = next = 0;
     offset = 0;
     for (int i = 0; i < n; ++i) {
@@ -122,7 +131,7 @@ struct Scratch {
       : q(size_t(max_rows) * head_dim), kf(convert ? size_t(kTile) * head_dim : 0),
         vf(convert ? size_t(kTile) * head_dim : 0), scores(size_t(max_rows) * kTile), part_m(max_rows),
         part_l(max_rows), part_acc(size_t(max_rows) * head_dim), tot_m(max_rows), tot_l(max_rows),
-        tot_acc(size_t(max_rows) * head_dim), zero_f(head_dim, 0.0f), zero_t(head_dim, T{}),
+        tot_acc(size_t(max_rows) * head_dim), zero_f(head_dim, 0.0f), zero_t(row_elements<T>(head_dim), T{}),
         visible(max_rows), lo(max_rows) {}
   Buffer<QT> q;                      // rows x head_dim, loader layout when QT is float
   Buffer<float> kf, vf;              // one head's tile of K / V converted to fp32
@@ -141,7 +150,7 @@ struct Scratch {
 template <typename T>
 void tile_slots(const KvView<T>& kv, int64_t t0, int n, int64_t* out) {
   int64_t block = t0 / kv.block_size, row = t0 % kv.block_size;
-  const int64_t head = int64_t(kv.head0) * kv.head_dim;
+  const int64_t head = int64_t(kv.head0) * kv.row;
   for (int i = 0; i < n; ++i) {
     out[i] = (int64_t(kv.table[block]) * kv.block_size + row) * kv.slot_stride + head;
     if (++row == kv.block_size) {
@@ -151,6 +160,21 @@ void tile_slots(const KvView<T>& kv, int64_t t0, int n, int64_t* out) {
   }
 }
 
+// An int8 cache row's codes as fp32, unscaled, in the query type L's loader
+// layout (the layout the query, the accumulators and the output share); the
+// row's scale is applied to its score (K) and its weight (V) instead, one
+// multiply a token rather than one an element.
+namespace vec {
+template <typename L>
+inline void load_pair(const q8_t<L>* p, F& a, F& b) {
+  if constexpr (std::is_same_v<L, bf16_t>) {
+    load_pair_i8_bf16(&p->bits, a, b);
+  } else {
+    load_pair_i8(&p->bits, a, b);
+  }
+}
+}  // namespace vec
+
 // Row (raw cache type) -> fp32 in the loader layout.
 template <typename T>
 inline void convert_row(const T* src, float* dst, int head_dim) {
@@ -159,6 +183,14 @@ inline void convert_row(const T* src, float* dst, int head_dim) {
     vec::load_pair(src + d, a, b);
     vec::store_pair(dst + d, a, b);
   }
+}
+
+// The scale stored after an int8 row's head_dim codes (kernels/kv_quant.py).
+template <typename L>
+inline float row_scale(const q8_t<L>* row, int head_dim) {
+  uint16_t bits;
+  std::memcpy(&bits, &row[head_dim].bits, sizeof(bits));
+  return fp16_to_float(bits);
 }
 
 // Eight dot products q . k[t]; fp32 accumulation in the loader layout.
@@ -188,9 +220,13 @@ inline void dot8(const bf16_t* q, const bf16_t* const* k, int head_dim, float* o
 
 // Scores of one row over a tile, in the log2 domain; tokens it may not see
 // (past its causal position or the tile's end) are -inf.
+// `ks`: each token's K scale (an int8 cache's rows; nullptr for any other).
 template <typename QT, typename KT>
-void score_row(const QT* q, const KT* const* k, int visible, int head_dim, float scale2, float* s) {
+void score_row(const QT* q, const KT* const* k, int visible, int head_dim, float scale2, float* s,
+               const float* ks) {
   for (int g = 0; g < visible; g += 8) dot8(q, k + g, head_dim, s + g);
+  if (ks != nullptr)  // the whole tile: lanes from `visible` on become -inf below
+    for (int i = 0; i < kTile; i += vec::W) vec::store(s + i, vec::mul(vec::load(s + i), vec::load(ks + i)));
   for (int i = 0; i < kTile; ++i) s[i] = i < visible ? s[i] * scale2 : kNegInf;
 }
 
@@ -222,8 +258,10 @@ inline vec::F tanh_rational(vec::F x) {
 // multiplied at all.
 template <typename QT, typename KT>
 void score_row_features(const QT* q, const KT* const* k, int lo, int visible, int head_dim,
-                        float scale2, float cap_scale, float cap2, float* s) {
+                        float scale2, float cap_scale, float cap2, float* s, const float* ks) {
   for (int g = lo & ~7; g < visible; g += 8) dot8(q, k + g, head_dim, s + g);
+  if (ks != nullptr)
+    for (int i = lo; i < visible; ++i) s[i] *= ks[i];
   if (cap2 > 0.0f) {  // the whole tile: lanes outside [lo, visible) are masked below
     const vec::F c2 = vec::set1(cap2), cs = vec::set1(cap_scale);
     for (int i = 0; i < kTile; i += vec::W)

@@ -34,9 +34,11 @@ struct Tile {
 // either way the arithmetic is the same, only where the conversion happens moves.
 // Rows that see nothing of the tile are skipped (a row's first tile with a
 // window is the one holding lo[r]), so the softmax never meets an all -inf row.
+// ks / vs: an int8 cache's per-token K and V scales (nullptr otherwise):
+// folded into the scores before the softmax and into the weights after it.
 template <typename T, typename QT, typename KT, typename VT>
 void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k,
-               const VT* const* v, const Tile& t) {
+               const VT* const* v, const Tile& t, const float* ks = nullptr, const float* vs = nullptr) {
   const int head_dim = w.kv.head_dim;
   const size_t base = size_t(head) * w.rows;
   const bool plain = w.lo == nullptr && w.cap2 == 0.0f;
@@ -45,16 +47,50 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
     float* scores = &s.scores[(base + r) * kTile];
     const QT* q = &s.q[(base + r) * head_dim];
     if (plain) {
-      score_row(q, k, n_for(r), head_dim, w.scale2, scores);
+      score_row(q, k, n_for(r), head_dim, w.scale2, scores, ks);
     } else {
       const int lo = w.lo ? int(std::max<int64_t>(0, w.lo[r] - t.t0)) : 0;
-      score_row_features(q, k, lo, n_for(r), head_dim, w.scale2, w.cap_scale, w.cap2, scores);
+      score_row_features(q, k, lo, n_for(r), head_dim, w.scale2, w.cap_scale, w.cap2, scores, ks);
     }
     softmax_row(scores, s.part_m[base + r], s.part_l[base + r], &s.part_acc[(base + r) * head_dim],
                 head_dim);
+    if (vs != nullptr)  // the sum above took the weights as they are; P.V takes them times V's scales
+      for (int i = 0; i < kTile; i += vec::W)
+        vec::store(scores + i, vec::mul(vec::load(scores + i), vec::load(vs + i)));
   }
   pv_tile(&s.scores[base * kTile], v, t.first, t.last, n_for, &s.part_acc[base * head_dim], head_dim,
           s.ahead);
+}
+
+// One head of an int8 tile: K's codes converted to fp32 once (many query
+// rows read them), V's read in place by P.V (each code is loaded once per
+// block of rows anyway), and every token's two scales set aside for
+// tile_step to fold in.  Tokens before t.begin and past the tile's end get
+// zero rows and zero scales.
+template <typename L, typename QT>
+void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, const int64_t* slots,
+                 const Tile& t) {
+  static_assert(std::is_same_v<QT, float>, "int8 K converts for an fp32 Q.K");
+  const int head_dim = w.kv.head_dim;
+  const int64_t offset = int64_t(head) * w.kv.row;
+  const float* kf[kTile];
+  const q8_t<L>* vp[kTile];
+  alignas(64) float ks[kTile], vs[kTile];
+  for (int i = 0; i < kTile; ++i) {
+    if (i >= t.begin && i < t.n) continue;
+    kf[i] = s.zero_f.data();
+    vp[i] = s.zero_t.data();
+    ks[i] = vs[i] = 0.0f;
+  }
+  for (int i = t.begin; i < t.n; ++i) {
+    const q8_t<L>* k = w.kv.k + slots[i] + offset;
+    vp[i] = w.kv.v + slots[i] + offset;
+    ks[i] = row_scale(k, head_dim);
+    vs[i] = row_scale(vp[i], head_dim);
+    kf[i] = &s.kf[size_t(i) * head_dim];
+    convert_row(k, &s.kf[size_t(i) * head_dim], head_dim);
+  }
+  tile_step<q8_t<L>, QT, float, q8_t<L>>(s, w, head, kf, vp, t, ks, vs);
 }
 
 // One head of one tile.  Picks where K/V get converted to fp32: a few rows
@@ -66,8 +102,12 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
 template <typename T, typename QT>
 void run_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t* slots, const Tile& t,
               bool convert) {
+  if constexpr (is_q8<T>) {
+    run_q8_tile(s, w, head, slots, t);
+    return;
+  }
   const int head_dim = w.kv.head_dim, n = t.n;
-  const int64_t offset = int64_t(head) * head_dim;
+  const int64_t offset = int64_t(head) * w.kv.row;
   const T* kp[kTile];
   const T* vp[kTile];
   for (int i = 0; i < t.begin; ++i) kp[i] = vp[i] = s.zero_t.data();

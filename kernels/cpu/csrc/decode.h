@@ -75,8 +75,9 @@ struct DecodeArgs : OpArgs<T> {
 };
 
 // Rows are the query heads, in order: head h reads kv head h / group.
-template <typename T, typename QT>
-void decode_item(Scratch<T, QT>& s, const DecodeArgs<T>& a, const DecodeItem& it) {
+// T: the query and output type; C: the cache's (T, or q8_t<T> for int8).
+template <typename T, typename C, typename QT>
+void decode_item(Scratch<C, QT>& s, const DecodeArgs<T>& a, const DecodeItem& it) {
   const int heads = int(a.l.heads), head_dim = int(a.l.head_dim);
   const T* query = a.query + it.seq * heads * head_dim;
   for (int h = 0; h < heads; ++h) prepare_query(query + h * head_dim, head_dim, &s.q[size_t(h) * head_dim]);
@@ -84,7 +85,7 @@ void decode_item(Scratch<T, QT>& s, const DecodeArgs<T>& a, const DecodeItem& it
     s.visible[g] = a.lens[it.seq];
     s.lo[g] = window_lo(a.lens[it.seq], a.window);
   }
-  const Work<T> w = make_work(a, kv_view<T>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, 0,
+  const Work<C> w = make_work(a, kv_view<C>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, 0,
                                             int(a.l.kv_heads)),
                               int(a.l.group), s.visible.data(), s.lo.data());
   attend(s, w, it.begin, it.end, a.convert);
@@ -103,8 +104,8 @@ void decode_item(Scratch<T, QT>& s, const DecodeArgs<T>& a, const DecodeItem& it
 }
 
 // Fold a split sequence's partitions in order (as attend() folds them) and write its rows.
-template <typename T, typename QT>
-void merge_partials(Scratch<T, QT>& s, const DecodeArgs<T>& a, const DecodePlan& plan, int64_t seq) {
+template <typename T, typename C, typename QT>
+void merge_partials(Scratch<C, QT>& s, const DecodeArgs<T>& a, const DecodePlan& plan, int64_t seq) {
   const int heads = int(a.l.heads), head_dim = int(a.l.head_dim);
   reset_rows(s.tot_m.data(), s.tot_l.data(), s.tot_acc.data(), heads, head_dim);
   for (int64_t p = 0; p < plan.parts[seq]; ++p) {
@@ -119,11 +120,11 @@ void merge_partials(Scratch<T, QT>& s, const DecodeArgs<T>& a, const DecodePlan&
     finish_row(&s.tot_acc[size_t(h) * head_dim], s.tot_l[h], head_dim, out + h * head_dim);
 }
 
-template <typename T>
+template <typename T, typename C>
 void decode_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
                   double scale, const Features& f, at::Tensor& out) {
-  using QT = QueryOf<T>;
+  using QT = QueryFor<T, C>;
   const DecodePlan plan =
       plan_decode(lens.data_ptr<int32_t>(), query.size(0), at::get_num_threads(), f.window);
   at::Tensor part_ml, part_acc;  // only where the plan split a sequence
@@ -136,14 +137,16 @@ void decode_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_c
   }
   const DecodeArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
                          k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                         float(scale) * kLog2e, !std::is_same_v<T, float> && l.group > kRowBlock,
+                         float(scale) * kLog2e,
+                         is_q8<C> || (!std::is_same_v<T, float> && l.group > kRowBlock),
                          f.window, f.cap_scale, f.cap2},
                         ml, acc};
-  auto make = [&] { return Scratch<T, QT>(int(l.heads), int(l.head_dim), a.convert); };
+  auto make = [&] { return Scratch<C, QT>(int(l.heads), int(l.head_dim), a.convert); };
   run_items(int64_t(plan.items.size()), make,
-            [&](Scratch<T, QT>& s, int64_t i) { decode_item(s, a, plan.items[i]); });
-  run_items(int64_t(plan.split_seqs.size()), make,
-            [&](Scratch<T, QT>& s, int64_t i) { merge_partials(s, a, plan, plan.split_seqs[i]); });
+            [&](Scratch<C, QT>& s, int64_t i) { decode_item<T, C, QT>(s, a, plan.items[i]); });
+  run_items(int64_t(plan.split_seqs.size()), make, [&](Scratch<C, QT>& s, int64_t i) {
+    merge_partials<T, C, QT>(s, a, plan, plan.split_seqs[i]);
+  });
 }
 
 inline at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
@@ -157,8 +160,9 @@ inline at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tens
                     "paged_decode_attention: one context_len and one block table row per query");
   check_tables(l, block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), seqs);
   at::Tensor out = at::empty_like(query);
-  dispatch_dtype(query.scalar_type(), [&](auto tag) {
-    decode_typed<decltype(tag)>(l, query, k_cache, v_cache, block_tables, context_lens, scale, f, out);
+  dispatch_cache(query.scalar_type(), k_cache.scalar_type(), [&](auto query_tag, auto cache_tag) {
+    decode_typed<decltype(query_tag), decltype(cache_tag)>(l, query, k_cache, v_cache, block_tables,
+                                                           context_lens, scale, f, out);
   });
   return out;
 }

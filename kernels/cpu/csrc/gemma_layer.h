@@ -78,7 +78,7 @@ inline std::tuple<at::Tensor, at::Tensor> gemma_layer(
     const at::Tensor& prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
     double scale, int64_t sliding_window, double logits_soft_cap) {
   layer_parts::check_step("gemma_layer", hidden, num_decode_tokens);
-  const int64_t tokens = hidden.size(0), head_dim = k_cache.size(-1);
+  const int64_t tokens = hidden.size(0), head_dim = kv_store::head_dim_of(k_cache);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const bool first = !(residual.has_value() && residual->defined());
   const at::Tensor stream = first ? hidden : *residual;

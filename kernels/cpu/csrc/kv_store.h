@@ -13,7 +13,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+
+#include "ops_common.h"
 
 namespace pagedserve {
 namespace kv_store {
@@ -25,15 +31,25 @@ inline void check_rows(const at::Tensor& rows, const char* name) {
 }
 
 // The K and V caches as `rows` writes them: contiguous, one shape, heads and
-// head_dim as given, of the rows' dtype (`dtype_name` says which in the message).
-inline void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kv_heads,
+// head_dim as given, of the rows' dtype (`dtype_name` says which in the
+// message), or int8 caches whose rows are head_dim codes and a 2-byte scale
+// (kernels/kv_quant.py).  Returns whether they are int8.
+inline bool check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kv_heads,
                          int64_t head_dim, at::ScalarType dtype, const char* dtype_name, const char* op) {
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  const int64_t row = q8 ? head_dim + kQ8ScaleBytes : head_dim;
   for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(2) == kv_heads && c->size(3) == head_dim &&
-                    c->sizes() == k_cache.sizes() && c->scalar_type() == dtype,
-                op, ": the K and V caches must be contiguous ", dtype_name, " tensors of one shape; a cache "
-                "must be [blocks, block_size, kv_heads, head_dim] with the rows' kv_heads (", kv_heads,
-                ") and head_dim (", head_dim, ")");
+    TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(2) == kv_heads && c->size(3) == row &&
+                    c->sizes() == k_cache.sizes() && c->scalar_type() == (q8 ? at::kChar : dtype),
+                op, ": the K and V caches must be contiguous ", dtype_name, " (or int8) tensors of one shape; a "
+                "cache must be [blocks, block_size, kv_heads, head_dim] (int8: head_dim + 2) with the rows' "
+                "kv_heads (", kv_heads, ") and head_dim (", head_dim, ")");
+  return q8;
+}
+
+// The head_dim a cache serves: its rows' length, less an int8 row's scale.
+inline int64_t head_dim_of(const at::Tensor& cache) {
+  return cache.scalar_type() == at::kChar ? cache.size(-1) - kQ8ScaleBytes : cache.size(-1);
 }
 
 // slot_mapping is a contiguous int64 [tokens] tensor and every slot is -1 (not
@@ -63,6 +79,41 @@ inline void rows(const char* kp, int64_t k_stride, const char* vp, int64_t v_str
   });
 }
 
+// One row of values -> head_dim int8 codes and the fp16 scale after them, as
+// kernels/kv_quant.py quantize_rows: s = fp16(max|x| / 127), c = round(x / s)
+// (half to even, fp32 division), clamped to +-127; a zero row is all zeros.
+template <typename T>
+inline void quantize_row(const T* x, int64_t head_dim, int8_t* out) {
+  float absmax = 0.0f;
+  for (int64_t d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::fabs(to_float(x[d])));
+  const c10::Half half(std::min(absmax / 127.0f, 65504.0f));
+  const float scale = float(half);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float c = scale > 0.0f ? std::nearbyint(to_float(x[d]) / scale) : 0.0f;
+    out[d] = int8_t(std::min(127.0f, std::max(-127.0f, c)));
+  }
+  std::memcpy(out + head_dim, &half.x, kQ8ScaleBytes);
+}
+
+// rows() for an int8 cache: every head of token t's K and V rows (`heads`
+// rows of head_dim values, k_stride / v_stride elements from one token to
+// the next) quantized into slot slot[t].  A step's new tokens only: a
+// decode step quantizes one row per head, nothing next to its attention.
+template <typename T>
+inline void quantized_rows(const T* kp, int64_t k_stride, const T* vp, int64_t v_stride, int8_t* kc,
+                           int8_t* vc, const int64_t* slot, int64_t tokens, int64_t heads, int64_t head_dim) {
+  const int64_t row = head_dim + kQ8ScaleBytes;
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slot[t] < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        quantize_row(kp + t * k_stride + h * head_dim, head_dim, kc + (slot[t] * heads + h) * row);
+        quantize_row(vp + t * v_stride + h * head_dim, head_dim, vc + (slot[t] * heads + h) * row);
+      }
+    }
+  });
+}
+
 }  // namespace kv_store
 
 inline void store_kvcache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
@@ -71,11 +122,21 @@ inline void store_kvcache(const at::Tensor& key, const at::Tensor& value, const 
   kv_store::check_rows(value, "value");
   TORCH_CHECK(value.sizes() == key.sizes() && value.scalar_type() == key.scalar_type(),
               "store_kvcache: key and value must match in shape and dtype");
-  kv_store::check_caches(k_cache, v_cache, key.size(1), key.size(2), key.scalar_type(),
-                         c10::toString(key.scalar_type()), "store_kvcache");
+  const bool q8 = kv_store::check_caches(k_cache, v_cache, key.size(1), key.size(2), key.scalar_type(),
+                                         c10::toString(key.scalar_type()), "store_kvcache");
   const int64_t tokens = key.size(0);
   const int64_t* slot =
       kv_store::checked_slots(slot_mapping, tokens, k_cache.size(0) * k_cache.size(1), "store_kvcache");
+  if (q8) {
+    dispatch_dtype(key.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      kv_store::quantized_rows(static_cast<const T*>(key.data_ptr()), key.stride(0),
+                               static_cast<const T*>(value.data_ptr()), value.stride(0),
+                               k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), slot, tokens,
+                               key.size(1), key.size(2));
+    });
+    return;
+  }
   kv_store::rows(static_cast<const char*>(key.data_ptr()), key.stride(0) * key.element_size(),
                  static_cast<const char*>(value.data_ptr()), value.stride(0) * value.element_size(),
                  static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()), slot, tokens,

@@ -34,9 +34,10 @@ inline Layer check_inputs(const at::Tensor& query, const at::Tensor& k_cache,
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "paged attention (cpu): query [tokens, heads, head_dim], caches "
               "[num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged attention (cpu): query and caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (query.scalar_type() == k_cache.scalar_type() || k_cache.scalar_type() == at::kChar),
+              "paged attention (cpu): the caches must have the query's dtype, or be int8 "
+              "(codes and scales: kernels/kv_quant.py)");
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged attention (cpu): query and caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
@@ -47,7 +48,9 @@ inline Layer check_inputs(const at::Tensor& query, const at::Tensor& k_cache,
           block_tables.size(1)};
   TORCH_CHECK_VALUE(l.kv_heads > 0 && l.heads % l.kv_heads == 0, "num_heads (", l.heads,
                     ") must be a multiple of num_kv_heads (", l.kv_heads, ")");
-  TORCH_CHECK(k_cache.size(3) == l.head_dim, "paged attention (cpu): head_dim mismatch");
+  const int64_t row = k_cache.scalar_type() == at::kChar ? l.head_dim + kQ8ScaleBytes : l.head_dim;
+  TORCH_CHECK(k_cache.size(3) == row, "paged attention (cpu): the caches' rows must be ", row,
+              " elements (head_dim ", l.head_dim, k_cache.scalar_type() == at::kChar ? " + its scale)" : ")");
   TORCH_CHECK(l.head_dim % kPair == 0, "paged attention (cpu): head_dim ", l.head_dim,
               " is not a multiple of ", kPair, " in this build");
   l.group = l.heads / l.kv_heads;
@@ -90,8 +93,8 @@ inline int64_t window_lo(int64_t visible, int64_t window) {
 
 // One item's Work: its K/V and rows, with the op call's scale and features
 // (`lo`, each row's window start, only where there is a window).
-template <typename T>
-Work<T> make_work(const OpArgs<T>& a, const KvView<T>& kv, int rows, const int64_t* visible,
+template <typename T, typename C>
+Work<C> make_work(const OpArgs<T>& a, const KvView<C>& kv, int rows, const int64_t* visible,
                   const int64_t* lo) {
   return {kv, rows, visible, a.scale2, a.window > 0 ? lo : nullptr, a.cap_scale, a.cap2};
 }
@@ -120,13 +123,18 @@ void run_items(int64_t count, const Make& make, const Run& run) {
   });
 }
 
-template <typename T>
-KvView<T> kv_view(const Layer& l, const at::Tensor& k_cache, const at::Tensor& v_cache,
+template <typename C>
+KvView<C> kv_view(const Layer& l, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const int32_t* tables, int64_t seq, int head0, int heads) {
-  return {static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()),
-          tables + seq * l.max_blocks, l.block_size, l.kv_heads * l.head_dim, head0, heads,
-          int(l.head_dim)};
+  const int row = row_elements<C>(int(l.head_dim));
+  return {static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
+          tables + seq * l.max_blocks, l.block_size, l.kv_heads * row, head0, heads,
+          int(l.head_dim), row};
 }
+
+// What Q.K multiplies: fp32 for an int8 cache (its rows convert), else QueryOf.
+template <typename T, typename C>
+using QueryFor = std::conditional_t<is_q8<C>, float, QueryOf<T>>;
 
 template <typename F>
 void dispatch_dtype(at::ScalarType dtype, const F& f) {
@@ -136,6 +144,19 @@ void dispatch_dtype(at::ScalarType dtype, const F& f) {
     case at::kHalf: f(fp16_t{}); break;
     default: TORCH_CHECK_VALUE(false, "paged attention (cpu): unsupported dtype ", dtype);
   }
+}
+
+// The query type T and the cache type C: T itself, or q8_t<T> for an int8 cache.
+template <typename F>
+void dispatch_cache(at::ScalarType query, at::ScalarType cache, const F& f) {
+  dispatch_dtype(query, [&](auto tag) {
+    using T = decltype(tag);
+    if (cache == at::kChar) {
+      f(tag, q8_t<T>{});
+    } else {
+      f(tag, tag);
+    }
+  });
 }
 
 }  // namespace pagedserve

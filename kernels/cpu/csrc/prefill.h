@@ -54,8 +54,8 @@ inline std::vector<PrefillItem> plan_prefill(const Layer& l, const int32_t* cu, 
   return items;
 }
 
-template <typename T, typename QT>
-void prefill_item(Scratch<T, QT>& s, const PrefillArgs<T>& a, const PrefillItem& it) {
+template <typename T, typename C, typename QT>
+void prefill_item(Scratch<C, QT>& s, const PrefillArgs<T>& a, const PrefillItem& it) {
   const int group = int(a.l.group), head_dim = int(a.l.head_dim);
   const int64_t nq = a.cu[it.seq + 1] - a.cu[it.seq], len = a.lens[it.seq];
   const int rows = int(it.j1 - it.j0) * group;
@@ -68,7 +68,7 @@ void prefill_item(Scratch<T, QT>& s, const PrefillArgs<T>& a, const PrefillItem&
       s.lo[r] = window_lo(s.visible[r], a.window);
     }
   }
-  const Work<T> w = make_work(a, kv_view<T>(a.l, a.k_cache, a.v_cache, a.tables, it.seq,
+  const Work<C> w = make_work(a, kv_view<C>(a.l, a.k_cache, a.v_cache, a.tables, it.seq,
                                             int(it.head), 1),
                               rows, s.visible.data(), s.lo.data());
   attend(s, w, s.lo[0] / kTile * kTile, s.visible[rows - 1], a.convert);
@@ -99,23 +99,23 @@ inline void check_prefill(const at::Tensor& query, const at::Tensor& cu_t, const
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& cu,
                    const at::Tensor& lens, double scale, const Features& f, at::Tensor& out) {
-  using QT = QueryOf<T>;
+  using QT = QueryFor<T, C>;
   const int64_t tokens_per_item = std::max<int64_t>(1, kPrefillRows / l.group);
   const std::vector<PrefillItem> items = plan_prefill(
       l, cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.numel(), tokens_per_item, f.window);
   const PrefillArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
                           k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                           float(scale) * kLog2e,
-                          !std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock,
+                          is_q8<C> || (!std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock),
                           f.window, f.cap_scale, f.cap2},
                          cu.data_ptr<int32_t>()};
-  auto make = [&] { return Scratch<T, QT>(int(tokens_per_item * l.group), int(l.head_dim), a.convert); };
+  auto make = [&] { return Scratch<C, QT>(int(tokens_per_item * l.group), int(l.head_dim), a.convert); };
   run_items(int64_t(items.size()), make,
-            [&](Scratch<T, QT>& s, int64_t i) { prefill_item(s, a, items[i]); });
+            [&](Scratch<C, QT>& s, int64_t i) { prefill_item<T, C, QT>(s, a, items[i]); });
 }
 
 inline at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
@@ -132,9 +132,9 @@ inline at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Ten
   // Rows outside every sequence's range stay zero, as in the reference.
   const bool covered = cu[0] == 0 && cu[seqs] == query.size(0);
   at::Tensor out = covered ? at::empty_like(query) : at::zeros_like(query);
-  dispatch_dtype(query.scalar_type(), [&](auto tag) {
-    prefill_typed<decltype(tag)>(l, query, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                 context_lens, scale, f, out);
+  dispatch_cache(query.scalar_type(), k_cache.scalar_type(), [&](auto query_tag, auto cache_tag) {
+    prefill_typed<decltype(query_tag), decltype(cache_tag)>(l, query, k_cache, v_cache, block_tables,
+                                                            cu_seqlens_q, context_lens, scale, f, out);
   });
   return out;
 }

@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "types.h"
+
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -33,26 +35,11 @@
 namespace pagedserve {
 namespace quant {
 
+// The fp16 at p (two bytes of a block: its scale d or min m).
 inline float fp16_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);  // exact, subnormals included; the branches below cost ~10 cycles a block
-#endif
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in fp32
-    const float f = float(mant) * 5.9604644775390625e-08f;
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return pagedserve::fp16_to_float(h);
 }
 
 // The 6-bit (sc, m) pair of sub-block j from Q4_K / Q5_K's 12 scale bytes.

@@ -92,6 +92,21 @@ inline void load_pair(const fp16_t* p, F& a, F& b) {
   b.v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W)));
 }
 
+// 16 int8 codes as fp32: the low and high 8 (float and fp16's layout) ...
+inline void load_pair_i8(const int8_t* p, F& a, F& b) {
+  __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  a.v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+  b.v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+}
+
+// ... or the even and odd ones (bf16's): widened to 16 bits, each 32-bit lane
+// holds an (even, odd) pair, split by shifts that keep the sign.
+inline void load_pair_i8_bf16(const int8_t* p, F& a, F& b) {
+  __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  a.v = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 16), 16));
+  b.v = _mm256_cvtepi32_ps(_mm256_srai_epi32(x, 16));
+}
+
 inline void store_pair(float* p, F a, F b) {
   store(p, a);
   store(p + W, b);

@@ -82,6 +82,20 @@ inline void load_pair(const fp16_t* p, F& a, F& b) {
   b.v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + W)));
 }
 
+// 32 int8 codes as fp32: the low and high 16 (float and fp16's layout) ...
+inline void load_pair_i8(const int8_t* p, F& a, F& b) {
+  a.v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  b.v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
+}
+
+// ... or the even and odd ones (bf16's): widened to 16 bits, each 32-bit lane
+// holds an (even, odd) pair, split by shifts that keep the sign.
+inline void load_pair_i8_bf16(const int8_t* p, F& a, F& b) {
+  __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  a.v = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 16), 16));
+  b.v = _mm512_cvtepi32_ps(_mm512_srai_epi32(x, 16));
+}
+
 inline void store_pair(float* p, F a, F b) {
   store(p, a);
   store(p + W, b);

@@ -76,6 +76,17 @@ inline void load_pair(const fp16_t* p, F& a, F& b) {
   }
 }
 
+// int8 codes as fp32 in the loader layout, which is natural order here for
+// every type (bf16's included).
+inline void load_pair_i8(const int8_t* p, F& a, F& b) {
+  for (int i = 0; i < W; ++i) {
+    a.v[i] = float(p[i]);
+    b.v[i] = float(p[i + W]);
+  }
+}
+
+inline void load_pair_i8_bf16(const int8_t* p, F& a, F& b) { load_pair_i8(p, a, b); }
+
 inline void store_pair(float* p, F a, F b) {
   store(p, a);
   store(p + W, b);

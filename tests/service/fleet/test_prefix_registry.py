@@ -7,6 +7,7 @@ import gc
 import hashlib
 import logging
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -76,6 +77,7 @@ async def test_min_seen_is_a_setting(redis_server):
     Namespace(hashlib.sha256(b"model B").digest(), 4, "bfloat16"),
     Namespace(FP, 16, "bfloat16"),
     Namespace(FP, 4, "float32"),
+    Namespace(FP, 4, "int8"),  # --kv-cache-dtype int8: another block layout
     Namespace(FP, 4, "bfloat16", salt_id=salt_id(b"tenant")),
     Namespace(FP, 4, "bfloat16", scheme=2),
 ])
@@ -87,6 +89,20 @@ async def test_namespaces_are_isolated(redis_server, other):
     assert [p.token_ids for p in await reg.top([other.key], 10)] == [tokens]
     assert len(await reg.top([NS.key], 10)) == 1
     assert len(await reg.top([NS.key, other.key], 10)) == 2
+
+
+def test_a_replica_keys_its_prefixes_by_its_kv_cache_dtype():
+    """Replicas of one model in one dtype, one with an int8 KV cache: their
+    registries are apart, so neither warms the other's blocks."""
+    from service.fleet.replica import namespace
+
+    def state(kv_cache_dtype: str) -> SimpleNamespace:
+        engine = SimpleNamespace(fingerprint=FP, config=SimpleNamespace(block_size=4),
+                                 dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+        return SimpleNamespace(engine=engine)
+
+    assert namespace(state("int8"), None) == Namespace(FP, 4, "int8")
+    assert namespace(state("int8"), None).key != namespace(state("bfloat16"), None).key
 
 
 @pytest.mark.asyncio

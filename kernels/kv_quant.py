@@ -1,0 +1,79 @@
+"""int8 KV-cache rows (``--kv-cache-dtype int8``): how one quantized K or V
+row is laid out, written and read.  Every backend (the reference, the
+compiled CPU op, Triton) reads and writes exactly this layout.
+
+An int8 cache is an int8 tensor ``[blocks, block_size, kv_heads, head_dim + 2]``:
+each (token, kv head) row holds its head_dim codes, then its own scale as the
+two bytes of an fp16:
+
+    row of K (or V), one token, one kv head:
+        c[0] c[1] ... c[D-1] | s (fp16, 2 bytes)        x[d] ~= c[d] * s
+        s = fp16(max_d |x[d]| / 127),  c[d] = clamp(round(x[d] / s), -127, 127)
+
+Why a scale per token and per head: a new token's row is written once and
+never touched again, so its scale is fixed when it is stored (a scale per
+block would have to re-quantize the block's earlier rows as it fills), and
+an outlier in one head or one token costs only that row its precision.  Why
+beside the codes: a block is self-contained, so prefix caching, copy-on-write,
+preemption, the offload tiers and the fleet move int8 blocks as they move any
+other (bytes of a block), with nothing to keep beside them.  Why fp16: at
+head_dim 64 a row is 66 bytes against bf16's 128 (1.94x the tokens; an fp32
+scale would give 1.88x).
+
+Round trip: |x - c * s| <= s / 2 + 127 * |s - max|x| / 127|, s the stored
+scale: half a step, plus what the fp16 rounding of the scale moved the
+largest element (a scale rounded down clamps it to 127 * s).  That second
+term is at most 2^-11 of max|x| while s is a normal fp16 (max|x| >= 127 *
+2^-14 ~ 0.0078), at most 127 * 2^-25 ~ 4e-6 below.  Rounding is half to
+even, in fp32, dividing by s: every backend computes the same codes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_BYTES = 2  # the fp16 scale after a row's codes
+CODE_MAX = 127  # codes are symmetric: -127 .. 127 (-128 is never written)
+FP16_MAX = 65504.0
+
+
+def is_quantized(cache: torch.Tensor) -> bool:
+    """Whether a cache tensor holds int8 rows (codes and their scales)."""
+    return cache.dtype == torch.int8
+
+
+def row_width(head_dim: int) -> int:
+    """Bytes (and int8 elements) of one quantized (token, kv head) row."""
+    return head_dim + SCALE_BYTES
+
+
+def cache_head_dim(cache: torch.Tensor) -> int:
+    """The head_dim a cache serves: its last dimension, less the scale of an int8 row."""
+    return cache.shape[-1] - SCALE_BYTES if is_quantized(cache) else cache.shape[-1]
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., head_dim]`` floats -> ``[..., head_dim + 2]`` int8 rows (codes, fp16 scale)."""
+    x32 = x.float()
+    absmax = x32.abs().amax(dim=-1, keepdim=True)
+    # A tensor divisor, not a Python number: CUDA torch multiplies by the
+    # reciprocal of a scalar, which is not the correctly rounded quotient
+    # the other backends compute.
+    scale = (absmax / absmax.new_full((), CODE_MAX)).clamp(max=FP16_MAX).to(torch.float16)
+    s32 = scale.float()
+    # An all-zero row has scale 0: its codes are 0, not 0 / 0.
+    codes = torch.where(s32 > 0, x32 / torch.where(s32 > 0, s32, 1.0), 0.0)
+    codes = codes.round().clamp(-CODE_MAX, CODE_MAX).to(torch.int8)
+    return torch.cat((codes, scale.view(torch.int8)), dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``[..., head_dim + 2]`` int8 rows -> their ``[..., head_dim]`` values in float32."""
+    codes = rows[..., :-SCALE_BYTES].float()
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float16).float()
+    return codes * scale
+
+
+def row_scales(rows: torch.Tensor) -> torch.Tensor:
+    """``[..., head_dim + 2]`` int8 rows -> each row's scale, float32 ``[...]``."""
+    return rows[..., -SCALE_BYTES:].contiguous().view(torch.float16).float()[..., 0]

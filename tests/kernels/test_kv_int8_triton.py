@@ -1,0 +1,151 @@
+"""The Triton kernels on int8 KV caches (``--kv-cache-dtype int8``, layout in
+kernels/kv_quant.py), on fresh random inputs each session:
+
+* Store: Triton's quantizing store writes the reference's codes and fp16
+  scale bytes exactly (ties rounded half to even, an all-zero row, scales
+  clamped to fp16's maximum or underflowing to 0), skips slot -1 and touches
+  no other slot; float32 and bf16 rows, int32 and int64 slots.
+* Round trip: each stored row de-quantizes to within half its scale.
+* Attention: decode (the public entry point, and split into partitions) and
+  prefill/extend over a cached prefix, each plain, with a sliding window, a
+  soft cap and both, at block sizes 1, 16 and 128 (head_dim 80 too: the
+  scale bytes sit inside the padded tile), against the reference on the same
+  int8 cache; the slots a kernel must not read hold NaN scales.  float32
+  queries (the interpreter's bf16 arithmetic is broken), and one bf16 query
+  shape for the output dtype.
+* Compiled: decode, prefill and store with int8 caches go through the real
+  compiler for sm_90, which rejects code the interpreter takes.
+
+The cases run in child processes (kv_int8_cases.py): the Triton interpreter
+on a CPU (PAGEDSERVE_TEST_DEVICE=cuda: the GPU), two children side by side,
+and the compile in a third.  A failure names the seed that reproduces it:
+PAGEDSERVE_TEST_SEED=<session seed> pytest tests/kernels/test_kv_int8_triton.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kernel_cases import case_seed
+from kernel_subprocess import run_cases_script
+from kv_int8_cases import RESULT_PREFIX
+from need import need
+
+SCRIPT = Path(__file__).resolve().parent / "kv_int8_cases.py"
+# (head_dim, num_heads, num_kv_heads, block_size): MHA, MQA and GQA at block sizes 1, 16, 128.
+ATTENTION_SHAPES = ((64, 4, 4, 1), (80, 8, 1, 16), (64, 8, 2, 128))
+# (head_dim, kv_heads, block_size) of the store cases: head counts and dims that need padding.
+STORE_SHAPES = ((64, 4, 1), (80, 3, 16))
+
+
+def _name(shape) -> str:
+    return "-".join(f"{tag}{n}" for tag, n in zip(("d", "h", "kv", "bs"), shape))
+
+
+def attention_cases() -> list[dict]:
+    cases = []
+    for shape in ATTENTION_SHAPES:
+        dtypes = ("float32", "bfloat16") if shape[3] == 16 else ("float32",)
+        for dtype in dtypes:
+            for kernel, variant in (("decode", "entry"), ("decode", "split"), ("prefill", "")):
+                if dtype == "bfloat16" and variant == "split":
+                    continue
+                label = "-".join(filter(None, (kernel, variant, dtype, _name(shape))))
+                cases.append(dict(kernel=kernel, variant=variant, dtype=dtype, shape=list(shape),
+                                  id=f"int8-{label}"))
+    return cases
+
+
+def store_cases() -> list[dict]:
+    cases = []
+    for shape, dtype, slot_dtype in zip(STORE_SHAPES, ("float32", "bfloat16"), ("int64", "int32")):
+        cases.append(dict(kernel="store", shape=list(shape), dtype=dtype, slot_dtype=slot_dtype,
+                          id=f"int8-store-{dtype}-{slot_dtype}-{_name(shape)}"))
+    cases.append(dict(kernel="roundtrip", shape=[64, 2, 16], id="int8-roundtrip-d64-kv2-bs16"))
+    return cases
+
+
+CASES = attention_cases() + store_cases()
+COMPILED = [dict(kernel="compile", shape=[80, 4, 16], id="int8-compile-sm90-bf16-d80-g4-bs16")]
+
+
+def _cost(case: dict) -> float:
+    """Rough interpreter time, to balance the two children: prefill does the
+    most tiles, and work grows with the block size (the context lengths)."""
+    weight = {"prefill": 3.0, "decode": 1.0}.get(case["kernel"], 0.2)
+    return weight * max(case["shape"][-1], 16)
+
+
+def _batches(device: str) -> list[tuple[str, list]]:
+    """(device, cases) of each child: the interpreted cases in two batches of
+    about equal cost (one on a GPU), the sm_90 compile apart (the interpreter
+    is a per-process choice)."""
+    ordered = sorted(CASES, key=_cost, reverse=True)
+    if device == "cuda":
+        return [("cuda", ordered), ("sm90", COMPILED)]
+    halves = ([], [])
+    for case in ordered:  # greedy: the next largest into the lighter half
+        min(halves, key=lambda half: sum(map(_cost, half))).append(case)
+    return [("cpu", halves[0]), ("cpu", halves[1]), ("sm90", COMPILED)]
+
+
+@pytest.fixture(scope="module")
+def int8_results(kernel_test_device, session_seed) -> dict:
+    """{case id: (None or error, the child's stderr tail)} of every case."""
+    need(importlib.util.find_spec("triton") is not None, "triton is not installed")
+
+    def run(batch):
+        device, cases = batch
+        jobs = [{"case": case, "seed": case_seed(session_seed, case["id"])} for case in cases]
+        results, proc = run_cases_script(SCRIPT, device, jobs, RESULT_PREFIX)
+        missing = f"the child stopped before this case (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        return {case["id"]: results.get(case["id"], missing) for case in cases}
+
+    batches = _batches(kernel_test_device)
+    with ThreadPoolExecutor(len(batches)) as pool:
+        return {case_id: error for part in pool.map(run, batches) for case_id, error in part.items()}
+
+
+def _outcome(results: dict, case: dict, seed: int) -> None:
+    error = results[case["id"]]
+    assert error is None, (f"{case['id']} (session seed {seed}, case seed "
+                           f"{case_seed(seed, case['id'])}):\n{error}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case["id"] for case in CASES])
+def test_triton_int8_cache_matches_reference(case, int8_results, session_seed):
+    _outcome(int8_results, case, session_seed)
+
+
+@pytest.mark.parametrize("case", COMPILED, ids=[case["id"] for case in COMPILED])
+def test_triton_int8_kernels_compile_for_sm90(case, int8_results, session_seed):
+    _outcome(int8_results, case, session_seed)
+
+
+def test_int8_cache_checks_take_head_dim_from_the_codes(triton_available):
+    """An int8 cache serves head_dim = its last dimension - 2 (the scale's
+    bytes); rows whose scale could not be read as one fp16 are refused."""
+    import torch
+
+    from kernels.paged_attention import check_inputs
+    from kernels.store_kvcache_triton import store_kvcache
+
+    query, key = torch.zeros(2, 4, 64), torch.zeros(3, 2, 64)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    cache = torch.zeros(3, 16, 2, 66, dtype=torch.int8)
+    check_inputs(query, cache, cache, tables, lens)
+    store_kvcache(key[:0], key[:0], cache, cache, torch.zeros(0, dtype=torch.int64))
+    codes_only = torch.zeros(3, 16, 2, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        check_inputs(query, codes_only, codes_only, tables, lens)
+    with pytest.raises(ValueError, match="does not match"):
+        store_kvcache(key, key, codes_only, codes_only, torch.zeros(3, dtype=torch.int64))
+    odd_rows = torch.zeros(3, 16, 2, 67, dtype=torch.int8)[..., :66]
+    with pytest.raises(ValueError, match="even byte offsets"):
+        check_inputs(query, odd_rows, odd_rows, tables, lens)
+    with pytest.raises(ValueError, match="even byte offsets"):
+        store_kvcache(key, key, odd_rows, odd_rows, torch.zeros(3, dtype=torch.int64))
