@@ -19,9 +19,10 @@ from pathlib import Path
 from engine.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# vLLM's --kv-cache-dtype, less its fp8 names (no fp8 cache here yet). int8 rows:
-# kernels/kv_quant.py; engine/model/kv_cache.py resolves a name to the cache's dtype.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
+# vLLM's --kv-cache-dtype names (fp8 is fp8_e4m3), and int8 (llama.cpp's q8_0 cache
+# is the nearest): kernels/kv_quant.py holds the formats; engine/model/kv_cache.py
+# resolves a name to the cache's torch dtype.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # kernels.BACKEND_NAMES, restated so that building a config (and --help) imports
 # no torch; tests/kernels/test_kernels_api.py holds the two equal.
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -94,7 +95,8 @@ class EngineConfig:
                 "tokens of bfloat16 (3.9x of float32) in the same budget at head_dim 64, "
                 "at a small cost in precision (greedy outputs may part from a float "
                 "cache's after some tokens) and in attention time (each row read is "
-                "de-quantized)",
+                "de-quantized); fp8 (= fp8_e4m3), fp8_e5m2: each value in 8 bits, "
+                "per-tensor scale 1.0 (vLLM's formats): the same tokens as int8, less precise",
         "choices": KV_CACHE_DTYPES})
     # Tests: an exact number of KV blocks, to force preemption on a tiny cache.
     num_gpu_blocks_override: int | None = field(default=None, metadata={"cli": False})
@@ -264,10 +266,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported: choose one of {DTYPES}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            # vLLM's fp8 names land here too: say so, they are the likely ones.
-            fp8 = " (no fp8 KV cache here: int8 is the quantized one)" \
-                if "fp8" in str(self.kv_cache_dtype) else ""
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported{fp8}: "
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: "
                              f"choose one of {KV_CACHE_DTYPES}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(

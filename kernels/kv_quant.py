@@ -1,6 +1,14 @@
-"""int8 KV-cache rows (``--kv-cache-dtype int8``): how one quantized K or V
-row is laid out, written and read.  Every backend (the reference, the
-compiled CPU op, Triton) reads and writes exactly this layout.
+"""Quantized KV caches: how an int8 or fp8 K or V row is laid out, written
+and read.  Every backend (the reference, the compiled CPU op, Triton) reads
+and writes exactly these formats.
+
+fp8 (``--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2``, vLLM's names) is plain: a
+torch.float8_e4m3fn or float8_e5m2 cache of the usual shape, each value
+converted on its own (round to nearest even) after clamping to the format's
+largest finite value (448 / 57344), with vLLM's per-tensor scale fixed at
+1.0.  e4m3 keeps 3 mantissa bits: a relative step of 1/16 at worst.
+
+int8 (``--kv-cache-dtype int8``) carries a scale for every row:
 
 An int8 cache is an int8 tensor ``[blocks, block_size, kv_heads, head_dim + 2]``:
 each (token, kv head) row holds its head_dim codes, then its own scale as the
@@ -37,9 +45,25 @@ CODE_MAX = 127  # codes are symmetric: -127 .. 127 (-128 is never written)
 FP16_MAX = 65504.0
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+QUANTIZED_CACHES = (torch.int8, *FP8_DTYPES)  # every backend reads them beside any query dtype
+
+
 def is_quantized(cache: torch.Tensor) -> bool:
     """Whether a cache tensor holds int8 rows (codes and their scales)."""
     return cache.dtype == torch.int8
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    """Whether a cache tensor holds fp8 values (no scales: 1.0 per tensor)."""
+    return cache.dtype in FP8_DTYPES
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values as an fp8 cache stores them: clamped to the format's range (torch's
+    conversion would make 449 a NaN in e4m3fn), then rounded to nearest even."""
+    top = torch.finfo(dtype).max
+    return x.float().clamp(-top, top).to(dtype)
 
 
 def row_width(head_dim: int) -> int:

@@ -60,6 +60,16 @@ cache is int8 is read from its pointer's type at compile time: the float
 caches compile exactly as before.  The query (float32/bf16/fp16) sets the
 arithmetic and the output dtype, as with a cache of the query's dtype; the
 values are rounded to it once, as a cache in that dtype would hold them.
+
+fp8 caches (``--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2``)
+-------------------------------------------------------
+A torch.float8_e4m3fn (Triton's ``tl.float8e4nv``) or float8_e5m2
+(``tl.float8e5``) cache of the usual shape, no scales (vLLM's per-tensor scale
+fixed at 1.0).  ``load_kv_tile`` loads the fp8 tile and converts it inside the
+tile loop (sm_90: ``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``, then fp32): exact, so
+a bf16 or fp16 query's kernel attends to exactly the stored values.  The
+interpreter converts fp8 exactly too, except the NaN / inf bit patterns
+(``fp8_values`` puts the NaN back).
 """
 
 from __future__ import annotations
@@ -68,10 +78,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import cache_head_dim, is_quantized
+from kernels.kv_quant import cache_head_dim, is_fp8, is_quantized
 from kernels.reference import attention_features
 
 LOG2E = 1.4426950408889634
+# Largest finite values of the fp8 formats (torch.finfo(...).max): a @triton.jit
+# function may read a global only as a constexpr.
+FP8_E4M3_MAX = tl.constexpr(448.0)
+FP8_E5M2_MAX = tl.constexpr(57344.0)
 
 
 # ---------------------------------------------------------------------------
@@ -94,10 +108,11 @@ def kv_tile_rows(table_row_ptr, token_start, context_len, kv_head,
 
 @triton.jit
 def load_kv_tile(cache_ptr, rows, in_context, stride_dim,
-                 HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, UPCAST: tl.constexpr):
     """The [BLOCK_N, DIM_PAD] K or V values of ``rows``: the cache's own dtype,
     or, for an int8 cache (kernels/kv_quant.py), each row's codes times its
-    fp16 scale in fp32, read in place (the scale sits after the HEAD_DIM codes)."""
+    fp16 scale in fp32, read in place (the scale sits after the HEAD_DIM codes),
+    or an fp8 cache's values in fp32."""
     dims = tl.arange(0, DIM_PAD)
     mask = in_context[:, None] & (dims < HEAD_DIM)[None, :]
     x = tl.load(cache_ptr + rows[:, None] + dims[None, :] * stride_dim, mask=mask, other=0.0)
@@ -106,6 +121,23 @@ def load_kv_tile(cache_ptr, rows, in_context, stride_dim,
         scale_ptr = (cache_ptr + rows + HEAD_DIM * stride_dim).to(tl.pointer_type(tl.float16), bitcast=True)
         scale = tl.load(scale_ptr, mask=in_context, other=0.0).to(tl.float32)
         x = x.to(tl.float32) * scale[:, None]
+    elif cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = fp8_values(x, FP8_E4M3_MAX, UPCAST)
+    elif cache_ptr.dtype.element_ty == tl.float8e5:
+        x = fp8_values(x, FP8_E5M2_MAX, UPCAST)
+    return x
+
+
+@triton.jit
+def fp8_values(x, TOP: tl.constexpr, UPCAST: tl.constexpr):
+    """fp8 values in fp32, exactly (every e4m3fn and e5m2 value is an fp16, the
+    GPU's conversion goes through it).  The interpreter decodes the NaN (and
+    e5m2's inf) bit patterns as finite numbers past the format's largest, TOP:
+    made NaN again, so a slot read that must not be still shows (the store
+    never writes an inf: it clamps)."""
+    x = x.to(tl.float32)
+    if UPCAST:
+        x = tl.where(tl.abs(x) > TOP, float("nan"), x)
     return x
 
 
@@ -146,7 +178,7 @@ def attend_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_pt
                   CAUSAL: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                  WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr):
+                  WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr):
     """Attend rows of ``q`` (at positions ``q_pos``) to context tokens [kv_start, kv_end);
     ``soft_cap`` is the cap times log2(e), as the scores are in base 2."""
     for token_start in range(kv_start, kv_end, BLOCK_N):
@@ -155,9 +187,10 @@ def attend_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_pt
             stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N)
         # In q's dtype, so tl.dot takes the tensor cores: the cache's own (q is
         # fp32 under the interpreter, whose bf16 arithmetic is wrong: upcast),
-        # or an int8 cache's values rounded once to it, as a bf16 cache holds them.
-        k = load_kv_tile(k_cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD).to(q.dtype)
-        v = load_kv_tile(v_cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD).to(q.dtype)
+        # or an int8 cache's values rounded once to it, as a bf16 cache holds them
+        # (an fp8 cache's convert exactly: fp8 values are bf16 and fp16 values).
+        k = load_kv_tile(k_cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD, UPCAST).to(q.dtype)
+        v = load_kv_tile(v_cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD, UPCAST).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if SOFT_CAP:
             scores = soft_cap * soft_cap_tanh(scores / soft_cap)
@@ -179,6 +212,8 @@ def check_inputs(query, k_cache, v_cache, block_tables, context_lens):
     heads, head_dim = query.shape[1], query.shape[2]
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
     if cache_head_dim(k_cache) != head_dim:
         raise ValueError(f"head_dim mismatch: query {head_dim}, cache {cache_head_dim(k_cache)}")
     if heads % k_cache.shape[2]:
@@ -186,7 +221,7 @@ def check_inputs(query, k_cache, v_cache, block_tables, context_lens):
     if is_quantized(k_cache):
         check_int8_layout(k_cache)
         check_int8_layout(v_cache)
-    elif k_cache.dtype != query.dtype:
+    elif k_cache.dtype != query.dtype and not is_fp8(k_cache):
         raise ValueError(f"cache dtype {k_cache.dtype} differs from query dtype {query.dtype}")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise ValueError("block_tables and context_lens must be int32")

@@ -11,7 +11,7 @@ max and sum, and a second kernel merges them (flash-decoding)::
                            \       |       /
                              _decode_reduce_kernel      out[seq, head]
 
-Layout, GQA rows, softmax conventions and int8 caches (read in place): see
+Layout, GQA rows, softmax conventions and int8 / fp8 caches (read in place): see
 ``kernels/paged_attention.py``.
 """
 
@@ -79,7 +79,7 @@ def _decode_kernel(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr + seq.to(tl.int64) * stride_table,
         kv_start, kv_end, context_len, kv_head, qk_scale, window, soft_cap,
         stride_block, stride_slot, stride_head, stride_dim,
-        False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP)
+        False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP, UPCAST)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
     if SPLIT:

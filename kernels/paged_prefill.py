@@ -6,7 +6,7 @@ over that sequence's cached context plus its new tokens.  Sequences of
 different lengths share one launch: ``_find_sequence`` maps a tile number to
 its sequence from ``cu_seqlens_q`` on the device, so the host never reads it.
 
-Layout, GQA rows, softmax conventions and int8 caches (read in place): see
+Layout, GQA rows, softmax conventions and int8 / fp8 caches (read in place): see
 ``kernels/paged_attention.py``.
 """
 
@@ -107,7 +107,7 @@ def _prefill_kernel(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr + seq.to(tl.int64) * stride_table,
         kv_start, kv_end, context_len, kv_head, qk_scale, window, soft_cap,
         stride_block, stride_slot, stride_head, stride_dim,
-        True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP)
+        True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP, UPCAST)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_offsets = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)

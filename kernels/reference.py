@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import dequantize_rows, is_quantized, quantize_rows
+from kernels.kv_quant import dequantize_rows, is_fp8, is_quantized, quantize_rows, to_fp8
 
 # Bound on the fp32 elements of gathered K (and again V) per decode chunk, so a
 # batch with one very long sequence does not materialise
@@ -43,7 +43,7 @@ def store_kvcache_reference(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write each token's K/V into its cache slot, in place; slot -1 = skip.
-    An int8 cache (kernels/kv_quant.py) takes each row quantized."""
+    An int8 or fp8 cache (kernels/kv_quant.py) takes each row quantized."""
     slots = slot_mapping.to(device=key.device, dtype=torch.long)
     if bool((slots < 0).any()):  # rare (padding): drop the skipped rows first
         keep = slots >= 0
@@ -54,8 +54,11 @@ def store_kvcache_reference(
     flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
     if is_quantized(k_cache):
         key, value = quantize_rows(key), quantize_rows(value)
-    flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
-    flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
+    elif is_fp8(k_cache):  # as bytes: torch has no index_copy_ of fp8
+        key, value = to_fp8(key, k_cache.dtype).view(torch.uint8), to_fp8(value, v_cache.dtype).view(torch.uint8)
+        flat_k, flat_v = flat_k.view(torch.uint8), flat_v.view(torch.uint8)
+    flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
 
 
 def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int,

@@ -10,6 +10,15 @@ An int8 cache (``kernels/kv_quant.py``) takes each (token, kv head) row
 quantized as it is written: head_dim codes, then the row's fp16 scale, the
 numbers of ``kv_quant.quantize_rows`` bit for bit (correctly rounded
 divisions, round half to even).
+
+An fp8 cache (float8_e4m3fn / float8_e5m2) takes each value as torch's
+``x.float().clamp(-max, max).to(fp8)`` does, byte for byte (``_fp8_bits``:
+round to nearest even, subnormals, saturation at the format's largest finite
+value, NaN as 0x7F with its sign), computed in integer arithmetic.  Not
+Triton's ``.to(fp8)``: on sm_90 that is the exact ``cvt.rn.satfinite``, but
+the interpreter's rounds ties away from zero, can drop a mantissa carry
+(7.75 -> 4.0 in e4m3) and truncates subnormals, so the CPU tests could not
+hold the GPU's code to torch's bytes; this code is the same on both.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_quant import CODE_MAX, FP16_MAX, cache_head_dim, is_quantized
-from kernels.paged_attention import check_int8_layout
+from kernels.paged_attention import FP8_E4M3_MAX, FP8_E5M2_MAX, check_int8_layout
 
 # A @triton.jit function may read a global only as a constexpr.
 _CODE_MAX = tl.constexpr(float(CODE_MAX))
@@ -59,20 +68,59 @@ def _quantize(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _shift_right_rne(v, s):
+    """int32 v >= 0 divided by 2**s (1 <= s <= 31), rounded to nearest, ties to even."""
+    q = v >> s
+    rest = v - (q << s)
+    half = 1 << (s - 1)
+    up = (rest > half) | ((rest == half) & ((q & 1) == 1))
+    return q + up.to(tl.int32)
+
+
+@triton.jit
+def _fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr):
+    """The fp8 byte (MANT mantissa bits, exponent bias BIAS, largest finite TOP)
+    of fp32 x as torch stores x.clamp(-TOP, TOP): round to nearest even on the
+    fp32 bits.  A normal result is x's bits re-biased and shifted, a mantissa
+    carry running into the exponent; a subnormal one is the significand in
+    units of the smallest subnormal, 2**(1 - BIAS - MANT) (a carry to 2**MANT
+    is the smallest normal's byte)."""
+    bits = tl.minimum(tl.maximum(x, -TOP), TOP).to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    exp = mag >> 23
+    normal = _shift_right_rne(mag - ((127 - BIAS) << 23), 23 - MANT)
+    # Clamped shifts: an oversized one would be undefined even where unselected.
+    shift = tl.minimum(tl.maximum(151 - BIAS - MANT - exp, 1), 31)
+    subnormal = _shift_right_rne((mag & 0x7FFFFF) | 0x800000, shift)
+    code = tl.where(exp > 127 - BIAS, normal, subnormal)
+    # NaN is 0x7F in both formats; the GPU's min/max dropped it, so test x.
+    code = tl.where(x != x, 0x7F, code)
+    sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
 def _store_rows(x, cache_ptr, rows, mask, row_mask, stride_d,
                 HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
     """Write one token's rows x [HEADS_PAD, DIM_PAD] at their cache ``rows``:
-    converted to the cache dtype, or quantized into an int8 cache."""
+    converted to the cache dtype, or quantized into an int8 or fp8 cache."""
     dims = tl.arange(0, DIM_PAD)
     offsets = rows[:, None] + dims[None, :] * stride_d
-    if cache_ptr.dtype.element_ty == tl.int8:
+    cache_ty = cache_ptr.dtype.element_ty
+    if cache_ty == tl.int8:
         codes, scale = _quantize(x.to(tl.float32), HEADS_PAD, DIM_PAD)
         tl.store(cache_ptr + offsets, codes, mask=mask)
         # check_int8_layout made the scale's two bytes contiguous and 2-aligned.
         scale_ptr = (cache_ptr + rows + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float16), bitcast=True)
         tl.store(scale_ptr, scale, mask=row_mask)
+    elif cache_ty == tl.float8e4nv:
+        bits = _fp8_bits(x.to(tl.float32), 3, 7, FP8_E4M3_MAX)
+        tl.store(cache_ptr + offsets, bits.to(cache_ty, bitcast=True), mask=mask)
+    elif cache_ty == tl.float8e5:
+        bits = _fp8_bits(x.to(tl.float32), 2, 15, FP8_E5M2_MAX)
+        tl.store(cache_ptr + offsets, bits.to(cache_ty, bitcast=True), mask=mask)
     else:
-        tl.store(cache_ptr + offsets, x.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache_ptr + offsets, x.to(cache_ty), mask=mask)
 
 
 @triton.jit
@@ -113,6 +161,8 @@ def _check_store(key, value, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
     if (k_cache.shape[2], cache_head_dim(k_cache)) != (kv_heads, head_dim):
         raise ValueError(f"cache {tuple(k_cache.shape)} {k_cache.dtype} does not match "
                          f"key {tuple(key.shape)}")

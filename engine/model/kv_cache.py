@@ -6,6 +6,8 @@
     int8:                     [2, layers, blocks, block_size, kv_heads, head_dim + 2]
                               int8: each (token, kv head) row is its codes and its
                               fp16 scale (kernels/kv_quant.py holds that layout)
+    fp8, fp8_e4m3, fp8_e5m2:  [2, layers, blocks, block_size, kv_heads, head_dim]
+                              in torch.float8_e4m3fn / float8_e5m2
 
 Whatever allocates a cache or sizes one against a memory budget goes through a
 KVLayout, and the block bytes the offload tiers move are read from the cache
@@ -19,23 +21,24 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import KV_CACHE_DTYPES, EngineConfig
-from kernels.kv_quant import row_width
+from kernels.kv_quant import FP8_DTYPES, QUANTIZED_CACHES, row_width
 
-_NAMED = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+_NAMED = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
+          "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
     """The cache's dtype for config.kv_cache_dtype on a model served in `dtype`;
     ValueError, naming the valid choices, for one the kernels cannot read. Every
-    backend reads int8 rows beside a query of any float dtype."""
+    backend reads int8 and fp8 caches beside a query of any float dtype."""
     name = config.kv_cache_dtype
     if name == "auto":
         return dtype
     cache = _NAMED[name]
-    if cache != torch.int8 and cache != dtype:
+    if cache not in QUANTIZED_CACHES and cache != dtype:
         raise ValueError(f"kv_cache_dtype={name!r} differs from the serving dtype "
                          f"{dtype_name(dtype)}: a float cache is read in the query's dtype, "
-                         f"so choose 'auto', 'int8' or the serving dtype (valid choices: "
+                         f"so choose 'auto', 'int8', an fp8 or the serving dtype (valid choices: "
                          f"{KV_CACHE_DTYPES})")
     return cache
 
@@ -43,6 +46,12 @@ def resolve_kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dt
 def dtype_name(dtype: torch.dtype) -> str:
     """A dtype as the CLI, the logs, /metrics and the offload namespace name it ("int8")."""
     return str(dtype).removeprefix("torch.")
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as the block copies index it: an fp8 cache viewed as its bytes
+    (torch has no index_copy_ / index_select of fp8), any other as it is."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
 
 
 def token_capacity(num_blocks: int, block_size: int) -> int:

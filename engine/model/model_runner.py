@@ -34,7 +34,7 @@ from engine.config import EngineConfig
 from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory, weights_on_huge_pages
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.distributed.partition import Partition
-from engine.model.kv_cache import KVLayout, resolve_kv_cache_dtype
+from engine.model.kv_cache import KVLayout, as_bytes, resolve_kv_cache_dtype
 from engine.model.kv_groups import KVGroups
 from engine.model.models.registry import model_class
 from engine.model.layers.quantization import LOAD_QUANTIZATIONS, check_load_quantization
@@ -353,6 +353,7 @@ class ModelRunner:
     def _copy_blocks(cache: torch.Tensor, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Copy on write: K and V of every layer from each source block to its destination."""
         # cache: [2, layers, blocks, ...] -> copy along the blocks dimension.
+        cache = as_bytes(cache)
         cache.index_copy_(2, destination, cache.index_select(2, source))
 
     # -- whole blocks as bytes, for the offload tiers (engine/core/kv_offload/) ------------------
@@ -374,7 +375,7 @@ class ModelRunner:
     def block_rows(self, block_ids: list[int]) -> torch.Tensor:
         """This rank's K/V of the blocks as rows of bytes, on the device."""
         index = self._tensor(block_ids)
-        blocks = self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
+        blocks = as_bytes(self.kv_cache).index_select(2, index).permute(2, 0, 1, 3, 4, 5)
         return blocks.contiguous().view(len(block_ids), -1).view(torch.uint8)
 
     def to_host(self, rows: torch.Tensor) -> torch.Tensor:
@@ -386,8 +387,9 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """The inverse of read_blocks: fill blocks with rows of bytes."""
         shape = (len(block_ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
-        blocks = data.to(self.device, non_blocking=True).view(self.kv_cache_dtype).view(shape)
-        self.kv_cache.index_copy_(2, self._tensor(block_ids), blocks.permute(1, 2, 0, 3, 4, 5))
+        cache = as_bytes(self.kv_cache)
+        blocks = data.to(self.device, non_blocking=True).view(cache.dtype).view(shape)
+        cache.index_copy_(2, self._tensor(block_ids), blocks.permute(1, 2, 0, 3, 4, 5))
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

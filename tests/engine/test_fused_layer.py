@@ -98,12 +98,13 @@ def test_smollm2_fused_layers_give_the_same_numbers(smollm2_path, engine_args, m
     assert None not in bound and len({one.shape for one in bound}) == 1
 
 
-def test_int8_caches_give_the_same_numbers(smollm2_path, monkeypatch):
-    """--kv-cache-dtype int8: the op quantizes k and v into the cache as the
-    store does, and its attention reads the int8 blocks as the modules' does."""
+@pytest.mark.parametrize("cache, dtype", [("int8", torch.int8), ("fp8", torch.float8_e4m3fn)])
+def test_quantized_caches_give_the_same_numbers(smollm2_path, monkeypatch, cache, dtype):
+    """--kv-cache-dtype int8 / fp8: the op quantizes k and v into the cache as
+    the store does, and its attention reads the blocks as the modules' does."""
     _compiled_ops_or_skip()
-    llm = LLM(str(smollm2_path), dtype="bfloat16", kv_cache_dtype="int8")
-    assert llm.engine.runner.kv_cache.dtype == torch.int8
+    llm = LLM(str(smollm2_path), dtype="bfloat16", kv_cache_dtype=cache)
+    assert llm.engine.runner.kv_cache.dtype == dtype
     _same_with_and_without(llm, monkeypatch)
 
 

@@ -1,8 +1,8 @@
-"""--kv-cache-dtype int8 end to end on the tiny random Llama in float32 (the
-exact-parity setting): prefix-cache hits, copy-on-write forks and preemption
-change what is computed, never what an int8 cache generates. The same budget
-holds ~1.94x bfloat16's blocks at head_dim 64, and SmolLM2's greedy outputs stay
-close to its float cache's. The offload tiers' int8 runs, and a tier's block
+"""--kv-cache-dtype int8 and fp8 end to end on the tiny random Llama in float32
+(the exact-parity setting): prefix-cache hits, copy-on-write forks and
+preemption change what is computed, never what a quantized cache generates.
+The same budget holds ~1.94x bfloat16's blocks at head_dim 64 (int8; fp8 2x),
+and SmolLM2's greedy outputs stay close to its float cache's. The offload tiers' int8 runs, and a tier's block
 of another cache dtype, are in test_kv_offload_engine.py; bad values in
 test_config.py."""
 
@@ -25,8 +25,8 @@ BS = 16
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def int8_llm(path, **changes) -> LLM:
-    settings = dict(dtype="float32", kv_cache_dtype="int8", block_size=BS, max_model_len=256,
+def quantized_llm(path, cache: str, **changes) -> LLM:
+    settings = dict(dtype="float32", kv_cache_dtype=cache, block_size=BS, max_model_len=256,
                     max_num_batched_tokens=128, num_gpu_blocks_override=200, seed=0)
     return LLM(str(path), **{**settings, **changes})
 
@@ -52,24 +52,30 @@ def random_prompts(count: int, lengths: tuple[int, int], seed: int) -> list[list
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(*lengths))] for _ in range(count)]
 
 
+@pytest.fixture(scope="module", params=["int8", "fp8"])
+def cache(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(tiny_llama_path) -> LLM:
-    """The reference: an int8 cache with room for everything and no prefix caching."""
-    return int8_llm(tiny_llama_path, enable_prefix_caching=False)
+def llm(tiny_llama_path, cache) -> LLM:
+    """The reference: a quantized cache with room for everything and no prefix caching."""
+    return quantized_llm(tiny_llama_path, cache, enable_prefix_caching=False)
 
 
-def test_the_cache_is_int8_rows(llm):
+def test_the_cache_holds_quantized_rows(llm, cache):
     runner = llm.engine.runner
-    assert runner.kv_cache_dtype == torch.int8 and runner.dtype == torch.float32
-    head_dim = runner.model.args.head_dim
-    assert runner.kv_cache.dtype == torch.int8 and runner.kv_cache.shape[-1] == head_dim + 2
+    expected = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[cache]
+    assert runner.kv_cache_dtype == expected and runner.dtype == torch.float32
+    head_dim = runner.model.args.head_dim + (2 if cache == "int8" else 0)
+    assert runner.kv_cache.dtype == expected and runner.kv_cache.shape[-1] == head_dim
     assert runner.read_blocks([1, 2]).shape == (2, runner.block_record_bytes())
 
 
-def test_prefix_cache_hits_give_the_same_tokens(llm, tiny_llama_path):
+def test_prefix_cache_hits_give_the_same_tokens(llm, cache, tiny_llama_path):
     head = random_prompts(1, (40, 40), seed=5)[0]  # two full blocks shared, and a partial one
     prompts = [head + tail for tail in random_prompts(4, (3, 20), seed=6)]
-    cached = int8_llm(tiny_llama_path)
+    cached = quantized_llm(tiny_llama_path, cache)
     outputs = ids_of(run(cached, prompts[:1], greedy())) + ids_of(run(cached, prompts[1:], greedy()))
     assert cached.engine.stats()["prefix_cache_hits"] >= 3 * 2 * BS
     assert outputs == ids_of(run(llm, prompts, greedy()))
@@ -96,11 +102,11 @@ def test_forked_samples_match_separate_requests(llm, monkeypatch):
     assert [c.token_ids for c in forked.outputs] == ids_of(alone)
 
 
-def test_preemption_recomputes_the_same_tokens(llm, tiny_llama_path):
+def test_preemption_recomputes_the_same_tokens(llm, cache, tiny_llama_path):
     """20 blocks hold one max_model_len sequence and a little more: eight prompts
     admitted without headroom (schedule_conservativeness=0) preempt each other."""
     prompts = random_prompts(8, (20, 120), seed=8)
-    small = int8_llm(tiny_llama_path, enable_prefix_caching=False, num_gpu_blocks_override=20,
+    small = quantized_llm(tiny_llama_path, cache, enable_prefix_caching=False, num_gpu_blocks_override=20,
                      schedule_conservativeness=0)
     outputs = ids_of(run(small, prompts, greedy(24)))
     assert small.engine.scheduler.num_preemptions > 0
@@ -114,17 +120,18 @@ def head_dim_64_path(tmp_path_factory, smollm2_path):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-hd64"), smollm2_path, head_dim=64)
 
 
-def test_the_same_budget_holds_more_int8_blocks(head_dim_64_path):
+def test_the_same_budget_holds_more_quantized_blocks(head_dim_64_path):
     budget = 4 << 20
     blocks = {}
-    for dtype, cache in (("bfloat16", "auto"), ("float32", "auto"), ("float32", "int8")):
+    for dtype, cache in (("bfloat16", "auto"), ("float32", "auto"), ("float32", "int8"), ("bfloat16", "fp8")):
         runner = LLM(str(head_dim_64_path), dtype=dtype, kv_cache_dtype=cache, max_model_len=128,
                      kv_cache_memory_bytes=budget).engine.runner
         assert runner.model.args.head_dim == 64
         assert runner.memory()["kv_cache_bytes"] <= budget
-        blocks[cache if cache == "int8" else dtype] = runner.num_blocks
+        blocks[dtype if cache == "auto" else cache] = runner.num_blocks
     assert blocks["int8"] >= 1.9 * blocks["bfloat16"]
     assert blocks["int8"] >= 3.8 * blocks["float32"]
+    assert blocks["fp8"] >= 1.99 * blocks["bfloat16"]
 
 
 def test_layout_bytes_per_block():
@@ -141,6 +148,8 @@ def test_layout_bytes_per_block():
     ("auto", torch.bfloat16, torch.bfloat16), ("auto", torch.float16, torch.float16),
     ("bfloat16", torch.bfloat16, torch.bfloat16), ("float32", torch.float32, torch.float32),
     ("int8", torch.bfloat16, torch.int8), ("int8", torch.float32, torch.int8),
+    ("fp8", torch.bfloat16, torch.float8_e4m3fn), ("fp8_e4m3", torch.float32, torch.float8_e4m3fn),
+    ("fp8_e5m2", torch.float16, torch.float8_e5m2),
 ])
 def test_resolved_cache_dtype(name, serving, expected):
     assert resolve_kv_cache_dtype(EngineConfig(kv_cache_dtype=name), serving) == expected
@@ -148,7 +157,7 @@ def test_resolved_cache_dtype(name, serving, expected):
 
 def test_a_float_cache_of_another_dtype_is_refused(tiny_llama_path):
     with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16' differs from the serving "
-                                         r"dtype float32.*'auto', 'bfloat16', 'float32', 'int8'"):
+                                         r"dtype float32.*'auto', 'bfloat16', 'float32', 'int8', 'fp8'"):
         LLM(str(tiny_llama_path), dtype="float32", kv_cache_dtype="bfloat16",
             num_gpu_blocks_override=100)
 

@@ -6,7 +6,7 @@ through a device pool that holds about two of them, so each prefix has been
 evicted by the time it comes round again. Round 1 computes a prefix, round 2
 (its second sighting) stores it, round 3 finds it in the tier. Every run is
 compared token for token with the same workload and offloading off, with the
-same KV cache dtype (float32, or int8 rows: --kv-cache-dtype int8).
+same KV cache dtype (float32, or int8 rows: --kv-cache-dtype int8, or fp8).
 """
 
 from __future__ import annotations
@@ -128,6 +128,15 @@ def test_each_tier_gives_int8_blocks_back_unchanged(kind, int8_baseline, tiny_ll
     assert outputs == int8_baseline
     assert offload["tiers"][kind]["hits"] == PREFIXES * (PREFIX_TOKENS // BS)
     assert offload["blocks_load_failed"] == 0
+
+
+def test_fp8_blocks_come_back_from_the_host_tier(tiny_llama_path, tmp_path, request, single_thread):
+    """An fp8 cache's blocks (bytes torch cannot index as fp8) through the host tier."""
+    expected, _, _, _ = run(tiny_llama_path, workload(), kv_cache_dtype="fp8")
+    outputs, _, offload, _ = run(tiny_llama_path, workload(), kv_cache_dtype="fp8",
+                                 **empty_tier_args("host", tmp_path, request))
+    assert outputs == expected
+    assert offload["tiers"]["host"]["hits"] == PREFIXES * (PREFIX_TOKENS // BS)
 
 
 @pytest.mark.parametrize("kind", ["disk", "redis"])

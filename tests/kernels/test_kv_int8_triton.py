@@ -16,7 +16,7 @@ kernels/kv_quant.py), on fresh random inputs each session:
 * Compiled: decode, prefill and store with int8 caches go through the real
   compiler for sm_90, which rejects code the interpreter takes.
 
-The cases run in child processes (kv_int8_cases.py): the Triton interpreter
+The cases run in child processes (kv_quantized_cases.py): the Triton interpreter
 on a CPU (PAGEDSERVE_TEST_DEVICE=cuda: the GPU), two children side by side,
 and the compile in a third.  A failure names the seed that reproduces it:
 PAGEDSERVE_TEST_SEED=<session seed> pytest tests/kernels/test_kv_int8_triton.py.
@@ -25,105 +25,44 @@ PAGEDSERVE_TEST_SEED=<session seed> pytest tests/kernels/test_kv_int8_triton.py.
 from __future__ import annotations
 
 import importlib.util
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from kernel_cases import case_seed
-from kernel_subprocess import run_cases_script
-from kv_int8_cases import RESULT_PREFIX
+from kv_quantized_cases import attention_cases, check_outcome, run_all, shape_name
 from need import need
 
-SCRIPT = Path(__file__).resolve().parent / "kv_int8_cases.py"
-# (head_dim, num_heads, num_kv_heads, block_size): MHA, MQA and GQA at block sizes 1, 16, 128.
-ATTENTION_SHAPES = ((64, 4, 4, 1), (80, 8, 1, 16), (64, 8, 2, 128))
 # (head_dim, kv_heads, block_size) of the store cases: head counts and dims that need padding.
 STORE_SHAPES = ((64, 4, 1), (80, 3, 16))
-
-
-def _name(shape) -> str:
-    return "-".join(f"{tag}{n}" for tag, n in zip(("d", "h", "kv", "bs"), shape))
-
-
-def attention_cases() -> list[dict]:
-    cases = []
-    for shape in ATTENTION_SHAPES:
-        dtypes = ("float32", "bfloat16") if shape[3] == 16 else ("float32",)
-        for dtype in dtypes:
-            for kernel, variant in (("decode", "entry"), ("decode", "split"), ("prefill", "")):
-                if dtype == "bfloat16" and variant == "split":
-                    continue
-                label = "-".join(filter(None, (kernel, variant, dtype, _name(shape))))
-                cases.append(dict(kernel=kernel, variant=variant, dtype=dtype, shape=list(shape),
-                                  id=f"int8-{label}"))
-    return cases
 
 
 def store_cases() -> list[dict]:
     cases = []
     for shape, dtype, slot_dtype in zip(STORE_SHAPES, ("float32", "bfloat16"), ("int64", "int32")):
         cases.append(dict(kernel="store", shape=list(shape), dtype=dtype, slot_dtype=slot_dtype,
-                          id=f"int8-store-{dtype}-{slot_dtype}-{_name(shape)}"))
-    cases.append(dict(kernel="roundtrip", shape=[64, 2, 16], id="int8-roundtrip-d64-kv2-bs16"))
+                          format="int8", id=f"int8-store-{dtype}-{slot_dtype}-{shape_name(shape)}"))
+    cases.append(dict(kernel="roundtrip", shape=[64, 2, 16], format="int8", id="int8-roundtrip-d64-kv2-bs16"))
     return cases
 
 
-CASES = attention_cases() + store_cases()
-COMPILED = [dict(kernel="compile", shape=[80, 4, 16], id="int8-compile-sm90-bf16-d80-g4-bs16")]
-
-
-def _cost(case: dict) -> float:
-    """Rough interpreter time, to balance the two children: prefill does the
-    most tiles, and work grows with the block size (the context lengths)."""
-    weight = {"prefill": 3.0, "decode": 1.0}.get(case["kernel"], 0.2)
-    return weight * max(case["shape"][-1], 16)
-
-
-def _batches(device: str) -> list[tuple[str, list]]:
-    """(device, cases) of each child: the interpreted cases in two batches of
-    about equal cost (one on a GPU), the sm_90 compile apart (the interpreter
-    is a per-process choice)."""
-    ordered = sorted(CASES, key=_cost, reverse=True)
-    if device == "cuda":
-        return [("cuda", ordered), ("sm90", COMPILED)]
-    halves = ([], [])
-    for case in ordered:  # greedy: the next largest into the lighter half
-        min(halves, key=lambda half: sum(map(_cost, half))).append(case)
-    return [("cpu", halves[0]), ("cpu", halves[1]), ("sm90", COMPILED)]
+CASES = attention_cases(lambda shape, dtype: "int8") + store_cases()
+COMPILED = [dict(kernel="compile", shape=[80, 4, 16], format="int8", id="int8-compile-sm90-bf16-d80-g4-bs16")]
 
 
 @pytest.fixture(scope="module")
 def int8_results(kernel_test_device, session_seed) -> dict:
-    """{case id: (None or error, the child's stderr tail)} of every case."""
+    """{case id: None or error} of every case."""
     need(importlib.util.find_spec("triton") is not None, "triton is not installed")
-
-    def run(batch):
-        device, cases = batch
-        jobs = [{"case": case, "seed": case_seed(session_seed, case["id"])} for case in cases]
-        results, proc = run_cases_script(SCRIPT, device, jobs, RESULT_PREFIX)
-        missing = f"the child stopped before this case (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-        return {case["id"]: results.get(case["id"], missing) for case in cases}
-
-    batches = _batches(kernel_test_device)
-    with ThreadPoolExecutor(len(batches)) as pool:
-        return {case_id: error for part in pool.map(run, batches) for case_id, error in part.items()}
-
-
-def _outcome(results: dict, case: dict, seed: int) -> None:
-    error = results[case["id"]]
-    assert error is None, (f"{case['id']} (session seed {seed}, case seed "
-                           f"{case_seed(seed, case['id'])}):\n{error}")
+    return run_all(CASES, COMPILED, kernel_test_device, session_seed)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case["id"] for case in CASES])
 def test_triton_int8_cache_matches_reference(case, int8_results, session_seed):
-    _outcome(int8_results, case, session_seed)
+    check_outcome(int8_results, case, session_seed)
 
 
 @pytest.mark.parametrize("case", COMPILED, ids=[case["id"] for case in COMPILED])
 def test_triton_int8_kernels_compile_for_sm90(case, int8_results, session_seed):
-    _outcome(int8_results, case, session_seed)
+    check_outcome(int8_results, case, session_seed)
 
 
 def test_int8_cache_checks_take_head_dim_from_the_codes(triton_available):

@@ -12,7 +12,7 @@ prefill rows, with and without a residual.
 import pytest
 import torch
 
-from kernels.kv_quant import quantize_rows
+from kernels.kv_quant import quantize_rows, to_fp8
 
 # A head_dim of 32: the AVX512 builds take multiples of 32, AVX2's of 16.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 64, 4, 2, 32, 96
@@ -93,18 +93,20 @@ def _one_by_one(ops, hidden, residual, w, step, cos, sin, caches):
 
 
 def _caches(g, cache_dtype: str = "bf16"):
-    """bf16 caches, or int8 ones (kernels/kv_quant.py rows) holding random rows."""
+    """bf16 caches, or int8 / fp8 ones (kernels/kv_quant.py) holding random rows."""
     shape = (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     caches = [torch.randn(*shape, generator=g).bfloat16() for _ in range(2)]
-    return [quantize_rows(c) for c in caches] if cache_dtype == "int8" else caches
+    if cache_dtype == "int8":
+        return [quantize_rows(c) for c in caches]
+    return [to_fp8(c, torch.float8_e4m3fn) for c in caches] if cache_dtype == "fp8" else caches
 
 
-@pytest.mark.parametrize("cache_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-norms"])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("lens,decode", [([7], 1), ([20, 9], 2), ([5, 18, 30], 1), ([12], 0)])
 def test_layer_op_is_the_ops_one_by_one(ops, session_seed, lens, decode, with_residual, qk_norm, cache_dtype):
-    """int8 caches: the op quantizes k and v as store_kvcache does, and attends them in place."""
+    """int8 / fp8 caches: the op quantizes k and v as store_kvcache does, and attends them in place."""
     g = torch.Generator().manual_seed(session_seed)
     w, step, caches = _weights(g, qk_norm), _step(g, lens, decode), _caches(g, cache_dtype)
     tokens = len(step["slots"])

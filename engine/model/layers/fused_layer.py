@@ -49,6 +49,7 @@ from engine.model.layers.attention import Attention, PagedAttention
 from engine.model.layers.linear import Linear
 from engine.model.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model.layers.quantization import QuantLinear
+from kernels.kv_quant import QUANTIZED_CACHES
 from kernels.reference import gelu_tanh_and_mul_reference
 
 
@@ -155,12 +156,12 @@ class StepArgs:
 def step_args(rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata) -> StepArgs | None:
     """The step's shared arguments, or None where this step cannot take the op
     (then every layer runs its modules): bf16 rows on the CPU, RoPE tables of
-    that dtype, caches of that dtype or int8 (kernels/kv_quant.py), int64 slots."""
+    that dtype, caches of that dtype or int8 / fp8 (kernels/kv_quant.py), int64 slots."""
     cos, sin = rope_tables
     cache_dtype = kv_cache[0][0].dtype
     if not (hidden.dtype == torch.bfloat16 and hidden.is_cpu and hidden.dim() == 2
             and hidden.is_contiguous() and hidden.shape[0] > 0 and cos.dtype == hidden.dtype
-            and cache_dtype in (hidden.dtype, torch.int8) and kv_cache[1][0].dtype == cache_dtype
+            and cache_dtype in (hidden.dtype, *QUANTIZED_CACHES) and kv_cache[1][0].dtype == cache_dtype
             and cos.is_contiguous() and sin.is_contiguous()
             and meta.slot_mapping.dtype == torch.int64):
         return None

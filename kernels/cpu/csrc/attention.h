@@ -160,10 +160,10 @@ void tile_slots(const KvView<T>& kv, int64_t t0, int n, int64_t* out) {
   }
 }
 
-// An int8 cache row's codes as fp32, unscaled, in the query type L's loader
-// layout (the layout the query, the accumulators and the output share); the
-// row's scale is applied to its score (K) and its weight (V) instead, one
-// multiply a token rather than one an element.
+// A quantized cache row as fp32 in the query type L's loader layout (the
+// layout the query, the accumulators and the output share).  An int8 row's
+// codes come unscaled: its scale is applied to its score (K) and its weight
+// (V) instead, one multiply a token rather than one an element.
 namespace vec {
 template <typename L>
 inline void load_pair(const q8_t<L>* p, F& a, F& b) {
@@ -172,6 +172,18 @@ inline void load_pair(const q8_t<L>* p, F& a, F& b) {
   } else {
     load_pair_i8(&p->bits, a, b);
   }
+}
+
+// An fp8 row's values as fp32 (exact), in L's loader layout.
+template <typename L>
+inline void load_pair(const e4m3_t<L>* p, F& a, F& b) {
+  load_pair_fp8<true>(&p->bits, a, b);
+  if constexpr (std::is_same_v<L, bf16_t>) to_bf16_layout(a, b);
+}
+template <typename L>
+inline void load_pair(const e5m2_t<L>* p, F& a, F& b) {
+  load_pair_fp8<false>(&p->bits, a, b);
+  if constexpr (std::is_same_v<L, bf16_t>) to_bf16_layout(a, b);
 }
 }  // namespace vec
 
@@ -184,6 +196,7 @@ inline void convert_row(const T* src, float* dst, int head_dim) {
     vec::store_pair(dst + d, a, b);
   }
 }
+
 
 // The scale stored after an int8 row's head_dim codes (kernels/kv_quant.py).
 template <typename L>

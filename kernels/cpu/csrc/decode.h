@@ -138,7 +138,7 @@ void decode_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_c
   const DecodeArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
                          k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                          float(scale) * kLog2e,
-                         is_q8<C> || (!std::is_same_v<T, float> && l.group > kRowBlock),
+                         is_q8<C> || is_fp8<C> || (!std::is_same_v<T, float> && l.group > kRowBlock),
                          f.window, f.cap_scale, f.cap2},
                         ml, acc};
   auto make = [&] { return Scratch<C, QT>(int(l.heads), int(l.head_dim), a.convert); };

@@ -13,11 +13,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "ops_common.h"
 
@@ -32,19 +35,20 @@ inline void check_rows(const at::Tensor& rows, const char* name) {
 
 // The K and V caches as `rows` writes them: contiguous, one shape, heads and
 // head_dim as given, of the rows' dtype (`dtype_name` says which in the
-// message), or int8 caches whose rows are head_dim codes and a 2-byte scale
-// (kernels/kv_quant.py).  Returns whether they are int8.
-inline bool check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kv_heads,
-                         int64_t head_dim, at::ScalarType dtype, const char* dtype_name, const char* op) {
-  const bool q8 = k_cache.scalar_type() == at::kChar;
-  const int64_t row = q8 ? head_dim + kQ8ScaleBytes : head_dim;
+// message), or quantized: int8 rows of head_dim codes and a 2-byte scale, or
+// fp8 (kernels/kv_quant.py).  Returns the caches' dtype.
+inline at::ScalarType check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kv_heads,
+                                   int64_t head_dim, at::ScalarType dtype, const char* dtype_name,
+                                   const char* op) {
+  const at::ScalarType cache = quantized_cache(k_cache.scalar_type()) ? k_cache.scalar_type() : dtype;
+  const int64_t row = cache == at::kChar ? head_dim + kQ8ScaleBytes : head_dim;
   for (const at::Tensor* c : {&k_cache, &v_cache})
     TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(2) == kv_heads && c->size(3) == row &&
-                    c->sizes() == k_cache.sizes() && c->scalar_type() == (q8 ? at::kChar : dtype),
-                op, ": the K and V caches must be contiguous ", dtype_name, " (or int8) tensors of one shape; a "
-                "cache must be [blocks, block_size, kv_heads, head_dim] (int8: head_dim + 2) with the rows' "
-                "kv_heads (", kv_heads, ") and head_dim (", head_dim, ")");
-  return q8;
+                    c->sizes() == k_cache.sizes() && c->scalar_type() == cache,
+                op, ": the K and V caches must be contiguous ", dtype_name, " (or int8 or fp8) tensors of "
+                "one shape; a cache must be [blocks, block_size, kv_heads, head_dim] (int8: head_dim + 2) "
+                "with the rows' kv_heads (", kv_heads, ") and head_dim (", head_dim, ")");
+  return cache;
 }
 
 // The head_dim a cache serves: its rows' length, less an int8 row's scale.
@@ -114,6 +118,52 @@ inline void quantized_rows(const T* kp, int64_t k_stride, const T* vp, int64_t v
   });
 }
 
+// fp8 rows: each value clamped to the format's largest finite one and
+// rounded to nearest even by torch's own conversion (c10), as
+// kernels/kv_quant.py to_fp8 does; same arguments as quantized_rows.
+template <typename F8, typename T>
+inline void fp8_rows(const T* kp, int64_t k_stride, const T* vp, int64_t v_stride, uint8_t* kc, uint8_t* vc,
+                     const int64_t* slot, int64_t tokens, int64_t heads, int64_t head_dim) {
+  const float top = float(std::numeric_limits<F8>::max());
+  const int64_t row = heads * head_dim;
+  auto one = [&](const T* x, uint8_t* out) {
+    for (int64_t d = 0; d < row; ++d) out[d] = F8(std::min(top, std::max(-top, to_float(x[d])))).x;
+  };
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slot[t] < 0) continue;
+      one(kp + t * k_stride, kc + slot[t] * row);
+      one(vp + t * v_stride, vc + slot[t] * row);
+    }
+  });
+}
+
+// Token t's K and V (rows of `heads` x head_dim values of type T, k_stride /
+// v_stride elements apart) into slot slot[t] of a cache of dtype `cache`:
+// copied (the rows' own dtype: row_bytes each), quantized to int8, or to fp8.
+template <typename T>
+inline void store_rows(at::ScalarType cache, const T* kp, int64_t k_stride, const T* vp, int64_t v_stride,
+                       void* kc, void* vc, const int64_t* slot, int64_t tokens, int64_t heads, int64_t head_dim) {
+  auto* k8 = static_cast<uint8_t*>(kc);
+  auto* v8 = static_cast<uint8_t*>(vc);
+  switch (cache) {
+    case at::kChar:
+      quantized_rows(kp, k_stride, vp, v_stride, reinterpret_cast<int8_t*>(kc), reinterpret_cast<int8_t*>(vc),
+                     slot, tokens, heads, head_dim);
+      break;
+    case at::kFloat8_e4m3fn:
+      fp8_rows<c10::Float8_e4m3fn>(kp, k_stride, vp, v_stride, k8, v8, slot, tokens, heads, head_dim);
+      break;
+    case at::kFloat8_e5m2:
+      fp8_rows<c10::Float8_e5m2>(kp, k_stride, vp, v_stride, k8, v8, slot, tokens, heads, head_dim);
+      break;
+    default:
+      rows(reinterpret_cast<const char*>(kp), k_stride * int64_t(sizeof(T)), reinterpret_cast<const char*>(vp),
+           v_stride * int64_t(sizeof(T)), static_cast<char*>(kc), static_cast<char*>(vc), slot, tokens,
+           heads * head_dim * int64_t(sizeof(T)));
+  }
+}
+
 }  // namespace kv_store
 
 inline void store_kvcache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
@@ -122,25 +172,18 @@ inline void store_kvcache(const at::Tensor& key, const at::Tensor& value, const 
   kv_store::check_rows(value, "value");
   TORCH_CHECK(value.sizes() == key.sizes() && value.scalar_type() == key.scalar_type(),
               "store_kvcache: key and value must match in shape and dtype");
-  const bool q8 = kv_store::check_caches(k_cache, v_cache, key.size(1), key.size(2), key.scalar_type(),
-                                         c10::toString(key.scalar_type()), "store_kvcache");
+  const at::ScalarType cache = kv_store::check_caches(k_cache, v_cache, key.size(1), key.size(2),
+                                                      key.scalar_type(), c10::toString(key.scalar_type()),
+                                                      "store_kvcache");
   const int64_t tokens = key.size(0);
   const int64_t* slot =
       kv_store::checked_slots(slot_mapping, tokens, k_cache.size(0) * k_cache.size(1), "store_kvcache");
-  if (q8) {
-    dispatch_dtype(key.scalar_type(), [&](auto tag) {
-      using T = decltype(tag);
-      kv_store::quantized_rows(static_cast<const T*>(key.data_ptr()), key.stride(0),
-                               static_cast<const T*>(value.data_ptr()), value.stride(0),
-                               k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), slot, tokens,
-                               key.size(1), key.size(2));
-    });
-    return;
-  }
-  kv_store::rows(static_cast<const char*>(key.data_ptr()), key.stride(0) * key.element_size(),
-                 static_cast<const char*>(value.data_ptr()), value.stride(0) * value.element_size(),
-                 static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()), slot, tokens,
-                 key.size(1) * key.size(2) * key.element_size());
+  dispatch_dtype(key.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    kv_store::store_rows(cache, static_cast<const T*>(key.data_ptr()), key.stride(0),
+                         static_cast<const T*>(value.data_ptr()), value.stride(0), k_cache.data_ptr(),
+                         v_cache.data_ptr(), slot, tokens, key.size(1), key.size(2));
+  });
 }
 
 }  // namespace pagedserve

@@ -88,7 +88,7 @@ inline at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos,
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16 && head_dim % 2 == 0,
               "llama_layer: qkv must be contiguous bf16 and head_dim even");
   rope::check_tables(cos, sin, tokens, head_dim, at::kBFloat16, "bf16", "llama_layer");
-  const bool q8 =
+  const at::ScalarType cache =
       kv_store::check_caches(k_cache, v_cache, num_kv_heads, head_dim, at::kBFloat16, "bf16", "llama_layer");
   const int64_t* slot =
       kv_store::checked_slots(slot_mapping, tokens, k_cache.size(0) * k_cache.size(1), "llama_layer");
@@ -98,15 +98,8 @@ inline at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos,
   if (normed) norm_heads(rows, tokens, width, num_heads, num_kv_heads, head_dim, *q_norm, *k_norm, eps);
   rope::rows(rows, tokens, num_heads + num_kv_heads, head_dim, width,
              reinterpret_cast<const bf16_t*>(cos.data_ptr()), reinterpret_cast<const bf16_t*>(sin.data_ptr()));
-  const int64_t row_bytes = width * int64_t(sizeof(bf16_t)), kv_bytes = kv_size * int64_t(sizeof(bf16_t));
-  if (q8)
-    kv_store::quantized_rows(rows + q_size, width, rows + q_size + kv_size, width, k_cache.data_ptr<int8_t>(),
-                             v_cache.data_ptr<int8_t>(), slot, tokens, num_kv_heads, head_dim);
-  else
-    kv_store::rows(reinterpret_cast<const char*>(rows + q_size), row_bytes,
-                   reinterpret_cast<const char*>(rows + q_size + kv_size), row_bytes,
-                   static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()), slot,
-                   tokens, kv_bytes);
+  kv_store::store_rows(cache, rows + q_size, width, rows + q_size + kv_size, width, k_cache.data_ptr(),
+                       v_cache.data_ptr(), slot, tokens, num_kv_heads, head_dim);
   at::Tensor q = at::empty({tokens, num_heads, head_dim}, qkv.options());
   auto* qp = reinterpret_cast<bf16_t*>(q.data_ptr());
   for (int64_t t = 0; t < tokens; ++t)

@@ -26,6 +26,11 @@ struct Layer {
   int64_t heads, kv_heads, group, head_dim, num_blocks, block_size, max_blocks;
 };
 
+// int8 or fp8 (kernels/kv_quant.py): a cache any query dtype reads.
+inline bool quantized_cache(at::ScalarType dtype) {
+  return dtype == at::kChar || dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2;
+}
+
 inline Layer check_inputs(const at::Tensor& query, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                           const at::Tensor& context_lens) {
@@ -35,9 +40,9 @@ inline Layer check_inputs(const at::Tensor& query, const at::Tensor& k_cache,
               "paged attention (cpu): query [tokens, heads, head_dim], caches "
               "[num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (query.scalar_type() == k_cache.scalar_type() || k_cache.scalar_type() == at::kChar),
-              "paged attention (cpu): the caches must have the query's dtype, or be int8 "
-              "(codes and scales: kernels/kv_quant.py)");
+                  (query.scalar_type() == k_cache.scalar_type() || quantized_cache(k_cache.scalar_type())),
+              "paged attention (cpu): the caches must have the query's dtype, or be int8 or fp8 "
+              "(kernels/kv_quant.py)");
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged attention (cpu): query and caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
@@ -132,9 +137,9 @@ KvView<C> kv_view(const Layer& l, const at::Tensor& k_cache, const at::Tensor& v
           int(l.head_dim), row};
 }
 
-// What Q.K multiplies: fp32 for an int8 cache (its rows convert), else QueryOf.
+// What Q.K multiplies: fp32 for an int8 or fp8 cache (its rows convert), else QueryOf.
 template <typename T, typename C>
-using QueryFor = std::conditional_t<is_q8<C>, float, QueryOf<T>>;
+using QueryFor = std::conditional_t<is_q8<C> || is_fp8<C>, float, QueryOf<T>>;
 
 template <typename F>
 void dispatch_dtype(at::ScalarType dtype, const F& f) {
@@ -146,15 +151,17 @@ void dispatch_dtype(at::ScalarType dtype, const F& f) {
   }
 }
 
-// The query type T and the cache type C: T itself, or q8_t<T> for an int8 cache.
+// The query type T and the cache type C: T itself, or q8_t<T>, e4m3_t<T>,
+// e5m2_t<T> for an int8 or fp8 cache.
 template <typename F>
 void dispatch_cache(at::ScalarType query, at::ScalarType cache, const F& f) {
   dispatch_dtype(query, [&](auto tag) {
     using T = decltype(tag);
-    if (cache == at::kChar) {
-      f(tag, q8_t<T>{});
-    } else {
-      f(tag, tag);
+    switch (cache) {
+      case at::kChar: f(tag, q8_t<T>{}); break;
+      case at::kFloat8_e4m3fn: f(tag, e4m3_t<T>{}); break;
+      case at::kFloat8_e5m2: f(tag, e5m2_t<T>{}); break;
+      default: f(tag, tag);
     }
   });
 }

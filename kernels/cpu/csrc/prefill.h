@@ -110,7 +110,7 @@ void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_
   const PrefillArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
                           k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                           float(scale) * kLog2e,
-                          is_q8<C> || (!std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock),
+                          is_q8<C> || is_fp8<C> || (!std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock),
                           f.window, f.cap_scale, f.cap2},
                          cu.data_ptr<int32_t>()};
   auto make = [&] { return Scratch<C, QT>(int(tokens_per_item * l.group), int(l.head_dim), a.convert); };

@@ -37,6 +37,24 @@ constexpr bool is_q8<q8_t<L>> = true;
 
 constexpr int kQ8ScaleBytes = 2;  // kernels/kv_quant.py SCALE_BYTES
 
+// One element of an fp8 KV cache (kernels/kv_quant.py): torch's float8_e4m3fn
+// or float8_e5m2 bits, no scale.  L as for q8_t: the layout its rows convert into.
+template <typename L>
+struct e4m3_t {
+  uint8_t bits;
+};
+template <typename L>
+struct e5m2_t {
+  uint8_t bits;
+};
+
+template <typename C>
+constexpr bool is_fp8 = false;
+template <typename L>
+constexpr bool is_fp8<e4m3_t<L>> = true;
+template <typename L>
+constexpr bool is_fp8<e5m2_t<L>> = true;
+
 // An fp16's value (exact: every fp16 is an fp32), subnormals included: one
 // instruction with F16C, else the bits rebuilt (~10 cycles of branches).
 inline float fp16_to_float(uint16_t h) {

@@ -107,6 +107,38 @@ inline void load_pair_i8_bf16(const int8_t* p, F& a, F& b) {
   b.v = _mm256_cvtepi32_ps(_mm256_srai_epi32(x, 16));
 }
 
+// fp8 as fp16 bits, 8 bytes widened to 16 bits each: e5m2 is the top byte of
+// an fp16; e4m3fn's exponent and mantissa sit 1 bit lower than fp16's with a
+// bias 8 less, so its bits shifted by 7 are the value / 2^8 (subnormals too).
+inline __m128i fp16_of_e5m2(__m128i w) { return _mm_slli_epi16(w, 8); }
+inline __m128i fp16_of_e4m3(__m128i w) {
+  return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                      _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+}
+
+// 16 fp8 values as fp32 in natural order: the low and high 8.
+template <bool E4M3>
+inline void load_pair_fp8(const uint8_t* p, F& a, F& b) {
+  __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i lo = _mm_cvtepu8_epi16(x), hi = _mm_cvtepu8_epi16(_mm_srli_si128(x, 8));
+  if constexpr (E4M3) {
+    a.v = _mm256_mul_ps(_mm256_cvtph_ps(fp16_of_e4m3(lo)), _mm256_set1_ps(256.0f));
+    b.v = _mm256_mul_ps(_mm256_cvtph_ps(fp16_of_e4m3(hi)), _mm256_set1_ps(256.0f));
+  } else {
+    a.v = _mm256_cvtph_ps(fp16_of_e5m2(lo));
+    b.v = _mm256_cvtph_ps(fp16_of_e5m2(hi));
+  }
+}
+
+// A natural-order pair (a: elements 0-7, b: 8-15) into bf16's loader layout
+// (a: the even elements, b: the odd ones).
+inline void to_bf16_layout(F& a, F& b) {
+  __m256 even = _mm256_shuffle_ps(a.v, b.v, _MM_SHUFFLE(2, 0, 2, 0));  // a0 a2 b0 b2 | a4 a6 b4 b6
+  __m256 odd = _mm256_shuffle_ps(a.v, b.v, _MM_SHUFFLE(3, 1, 3, 1));
+  a.v = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), _MM_SHUFFLE(3, 1, 2, 0)));
+  b.v = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
 inline void store_pair(float* p, F a, F b) {
   store(p, a);
   store(p + W, b);

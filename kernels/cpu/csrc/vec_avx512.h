@@ -96,6 +96,37 @@ inline void load_pair_i8_bf16(const int8_t* p, F& a, F& b) {
   b.v = _mm512_cvtepi32_ps(_mm512_srai_epi32(x, 16));
 }
 
+// fp8 as fp16 bits, 16 bytes widened to 16 bits each (see vec_avx2.h).
+inline __m256i fp16_of_e5m2(__m256i w) { return _mm256_slli_epi16(w, 8); }
+inline __m256i fp16_of_e4m3(__m256i w) {
+  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+}
+
+// 32 fp8 values as fp32 in natural order: the low and high 16.
+template <bool E4M3>
+inline void load_pair_fp8(const uint8_t* p, F& a, F& b) {
+  __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W)));
+  if constexpr (E4M3) {
+    a.v = _mm512_mul_ps(_mm512_cvtph_ps(fp16_of_e4m3(lo)), _mm512_set1_ps(256.0f));
+    b.v = _mm512_mul_ps(_mm512_cvtph_ps(fp16_of_e4m3(hi)), _mm512_set1_ps(256.0f));
+  } else {
+    a.v = _mm512_cvtph_ps(fp16_of_e5m2(lo));
+    b.v = _mm512_cvtph_ps(fp16_of_e5m2(hi));
+  }
+}
+
+// A natural-order pair (a: elements 0-15, b: 16-31) into bf16's loader layout
+// (a: the even elements, b: the odd ones).
+inline void to_bf16_layout(F& a, F& b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512 e = _mm512_permutex2var_ps(a.v, even, b.v);
+  b.v = _mm512_permutex2var_ps(a.v, odd, b.v);
+  a.v = e;
+}
+
 inline void store_pair(float* p, F a, F b) {
   store(p, a);
   store(p + W, b);

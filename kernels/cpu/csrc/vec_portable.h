@@ -87,6 +87,25 @@ inline void load_pair_i8(const int8_t* p, F& a, F& b) {
 
 inline void load_pair_i8_bf16(const int8_t* p, F& a, F& b) { load_pair_i8(p, a, b); }
 
+// fp8 values as fp32 (natural order), through their fp16 bits (see vec_avx2.h).
+template <bool E4M3>
+inline void load_pair_fp8(const uint8_t* p, F& a, F& b) {
+  auto one = [](uint8_t x) {
+    if constexpr (E4M3) {
+      const uint16_t h = uint16_t((x & 0x80) << 8 | (x & 0x7f) << 7);
+      return c10::detail::fp16_ieee_to_fp32_value(h) * 256.0f;
+    } else {
+      return c10::detail::fp16_ieee_to_fp32_value(uint16_t(x << 8));
+    }
+  };
+  for (int i = 0; i < W; ++i) {
+    a.v[i] = one(p[i]);
+    b.v[i] = one(p[i + W]);
+  }
+}
+
+inline void to_bf16_layout(F&, F&) {}  // bf16's layout is natural order here
+
 inline void store_pair(float* p, F a, F b) {
   store(p, a);
   store(p + W, b);

@@ -1,13 +1,14 @@
-"""int8 KV cache (kernels/kv_quant.py) in the compiled CPU ops, against the
-reference, through every build this CPU runs: the store quantizes each row
-to exactly the reference's bytes; decode and prefill/extend read the rows in
-place, with and without a sliding window and a soft cap, at block sizes 1,
-16 and 128; and the round trip stays within its stated bound.
+"""Quantized KV caches (kernels/kv_quant.py: int8 rows with their scales,
+fp8 e4m3 and e5m2) in the compiled CPU ops, against the reference, through
+every build this CPU runs: the store writes exactly the reference's bytes;
+decode and prefill/extend read the blocks in place, with and without a
+sliding window and a soft cap, at block sizes 1, 16 and 128; and the int8
+round trip stays within its stated bound.
 
 Fresh random inputs each session.  The caches are kernel_cases' float caches
-quantized row by row: an unwritten (NaN) row gets a NaN scale, and runs with
-a window poison every row before it the same way, so a kernel that reads a
-row it should skip shows NaN.
+quantized row by row: an unwritten (NaN) row stays NaN (an int8 row gets a
+NaN scale), and runs with a window poison every row before it the same way,
+so a kernel that reads a row it should skip shows NaN.
 """
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 import kernels
 from kernel_cases import (build_decode_inputs, build_prefill_inputs, build_store_inputs, call_decode,
                           call_prefill, compare, feature_sets, poisoned_before, window_starts)
-from kernels.kv_quant import dequantize_rows, quantize_rows, row_scales
+from kernels.kv_quant import dequantize_rows, quantize_rows, row_scales, to_fp8
 from kernels.reference import (paged_decode_attention_reference, paged_prefill_attention_reference,
                                store_kvcache_reference)
 
@@ -25,55 +26,70 @@ SHAPES = ((64, 4, 4, 1), (128, 8, 1, 16), (64, 16, 2, 128), (64, 9, 3, 16))
 FEATURES = ("none", "window", "cap", "both")
 
 
-def with_int8_caches(x: dict) -> dict:
-    return dict(x, k_cache=quantize_rows(x["k_cache"]), v_cache=quantize_rows(x["v_cache"]))
+CACHES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def quantized(cache: torch.Tensor, name: str) -> torch.Tensor:
+    """A float cache's rows as a cache of the named quantized dtype stores them."""
+    return quantize_rows(cache) if name == "int8" else to_fp8(cache, CACHES[name])
+
+
+def with_quantized_caches(x: dict, name: str = "int8") -> dict:
+    return dict(x, k_cache=quantized(x["k_cache"], name), v_cache=quantized(x["v_cache"], name))
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("features", FEATURES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
-def test_int8_attention_matches_the_reference(builds, kernel, shape, dtype, features, session_seed):
+def test_attention_matches_the_reference(builds, kernel, shape, dtype, features, cache, session_seed):
     inputs = build_decode_inputs if kernel == "decode" else build_prefill_inputs
     x = inputs({"shape": list(shape), "dtype": dtype}, session_seed, "cpu")
     run, reference = {"decode": (call_decode, paged_decode_attention_reference),
                       "prefill": (call_prefill, paged_prefill_attention_reference)}[kernel]
     for kwargs in feature_sets(features, shape[3]) if features != "none" else [{}]:
-        expected = run(reference, with_int8_caches(x), **kwargs)
+        expected = run(reference, with_quantized_caches(x, cache), **kwargs)
         starts = window_starts(x, kwargs.get("sliding_window"), prefill=kernel == "prefill")
-        poisoned = with_int8_caches(poisoned_before(x, starts))
+        poisoned = with_quantized_caches(poisoned_before(x, starts), cache)
         for isa, ops in builds.items():
             out = run(getattr(ops, f"paged_{kernel}_attention"), poisoned, **kwargs)
             error = compare(out, expected, dtype)
             assert error is None, f"{isa} build, seed {session_seed}, {kwargs}: {error}"
 
 
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("shape", [(64, 4, 4, 1), (128, 8, 2, 16), (64, 9, 3, 128)], ids=str)
-def test_int8_store_writes_the_reference_bytes(builds, shape, dtype, session_seed):
+def test_store_writes_the_reference_bytes(builds, shape, dtype, cache, session_seed):
     """Slots -1 skipped, non-contiguous K/V (slices of a fused qkv), an all-zero
-    row (scale 0, codes 0) and a row with one large outlier."""
+    row (int8: scale 0, codes 0), a large outlier, values past fp8's range
+    (saturated) and below its smallest (subnormals, zero)."""
     x = build_store_inputs({"shape": list(shape), "dtype": dtype, "slot_dtype": "int64"},
                            session_seed, "cpu")
     x["key"][0] = 0.0
     x["value"][1, 0, 3] = 300.0
-    head_dim = shape[0]
-    blank = torch.zeros(*x["k_cache"].shape[:3], head_dim + 2, dtype=torch.int8)
+    x["value"][2, 0, :4] = torch.tensor([1e5, -7e4, 3e-6, -1e-3], dtype=x["value"].dtype)
+    head_dim = shape[0] + (2 if cache == "int8" else 0)
+    blank = torch.zeros(*x["k_cache"].shape[:3], head_dim, dtype=CACHES[cache])
     expected_k, expected_v = blank.clone(), blank.clone()
     store_kvcache_reference(x["key"], x["value"], expected_k, expected_v, x["slot_mapping"])
     for isa, ops in builds.items():
         k_cache, v_cache = blank.clone(), blank.clone()
         ops.store_kvcache(x["key"], x["value"], k_cache, v_cache, x["slot_mapping"])
-        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v), isa
+        same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                for a, b in ((k_cache, expected_k), (v_cache, expected_v))]
+        assert all(same), isa
 
 
-def test_the_dispatch_takes_the_compiled_op_for_int8(compiled_cpu_ops, session_seed):
-    x = with_int8_caches(build_decode_inputs({"shape": [64, 8, 2, 16], "dtype": "bfloat16"},
-                                             session_seed, "cpu"))
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_the_dispatch_takes_the_compiled_op(compiled_cpu_ops, cache, session_seed):
+    x = with_quantized_caches(build_decode_inputs({"shape": [64, 8, 2, 16], "dtype": "bfloat16"},
+                                             session_seed, "cpu"), cache)
     assert torch.equal(call_decode(kernels.paged_decode_attention, x),
                        call_decode(compiled_cpu_ops.paged_decode_attention, x))
-    p = with_int8_caches(build_prefill_inputs({"shape": [64, 8, 2, 16], "dtype": "float32"},
-                                              session_seed, "cpu"))
+    p = with_quantized_caches(build_prefill_inputs({"shape": [64, 8, 2, 16], "dtype": "float32"},
+                                                   session_seed, "cpu"), cache)
     assert torch.equal(call_prefill(kernels.paged_prefill_attention, p),
                        call_prefill(compiled_cpu_ops.paged_prefill_attention, p))
 
@@ -97,7 +113,7 @@ def test_the_round_trip_is_within_its_bound(session_seed):
 
 
 def test_a_cache_of_the_wrong_width_is_refused(compiled_cpu_ops):
-    x = with_int8_caches(build_decode_inputs({"shape": [64, 4, 4, 16], "dtype": "float32"}, 0, "cpu"))
+    x = with_quantized_caches(build_decode_inputs({"shape": [64, 4, 4, 16], "dtype": "float32"}, 0, "cpu"))
     narrow = dict(x, k_cache=x["k_cache"][..., :-2].contiguous(), v_cache=x["v_cache"][..., :-2].contiguous())
     with pytest.raises(RuntimeError, match="rows must be 66"):
         call_decode(compiled_cpu_ops.paged_decode_attention, narrow)
