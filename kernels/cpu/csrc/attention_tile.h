@@ -62,23 +62,37 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
           s.ahead);
 }
 
-// One head of an int8 tile: K's codes converted to fp32 once (many query
-// rows read them), V's read in place by P.V (each code is loaded once per
-// block of rows anyway), and every token's two scales set aside for
-// tile_step to fold in.  Tokens before t.begin and past the tile's end get
+// An int8 row's codes, unscaled: fp32 in L's loader layout, or (the dpbf16
+// build) bf16 in natural order, exact, for the bf16 dot product.
+template <typename L>
+inline void convert_codes(const q8_t<L>* src, float* dst, int head_dim) {
+  convert_row(src, dst, head_dim);
+}
+#ifdef PAGEDSERVE_HAS_DPBF16
+template <typename L>
+inline void convert_codes(const q8_t<L>* src, bf16_t* dst, int head_dim) {
+  for (int d = 0; d < head_dim; d += kPair) vec::i8_to_bf16(&src[d].bits, dst + d);
+}
+#endif
+
+// One head of an int8 tile: K's codes converted once (many query rows read
+// them; to bf16 where the build multiplies bf16 pairs), V's read in place by
+// P.V (each code is loaded once per block of rows anyway), and every token's
+// two scales set aside for tile_step to fold in.  Tokens before t.begin and past the tile's end get
 // zero rows and zero scales.
 template <typename L, typename QT>
 void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, const int64_t* slots,
                  const Tile& t) {
-  static_assert(std::is_same_v<QT, float>, "int8 K converts for an fp32 Q.K");
+  using KT = std::conditional_t<std::is_same_v<QT, float>, float, bf16_t>;  // what Q.K reads
   const int head_dim = w.kv.head_dim;
   const int64_t offset = int64_t(head) * w.kv.row;
-  const float* kf[kTile];
+  KT* const scratch = reinterpret_cast<KT*>(s.kf.data());  // a tile of fp32 rows fits a tile of KT rows
+  const KT* kf[kTile];
   const q8_t<L>* vp[kTile];
   alignas(64) float ks[kTile], vs[kTile];
   for (int i = 0; i < kTile; ++i) {
     if (i >= t.begin && i < t.n) continue;
-    kf[i] = s.zero_f.data();
+    kf[i] = reinterpret_cast<const KT*>(s.zero_f.data());  // zeros in either type
     vp[i] = s.zero_t.data();
     ks[i] = vs[i] = 0.0f;
   }
@@ -87,10 +101,10 @@ void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, cons
     vp[i] = w.kv.v + slots[i] + offset;
     ks[i] = row_scale(k, head_dim);
     vs[i] = row_scale(vp[i], head_dim);
-    kf[i] = &s.kf[size_t(i) * head_dim];
-    convert_row(k, &s.kf[size_t(i) * head_dim], head_dim);
+    kf[i] = scratch + size_t(i) * head_dim;
+    convert_codes(k, scratch + size_t(i) * head_dim, head_dim);
   }
-  tile_step<q8_t<L>, QT, float, q8_t<L>>(s, w, head, kf, vp, t, ks, vs);
+  tile_step<q8_t<L>, QT, KT, q8_t<L>>(s, w, head, kf, vp, t, ks, vs);
 }
 
 // One head of one tile.  Picks where K/V get converted to fp32: a few rows
@@ -100,12 +114,8 @@ void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, cons
 // path multiplies raw K.  Tokens before t.begin read the zero row instead
 // of the cache (their scores are -inf, their weights 0).
 template <typename T, typename QT>
-void run_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t* slots, const Tile& t,
+void run_plain_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t* slots, const Tile& t,
               bool convert) {
-  if constexpr (is_q8<T>) {
-    run_q8_tile(s, w, head, slots, t);
-    return;
-  }
   const int head_dim = w.kv.head_dim, n = t.n;
   const int64_t offset = int64_t(head) * w.kv.row;
   const T* kp[kTile];
@@ -136,6 +146,16 @@ void run_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t* slot
     tile_step<T, QT, float, float>(s, w, head, kf, vf, t);
   } else {
     tile_step<T, QT, T, float>(s, w, head, kp, vf, t);
+  }
+}
+
+template <typename T, typename QT>
+void run_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t* slots, const Tile& t,
+              bool convert) {
+  if constexpr (is_q8<T>) {
+    run_q8_tile(s, w, head, slots, t);
+  } else {
+    run_plain_tile(s, w, head, slots, t, convert);
   }
 }
 

@@ -137,9 +137,10 @@ KvView<C> kv_view(const Layer& l, const at::Tensor& k_cache, const at::Tensor& v
           int(l.head_dim), row};
 }
 
-// What Q.K multiplies: fp32 for an int8 or fp8 cache (its rows convert), else QueryOf.
+// What Q.K multiplies: fp32 for an fp8 cache (its rows convert), else QueryOf
+// (an int8 K row's codes are exact in bf16: the dpbf16 build multiplies them so).
 template <typename T, typename C>
-using QueryFor = std::conditional_t<is_q8<C> || is_fp8<C>, float, QueryOf<T>>;
+using QueryFor = std::conditional_t<is_fp8<C>, float, QueryOf<T>>;
 
 template <typename F>
 void dispatch_dtype(at::ScalarType dtype, const F& f) {
