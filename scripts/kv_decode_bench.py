@@ -1,7 +1,7 @@
 """A decode step over long contexts, one KV-cache dtype against another, side by side.
 
-    python scripts/make_shape_folder.py llama-3.2-1b /tmp/llama-1b
-    python scripts/kv_decode_bench.py /tmp/llama-1b [--seqs 16] [--context 4096]
+    python scripts/make_shape_folder.py llama-3.2-1b shapes/llama-1b
+    python scripts/kv_decode_bench.py shapes/llama-1b [--seqs 16] [--context 4096]
                                       [--dtypes auto,int8] [--rounds 6] [--threads 2]
 
 Each dtype gets its own engine on the same random weights (--load-format
