@@ -43,6 +43,16 @@ def resolve_kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dt
     return cache
 
 
+def check_cache_on_device(cache: torch.dtype, capability: tuple[int, int] | None) -> None:
+    """ValueError for a cache the device's kernels cannot store: Triton has e4m3
+    (fp8, fp8_e4m3) only from sm_89 (Ada, Hopper); `capability` is the CUDA
+    device's, None on the CPU (whose kernels take every cache dtype)."""
+    if capability is not None and cache == torch.float8_e4m3fn and tuple(capability) < (8, 9):
+        raise ValueError(f"kv_cache_dtype fp8 / fp8_e4m3 needs a GPU of compute capability 8.9 or "
+                         f"later (this one is {capability[0]}.{capability[1]}): choose fp8_e5m2, "
+                         f"int8 or auto (valid choices: {KV_CACHE_DTYPES})")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """A dtype as the CLI, the logs, /metrics and the offload namespace name it ("int8")."""
     return str(dtype).removeprefix("torch.")

@@ -34,7 +34,7 @@ from engine.config import EngineConfig
 from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory, weights_on_huge_pages
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.distributed.partition import Partition
-from engine.model.kv_cache import KVLayout, as_bytes, resolve_kv_cache_dtype
+from engine.model.kv_cache import KVLayout, as_bytes, check_cache_on_device, resolve_kv_cache_dtype
 from engine.model.kv_groups import KVGroups
 from engine.model.models.registry import model_class
 from engine.model.layers.quantization import LOAD_QUANTIZATIONS, check_load_quantization
@@ -131,6 +131,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, hf_config, self.device)
         # Before the weights load: a cache dtype the kernels cannot read fails at once.
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
+        check_cache_on_device(self.kv_cache_dtype, torch.cuda.get_device_capability(self.device)
+                              if self.device.type == "cuda" else None)
         self.kernels = get_backend(config.kernel_backend)
         if self.device.type == "cpu":
             keep_freed_memory()

@@ -15,7 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.model.kv_cache import KVLayout, resolve_kv_cache_dtype
+from engine.model.kv_cache import KVLayout, check_cache_on_device, resolve_kv_cache_dtype
 from tiny_models import make_tiny_model
 
 VOCAB = 49152
@@ -153,6 +153,15 @@ def test_layout_bytes_per_block():
 ])
 def test_resolved_cache_dtype(name, serving, expected):
     assert resolve_kv_cache_dtype(EngineConfig(kv_cache_dtype=name), serving) == expected
+
+
+def test_e4m3_is_refused_on_a_gpu_before_sm89():
+    """Triton compiles no e4m3 below sm_89 (an A100 is 8.0): refused at start-up, not at the first store."""
+    with pytest.raises(ValueError, match=r"fp8_e4m3 needs a GPU of compute capability 8.9.*this one is 8.0"):
+        check_cache_on_device(torch.float8_e4m3fn, (8, 0))
+    for cache, capability in ((torch.float8_e5m2, (8, 0)), (torch.float8_e4m3fn, (9, 0)),
+                              (torch.float8_e4m3fn, None), (torch.int8, (7, 5))):
+        check_cache_on_device(cache, capability)
 
 
 def test_a_float_cache_of_another_dtype_is_refused(tiny_llama_path):

@@ -63,13 +63,15 @@ def test_attention_matches_the_reference(builds, kernel, shape, dtype, features,
 @pytest.mark.parametrize("shape", [(64, 4, 4, 1), (128, 8, 2, 16), (64, 9, 3, 128)], ids=str)
 def test_store_writes_the_reference_bytes(builds, shape, dtype, cache, session_seed):
     """Slots -1 skipped, non-contiguous K/V (slices of a fused qkv), an all-zero
-    row (int8: scale 0, codes 0), a large outlier, values past fp8's range
-    (saturated) and below its smallest (subnormals, zero)."""
+    row (int8: scale 0, codes 0), a large outlier, exact ties, values past
+    fp8's range (saturated) and below its smallest (subnormals, zero)."""
     x = build_store_inputs({"shape": list(shape), "dtype": dtype, "slot_dtype": "int64"},
                            session_seed, "cpu")
     x["key"][0] = 0.0
     x["value"][1, 0, 3] = 300.0
     x["value"][2, 0, :4] = torch.tensor([1e5, -7e4, 3e-6, -1e-3], dtype=x["value"].dtype)
+    # exact ties: max 127 makes the int8 scale 1.0, so x / s is .5 (half to even, not away)
+    x["key"][1, 0, :8] = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -2.5, 3.5, 126.5], dtype=x["key"].dtype)
     head_dim = shape[0] + (2 if cache == "int8" else 0)
     blank = torch.zeros(*x["k_cache"].shape[:3], head_dim, dtype=CACHES[cache])
     expected_k, expected_v = blank.clone(), blank.clone()
@@ -106,6 +108,8 @@ def test_the_round_trip_is_within_its_bound(session_seed):
     bound = scale / 2 + 127 * (scale - exact).abs()
     error = (x - dequantize_rows(rows)).abs()
     assert bool((error <= bound * (1 + 2 ** -20) + 1e-12).all())
+    # The scale is exactly fp16(max|x| / 127): what every backend stores.
+    assert torch.equal(scale[..., 0], (x.abs().amax(-1) / 127).half().float())
     # Where the scale is a normal fp16 each row's largest element codes to +-127.
     normal = scale[..., 0] >= 2 ** -14
     assert bool(normal.any()) and bool((~normal).any())
