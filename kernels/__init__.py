@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
-from kernels.kv_quant import is_fp8, is_quantized
+from kernels.kv_quant import QUANTIZED_CACHES
 from kernels.layer_ops import gemma_layer_op, llama_layer_op, llama_layers_op
 from kernels.moe import fused_moe, fused_moe_cpu, fused_moe_reference
 from kernels.packed_layout import (PACKED_DIMS, embedding, over_rows, pack_linear,
@@ -150,7 +150,7 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
     if key.is_cuda:
         _triton_modules()[0].store_kvcache(key, value, k_cache, v_cache, slot_mapping)
         return
-    if ((key.dtype == k_cache.dtype or is_quantized(k_cache) or is_fp8(k_cache)) and key.dtype == value.dtype
+    if ((key.dtype == k_cache.dtype or k_cache.dtype in QUANTIZED_CACHES) and key.dtype == value.dtype
             and k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.int64
             and _heads_packed(key) and _heads_packed(value)):
         ops = cpu_ops.current_ops()
@@ -179,7 +179,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     if ops is not None:
         return ops.paged_decode_attention(
             query.contiguous(), k_cache, v_cache, block_tables, context_lens, scale, **features)
-    if is_quantized(k_cache) or is_fp8(k_cache):  # the fallback below reads the query's dtype
+    if k_cache.dtype in QUANTIZED_CACHES:  # the fallback below reads the query's dtype
         return paged_decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens,
                                                 scale, **features)
     return paged_decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, scale,
@@ -197,7 +197,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     if ops is not None:
         return ops.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_tables,
                                            cu_seqlens_q, context_lens, scale, **features)
-    if is_quantized(k_cache) or is_fp8(k_cache):
+    if k_cache.dtype in QUANTIZED_CACHES:
         return paged_prefill_attention_reference(query, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                  context_lens, scale, **features)
     return paged_prefill_attention_cpu(

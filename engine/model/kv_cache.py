@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import KV_CACHE_DTYPES, EngineConfig
-from kernels.kv_quant import FP8_DTYPES, QUANTIZED_CACHES, row_width
+from kernels.kv_quant import QUANTIZED_CACHES, is_fp8, row_width
 
 _NAMED = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
           "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -61,7 +61,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:
     """A cache as the block copies index it: an fp8 cache viewed as its bytes
     (torch has no index_copy_ / index_select of fp8), any other as it is."""
-    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+    return cache.view(torch.uint8) if is_fp8(cache) else cache
 
 
 def token_capacity(num_blocks: int, block_size: int) -> int:
