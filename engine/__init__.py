@@ -3,6 +3,7 @@
 from engine.config import EngineConfig
 from engine.frontend.llm import LLM
 from engine.frontend.llm_engine import LLMEngine
+from engine.model.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from engine.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import StructuredOutputsParams
@@ -12,6 +13,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

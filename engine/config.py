@@ -35,6 +35,7 @@ QUANTIZATIONS = (None, "gguf", "none", *LOAD_QUANTIZATIONS)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")  # ZMQ transports a publisher can use
 MAX_BLOCK_SIZE = 128
+MAX_LORA_RANK = 64
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # Names of the default model, a GGUF file (engine/model/models/loader.py).
 DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "smollm2", "SmolLM2-135M-Instruct")
@@ -179,6 +180,19 @@ class EngineConfig:
                 "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
                 "\"prompt_lookup_min\": 2}' or '{\"method\": \"suffix\"}'; unset: none",
         "parse": SpeculativeConfig.parse})
+    # LoRA adapters over the one base model (engine/model/lora/; vLLM's flags).
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters (PEFT folders) beside the base model: a request "
+                "names one (the service's `model`), and a step mixes rows of the base and "
+                "of up to --max-loras adapters"})
+    max_loras: int = field(default=1, metadata={
+        "help": "most distinct adapters in one step (slots held in every adapted projection)"})
+    max_lora_rank: int = field(default=16, metadata={
+        "help": "the highest adapter rank served (adapters above it are refused); "
+                f"up to {MAX_LORA_RANK}"})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "adapters kept read in host memory, least recently used dropped first "
+                "(read again from their folder when asked for); default: --max-loras"})
     # Converted models live here; $XDG_CACHE_HOME already moves it, so no flag.
     cache_dir: Path = field(default_factory=default_cache_dir, metadata={"cli": False})
 
@@ -187,6 +201,7 @@ class EngineConfig:
         self._check_choices()
         self._check_kv_events()
         self._check_offload()
+        self._check_lora()
         if not _is_power_of_two(self.block_size) or self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(
                 f"block_size={self.block_size} is not supported: use a power of two "
@@ -328,6 +343,20 @@ class EngineConfig:
         if self.kv_offload_enabled and not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers sit under the prefix cache: they need "
                              "enable_prefix_caching")
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} is above {MAX_LORA_RANK}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= "
+                             f"max_loras={self.max_loras}: a step reads its adapters from there")
 
     def replace(self, **changes) -> "EngineConfig":
         """A new validated config with some fields changed (the original stays as it was)."""

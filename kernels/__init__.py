@@ -1,5 +1,6 @@
 """Paged KV-cache kernels (store, decode attention, prefill/extend attention),
-the linear layers' matmul and the MoE experts' (fused_moe: kernels/moe.py).
+the linear layers' matmul and the MoE experts' (fused_moe: kernels/moe.py),
+and multi-LoRA's per-row adapters (lora_shrink / lora_expand: kernels/lora.py).
 
 Three implementations share one contract (see ``kernels/reference.py``):
 
@@ -50,6 +51,7 @@ from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.kv_quant import QUANTIZED_CACHES
 from kernels.layer_ops import gemma_layer_op, llama_layer_op, llama_layers_op
+from kernels.lora import lora_expand, lora_expand_reference, lora_shrink, lora_shrink_reference
 from kernels.moe import fused_moe, fused_moe_cpu, fused_moe_reference
 from kernels.packed_layout import (PACKED_DIMS, embedding, over_rows, pack_linear,
                                    packed_linear, unpack_linear)
@@ -80,6 +82,8 @@ __all__ = [
     "linear",
     "llama_layer_op",
     "llama_layers_op",
+    "lora_expand",
+    "lora_shrink",
     "pack_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -123,6 +127,9 @@ class KernelBackend:
     llama_layers_op: Callable[..., Callable | None] = no_layer_op
     # widths -> a whole Gemma 2 / 3 layer in one op, or None (the modules)
     gemma_layer_op: Callable[..., Callable | None] = no_layer_op
+    # multi-LoRA (kernels/lora.py): h = scale * A[ids] @ x per row, then y += B[ids] @ h
+    lora_shrink: Callable[..., torch.Tensor] = lora_shrink_reference
+    lora_expand: Callable[..., torch.Tensor] = lora_expand_reference
 
 
 def _triton_modules():
@@ -137,9 +144,11 @@ def _triton_backend() -> KernelBackend:
     store, decode, prefill = _triton_modules()
     moe = importlib.import_module("kernels.fused_moe_triton")
     quant = importlib.import_module("kernels.quant_triton")
+    lora = importlib.import_module("kernels.lora_triton")
     return KernelBackend("triton", store.store_kvcache, decode.paged_decode_attention,
                          prefill.paged_prefill_attention, fused_moe=moe.fused_moe,
-                         quant_linear=quant.quant_linear, quant_dequantize=quant.quant_dequantize)
+                         quant_linear=quant.quant_linear, quant_dequantize=quant.quant_dequantize,
+                         lora_shrink=lora.lora_shrink, lora_expand=lora.lora_expand)
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -310,7 +319,7 @@ def get_backend(name: str) -> KernelBackend:
                              linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe,
                              quant_linear=quant_linear, quant_dequantize=quant_dequantize,
                              llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op,
-                             gemma_layer_op=gemma_layer_op)
+                             gemma_layer_op=gemma_layer_op, lora_shrink=lora_shrink, lora_expand=lora_expand)
     if name == "torch":
         return KernelBackend("torch", store_kvcache_reference, paged_decode_attention_reference,
                              paged_prefill_attention_reference)
@@ -322,7 +331,7 @@ def get_backend(name: str) -> KernelBackend:
                              rope, silu_and_mul, fused_moe=fused_moe_cpu,
                              quant_linear=quant_linear, quant_dequantize=quant_dequantize,
                              llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op,
-                             gemma_layer_op=gemma_layer_op)
+                             gemma_layer_op=gemma_layer_op, lora_shrink=lora_shrink, lora_expand=lora_expand)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

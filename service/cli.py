@@ -149,7 +149,7 @@ CPU_SERVING_STEP_TOKENS = 512
 
 def serving_step_tokens(device: str) -> int:
     """The serving default of max_num_batched_tokens for the --device flag."""
-    from engine.model.model_runner import resolve_device  # torch: imported only when serving
+    from engine.model.placement import resolve_device  # torch: imported only when serving
 
     if resolve_device(EngineConfig(device=device)).type == "cpu":
         return CPU_SERVING_STEP_TOKENS

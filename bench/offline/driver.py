@@ -24,7 +24,7 @@ from bench.common.workload import Workload
 from engine.config import EngineConfig
 from engine.frontend.llm_engine import LLMEngine
 from engine.model.model_info import load_model
-from engine.model.model_runner import resolve_device, resolve_dtype
+from engine.model.placement import resolve_device, resolve_dtype
 from engine.model.models.loader import load_hf_config, resolve_model_path
 from engine.model.runner import Runner
 from engine.outputs import RequestOutput

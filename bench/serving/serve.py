@@ -103,9 +103,14 @@ async def run(args, requests: list[Request], model: str) -> tuple[list[Result], 
     rng = random.Random(args.seed + 1)
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=args.quiet)
 
-    async def one(client, request):
+    # --lora-modules: request i runs under the i-th name in turn, so the
+    # adapters share the load evenly (vLLM's benchmark picks one at random).
+    models = args.lora_modules or [model]
+
+    async def one(client, index, request):
         async with semaphore:
-            result = await send(client, model, request, not args.no_usage_per_chunk)
+            result = await send(client, models[index % len(models)], request,
+                                not args.no_usage_per_chunk)
         bar.update(1)
         return result
 
@@ -114,8 +119,8 @@ async def run(args, requests: list[Request], model: str) -> tuple[list[Result], 
                            max_retries=0) as client:
         tasks = []
         start = time.perf_counter()
-        for request in requests:
-            tasks.append(asyncio.create_task(one(client, request)))
+        for index, request in enumerate(requests):
+            tasks.append(asyncio.create_task(one(client, index, request)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
@@ -270,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve bench serve", description=__doc__.split("\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server serves (its --lora-modules names): the "
+                        "requests take them in turn as their model")
     p.add_argument("--api-key", default=None)
     p.add_argument("--dataset", choices=sorted(DATASETS), default="random")
     p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (sharegpt)")

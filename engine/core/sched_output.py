@@ -41,6 +41,7 @@ class ScheduledSequence:
     # tokens; the runner samples at the last real token and at each of them and
     # keeps the guesses the model agrees with (engine/sampling/speculative.py).
     draft_token_ids: list[int] = field(default_factory=list)
+    lora_id: int = 0  # the LoRA adapter its rows run under (0: the base model)
 
     @property
     def num_new_tokens(self) -> int:

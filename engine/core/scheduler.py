@@ -7,9 +7,8 @@ sequences (`max_num_seqs`). The scheduler spends the budget in two passes:
        prefill the rest of its prompt (or as much as the budget allows: a
        *chunk*). Decodes therefore keep flowing while a long prompt is
        prefilled a chunk per step.
-    2. waiting sequences, in arrival order, while budget, seats and blocks last
-       -- and while the blocks left over cover the growth the running
-       sequences are expected to still need (below).
+    2. waiting sequences, in arrival order, while budget, seats, blocks and
+       LoRA slots last (at most `max_loras` distinct adapters run at once).
 
 When a running sequence needs a block and none is free, the newest running
 sequence is preempted: its blocks are freed and it goes back to the front of
@@ -17,13 +16,11 @@ the waiting queue with `num_computed_tokens = 0`. When it is admitted again it
 recomputes its prompt *and* the tokens it already generated (recompute, not
 swap), then carries on exactly where it stopped. Nothing new is admitted in a
 step that preempted, so the freed memory goes to the sequences that needed it.
-
 Recomputation is wasted work, so admission keeps headroom for the growth
 the running sequences still expect (engine/core/headroom.py).
 
-Prefix caching enters at admission: a new sequence first looks up the longest
-chain of cached blocks matching its prompt and starts with
-`num_computed_tokens` at the cached length, so only the rest is computed.
+Prefix caching enters at admission: a new sequence first looks up the longest chain
+of cached blocks matching its prompt and starts with `num_computed_tokens` there.
 With offload tiers (engine/core/kv_offload/), the lookup goes on into the tiers:
 a sequence with blocks to load waits aside in `loading`, holding up nobody,
 and comes back to the head of the queue when they have landed as cached blocks.
@@ -51,10 +48,8 @@ first writes into a block that is still shared gets a private copy of it
 (copy on write; the runner copies the K/V before the forward pass).
 
 The result is a `SchedulerOutput`: plain data, the only thing the model
-runner sees. It says which sequences run and which of their tokens; for a
-sequence whose logits are sampled it also carries what sampling reads (its
-settings, generator and tokens), but the sampler's batch is the runner's to
-build.
+runner sees: which sequences run, which of their tokens, and for those that
+sample, what sampling reads (the sampler's batch is the runner's to build).
 """
 
 from __future__ import annotations
@@ -83,6 +78,7 @@ class Scheduler:
                  offload: KVOffload | None = None) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_loras = config.max_loras  # distinct LoRA adapters in the running batch
         self.block_size = config.block_size
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -298,6 +294,9 @@ class Scheduler:
         """Give a waiting sequence its blocks; returns its token count, None to wait,
         or LOADING when it must first wait aside for the offload tiers (their
         answer, or their blocks)."""
+        held = {s.lora_id for s in self.running} - {0}  # the LoRA adapters running
+        if seq.lora_id and seq.lora_id not in held and len(held) >= self.max_loras:
+            return None  # a step has max_loras slots: wait for one to leave
         parent = seq.fork_parent
         if parent is not None and parent.status is SequenceStatus.RUNNING:
             if parent.num_computed_tokens < parent.num_prompt_tokens:
@@ -364,6 +363,7 @@ class Scheduler:
             window_block_table=self.block_manager.window_table(seq.seq_id),
             prompt_logprobs=seq.params.prompt_logprobs,
             draft_token_ids=draft or [],
+            lora_id=seq.lora_id,
         )
 
     # -- after the model ran -----------------------------------------------------------

@@ -62,6 +62,10 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     hash_extra: bytes = b""  # model fingerprint
     cache_salt: bytes = b""  # per tenant, first block only
+    # The LoRA adapter it runs under (0: the base model) and what that adds
+    # to its first block's hash: one prompt under two adapters shares no block.
+    lora_id: int = 0
+    lora_key: bytes = b""
     # n > 1: the sample that computes the shared prompt (None for the first sample).
     fork_parent: Sequence | None = None
     # Speculative decoding: tokens guessed to follow, set before each step by
@@ -107,7 +111,7 @@ class Sequence:
             i = len(hashes)
             parent = hashes[-1] if hashes else ROOT_HASH
             tokens = self.token_slice(i * block_size, (i + 1) * block_size)
-            extra = block_extra(i, self.hash_extra, self.cache_salt)
+            extra = block_extra(i, self.hash_extra, self.cache_salt + self.lora_key)
             hashes.append(hash_block(parent, tokens, extra))
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:

@@ -142,7 +142,7 @@ class AsyncEngine:
     # -- the asyncio side --------------------------------------------------------------
     def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                  add_special_tokens: bool = True, cache_salt: str | None = None,
-                 priority: int = 0) -> "RequestStream":
+                 priority: int = 0, lora_request=None) -> "RequestStream":
         """Submit a request now; iterate the returned stream for its outputs.
 
         Refusals (engine dead, queue full) raise here, before anything is
@@ -161,7 +161,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request_id, prompt, params,
                                         add_special_tokens=add_special_tokens, cache_salt=cache_salt,
-                                        priority=priority)
+                                        priority=priority, lora_request=lora_request)
             except Exception as exc:  # a bad request, not a broken engine
                 self._deliver_soon([(request_id, exc)])
 

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from engine.frontend.chat_template import render_chat_text
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.frontend.llm_engine import LLMEngine
+from engine.model.lora.request import LoRARequest
 from engine.outputs import RequestOutput, RequestOutputKind
 from engine.sampling_params import SamplingParams
 
@@ -59,11 +60,14 @@ class LLM:
         prompts: Prompt | SequenceABC[Prompt],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt; one SamplingParams for all, or one per prompt."""
+        """Complete every prompt; one SamplingParams for all, or one per prompt;
+        `lora_request` (enable_lora): the LoRA adapter of all, or one per prompt."""
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
-        items = [(_unwrap(p), sp, True) for p, sp in zip(prompts, params)]
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        items = [(_unwrap(p), sp, True, lora) for p, sp, lora in zip(prompts, params, loras)]
         return self._run(items, use_tqdm)
 
     def chat(
@@ -74,6 +78,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them, using the model's chat template.
 
@@ -84,22 +89,24 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _params_per_prompt(sampling_params, len(conversations))
+        loras = _per_prompt(lora_request, len(conversations), "lora_request")
         tokenizer = self.get_tokenizer()
         items = []
-        for conversation, sp in zip(conversations, params):
+        for conversation, sp, lora in zip(conversations, params, loras):
             text = render_chat_text(tokenizer, conversation, add_generation_prompt, tools,
                                     chat_template_kwargs)
-            items.append((text, sp, False))  # the template already placed special tokens
+            items.append((text, sp, False, lora))  # the template already placed special tokens
         return self._run(items, use_tqdm)
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
-            for prompt, params, add_special in items:
+            for prompt, params, add_special, lora in items:
                 request_id = str(next(self._request_ids))
                 params = _final_only(params)
-                engine.add_request(request_id, prompt, params, add_special_tokens=add_special)
+                engine.add_request(request_id, prompt, params, add_special_tokens=add_special,
+                                   lora_request=lora)
                 ids.append(request_id)
             finished: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
@@ -143,9 +150,14 @@ def _unwrap(prompt: Prompt) -> str | list[int]:
 def _params_per_prompt(params, count: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
-    return params
+    return _per_prompt(params, count, "SamplingParams")
+
+
+def _per_prompt(value, count: int, what: str) -> list:
+    """One value for every prompt, or a list of one per prompt."""
+    if value is None or not isinstance(value, SequenceABC):
+        return [value] * count
+    value = list(value)
+    if len(value) != count:
+        raise ValueError(f"got {len(value)} {what} for {count} prompts")
+    return value

@@ -20,15 +20,10 @@ import operator
 import torch
 
 from engine.core.block_hash import salt_digest
-from engine.core.block_manager import BlockManager
-from engine.core.hybrid_blocks import HybridBlockManager
 from engine.config import EngineConfig
 from engine.errors import ValidationError
 from engine.sampling.detokenizer import IncrementalDetokenizer
-from engine.core.kv_events import KVEventPublisher
-from engine.core.kv_offload import KVOffload, build_offload
 from engine.model.cpu_allocator import release_freed_heap
-from engine.model.kv_cache import dtype_name
 from engine.model.model_info import ModelInfo, load_model
 from engine.model.runner import Runner
 from engine.outputs import RequestOutput
@@ -44,6 +39,9 @@ from engine.sampling.structured_outputs import StructuredOutputs
 from engine.frontend.engine_stats import engine_stats
 from engine.frontend.request_state import Request
 from engine.frontend.prompt_logprobs import prompt_ends, settle_prompts
+from engine.frontend.engine_parts import build_block_manager, build_kv_events, build_kv_offload
+from engine.frontend.lora_adapters import LoRAAdapters
+from engine.model.lora.request import LoRARequest
 
 
 class LLMEngine:
@@ -78,8 +76,9 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size,
                                                     self.eos_token_ids)
         if scheduler is None:
-            block_manager = self._block_manager()
-            scheduler = Scheduler(config, block_manager, self._kv_offload(block_manager))
+            block_manager = build_block_manager(config, runner)
+            scheduler = Scheduler(config, block_manager,
+                                  build_kv_offload(config, block_manager, runner, self.fingerprint))
         self.scheduler = scheduler
         self.offload = scheduler.offload
         self.block_manager = scheduler.block_manager
@@ -88,51 +87,14 @@ class LLMEngine:
                 f"the scheduler's {self.block_manager.num_blocks} KV blocks exceed the "
                 f"runner's {runner.num_blocks}"
             )
-        self.kv_events = self._kv_event_publisher()
+        self.kv_events = build_kv_events(config, self.block_manager)
         spec = config.speculative_config
         self.speculator = None if spec is None else Speculator(spec, config.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.loras = LoRAAdapters(runner, config.enable_lora)
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = 0  # prompt tokens of every request added
         self.num_generation_tokens = 0  # tokens sampled, over all requests
-
-    def _block_manager(self) -> BlockManager:
-        runner = self.runner
-        if runner.num_window_blocks:  # the sliding layers have their own pool
-            return HybridBlockManager(
-                runner.num_blocks, runner.num_window_blocks, self.config.block_size,
-                runner.hybrid_window, enable_caching=self.config.enable_prefix_caching,
-                record_events=self.config.kv_events_endpoint is not None)
-        return BlockManager(
-            self.runner.num_blocks,
-            self.config.block_size,
-            enable_caching=self.config.enable_prefix_caching,
-            record_events=self.config.kv_events_endpoint is not None,
-            sliding_window=self.runner.sliding_window,
-        )
-
-    def _kv_offload(self, block_manager: BlockManager) -> KVOffload | None:
-        """The offload tiers' manager, when the config names a tier."""
-        if not self.config.kv_offload_enabled:
-            return None
-        runner = self.runner
-        return build_offload(
-            self.config, block_manager, runner, fingerprint=self.fingerprint,
-            kv_cache_dtype=dtype_name(runner.kv_cache_dtype),
-            payload_bytes=runner.block_record_bytes(),
-            pin_memory=torch.device(runner.device).type == "cuda")
-
-    def _kv_event_publisher(self) -> KVEventPublisher | None:
-        """The publisher of the block manager's events, when an endpoint is set."""
-        endpoint = self.config.kv_events_endpoint
-        if endpoint is None:
-            return None
-        if self.block_manager.events is None:
-            raise ValueError("kv_events_endpoint is set but the given scheduler's block "
-                             "manager records no events (record_events=True)")
-        return KVEventPublisher(endpoint, self.config.kv_events_topic,
-                                replay_endpoint=self.config.kv_events_replay_endpoint,
-                                buffer_steps=self.config.kv_events_buffer_steps)
 
     def close(self) -> None:
         """Stop the KV event publisher, the offload threads and the runner's
@@ -162,6 +124,7 @@ class LLMEngine:
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request: a text prompt (tokenized here) or prompt token ids.
 
@@ -170,6 +133,7 @@ class LLMEngine:
         cache: requests share cached blocks only when their salts are equal. The
         service derives it from the authenticated caller, never from the client.
         `priority` orders requests under scheduling_policy="priority" (lower first).
+        `lora_request`: the LoRA adapter it runs under (read now if not held).
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -177,6 +141,7 @@ class LLMEngine:
         self.check_prompt(token_ids)
         self.check_params(params)
         salt = salt_digest(cache_salt)
+        lora_id, lora_key = self.loras.admit(lora_request)
         seqs, detokenizers, stop_checkers = [], [], []
         constraint = params.structured_outputs
         for index in range(params.n):
@@ -194,6 +159,8 @@ class LLMEngine:
                 fork_parent=seqs[0] if seqs else None,
                 grammar=grammar,
                 priority=priority,
+                lora_id=lora_id,
+                lora_key=lora_key,
             )
             seqs.append(seq)
             detokenizer = IncrementalDetokenizer(
@@ -218,6 +185,20 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self._finish(seq, "abort")
+
+    # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ------------------
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests (ValidationError if it
+        does not fit this model)."""
+        self.loras.add(request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter once the requests running under it end; whether it was known."""
+        return self.loras.remove(lora_id, self.requests)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.loras.list()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -301,6 +282,8 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request.request_id]
         self._publish_events()  # the blocks this step cached, now computed
+        if self.loras.pending:
+            self.loras.settle(self.requests)
         return outputs
 
     def _take_tokens(self, request: Request, seq: Sequence, rows: list[int],

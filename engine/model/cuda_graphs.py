@@ -99,6 +99,8 @@ def eager_reason(config, device_type: str, tensor_parallel: bool, moe: bool) -> 
         return "mixture-of-experts layers (the fused MoE's torch.bincount syncs with the host)"
     if config.max_model_len < 1:
         return "max_model_len is not resolved"
+    if config.enable_lora:
+        return "--enable-lora (each step's rows pick their adapters anew)"
     return None
 
 

@@ -31,6 +31,8 @@ import os
 import torch
 
 from engine.config import EngineConfig
+from engine.errors import ValidationError
+from engine.model.lora.request import LoRARequest
 from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory, weights_on_huge_pages
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.distributed.partition import Partition
@@ -46,70 +48,11 @@ from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.sampling.speculative import verify
 from engine.core.sched_output import SchedulerOutput
 from engine.model.step_inputs import Op, decode_step, encode_step
-from kernels import check_backend_support, compiled_bf16_linear, get_backend
+from engine.model.lora.manager import LoRAManager
+from engine.model.placement import resolve_device, resolve_dtype
+from kernels import check_backend_support, get_backend
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
-    """The device of tensor-parallel rank `rank`: on CUDA, the rank-th GPU from
-    the one named (cuda means cuda:0)."""
-    name = config.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device
-    return torch.device("cuda", (device.index or 0) + rank)
-
-
-def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
-    """`auto` takes the checkpoint's dtype, except that a float32 (or unnamed)
-    checkpoint runs in bfloat16 where bf16 matmuls are fast, as vLLM
-    downcasts: a CUDA device that supports bf16, a CPU with AVX512-BF16 or
-    AMX, or any CPU where the compiled bf16-weight linear (kernels.linear)
-    takes the model's layers. On this project's 2-core AVX2 CPU a SmolLM2
-    decode step is 1.8x faster that way than in float32 (one sequence),
-    where torch's own bf16 matmul is 4-5x slower than its float32 one.
-    Ask for float32 explicitly for bit-exact agreement with HF in float32."""
-    if config.dtype != "auto":
-        return DTYPES[config.dtype]
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = DTYPES.get(dtype)
-    if dtype in (torch.bfloat16, torch.float16):
-        return dtype
-    fast = has_fast_bf16(device, config.kernel_backend, _linear_widths(config, hf_config))
-    return torch.bfloat16 if fast else torch.float32
-
-
-def _linear_widths(config: EngineConfig, hf_config) -> list[int]:
-    """The in_features of one rank's linear layers: the hidden size, and the
-    attention output's and the MLP's inputs, cut by tensor parallelism."""
-    tp = config.tensor_parallel_size
-    hidden = getattr(hf_config, "hidden_size", 0)
-    heads = getattr(hf_config, "num_attention_heads", 0) or 1
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    return [hidden, getattr(hf_config, "intermediate_size", 0) // tp, heads * head_dim // tp]
-
-
-def has_fast_bf16(device: torch.device, kernel_backend: str = "auto",
-                  widths: list[int] | tuple[int, ...] = ()) -> bool:
-    """bf16 matmuls run at least as fast as float32 ones on `device`. On the
-    CPU, `widths` are the in_features of the model's linear layers, which the
-    compiled bf16 linear must take (the auto and cpu kernel backends use it)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type != "cpu":
-        return False
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch's cpuinfo (private)
-    if any(getattr(torch.cpu, name, lambda: False)() for name in probes):
-        return True
-    return (kernel_backend in ("auto", "cpu") and len(widths) > 0
-            and all(width and compiled_bf16_linear(width) for width in widths))
-
 
 def shared_window(windows: tuple[int | None, ...]) -> int | None:
     """The window of a model whose every layer slides by the same one, else None:
@@ -146,6 +89,8 @@ class ModelRunner:
         self.kv_groups = KVGroups.plan(args.sliding_windows, config)
         self.hybrid_window = self.kv_groups.window
         self.model = self._load_model(hf_config, model_path)
+        self.lora = (LoRAManager(config, self.model, self.kernels, self.dtype, self.device)
+                     if config.enable_lora else None)  # after loading: on the final modules
         check_backend_support(
             config.kernel_backend, config.block_size, args.head_dim, self.dtype, self.device
         )
@@ -281,7 +226,7 @@ class ModelRunner:
         """One prefill of `num_tokens` tokens into a one-block scratch cache (slots -1)."""
         scratch = self.kv_layout.zeros(self.model.args.num_layers, 2, self.device)
         # No sequences, so attention itself is skipped; the rest runs at full size.
-        header = [Op.STEP, num_tokens, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+        header = [Op.STEP, num_tokens, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]
         payload = [0] * (2 * num_tokens) + [-1] * num_tokens + [0, num_tokens - 1]
         inputs = decode_step(header, torch.tensor(payload, device=self.device))
         hidden = self.model(inputs.input_ids, inputs.positions, scratch, inputs.meta)
@@ -308,6 +253,23 @@ class ModelRunner:
         owners, sampled = verify(self.sampler, logits, batch.drafted(self.eos_token_ids))
         return ModelRunnerOutput([batch.seq_ids[i] for i in owners], sampled, prompt_logprobs)
 
+    # -- LoRA adapters (engine/model/lora/) -------------------------------------------
+    def add_lora(self, request: LoRARequest) -> bytes:
+        """Read and check an adapter so that requests can run under it; its digest."""
+        return self._lora_manager().add(request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove(lora_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self._lora_manager().list()
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValidationError("this engine serves no LoRA adapters: start it with "
+                                  "enable_lora (--enable-lora)", "model")
+        return self.lora
+
     def share(self, header: list[int], payload: torch.Tensor) -> torch.Tensor:
         """Hand the encoded step to the other tensor-parallel ranks (none here:
         engine/model/distributed/executor.py broadcasts it)."""
@@ -319,6 +281,8 @@ class ModelRunner:
         rank alike: the logits of its sampled rows (None when nothing samples,
         and on the ranks other than 0)."""
         inputs = decode_step(header, payload)
+        if self.lora is not None:
+            self.lora.prepare(inputs.lora_ids)  # every rank maps the adapters to its slots alike
         if inputs.copy_sources.numel():
             self._copy_blocks(self.kv_cache, inputs.copy_sources, inputs.copy_destinations)
         if inputs.window_copies is not None and inputs.window_copies.numel():

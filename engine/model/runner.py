@@ -73,6 +73,18 @@ class Runner(Protocol):
         """{"weights_bytes", "kv_cache_bytes"} of each tensor-parallel rank, in rank
         order: the service's memory metrics."""
 
+    # -- LoRA adapters (engine/model/lora/; a runner built with enable_lora) --
+    def add_lora(self, request) -> bytes:
+        """Read and check an adapter (a LoRARequest) so that sequences whose
+        lora_id is its lora_int_id can run; ValidationError if it does not fit.
+        Returns its content's digest (what it adds to a first block's hash)."""
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; whether it was known."""
+
+    def list_loras(self) -> list:
+        """The LoRARequests of the adapters it knows."""
+
     # -- whole blocks as bytes, for the KV offload tiers (engine/core/kv_offload/) --
     def block_record_bytes(self) -> int:
         """Bytes of one block's K/V over all layers and ranks: a row of read_blocks,

@@ -5,17 +5,20 @@ a fixed header of counts, then every list the forward pass reads, end to end.
 
     header   [op, tokens T, decodes D, decode width Wd, prefills P, prefill width Wp,
               sampled rows S, block copies C,
-              window group G (0 or 1), window widths Xd Xp, window copies Xc]
+              window group G (0 or 1), window widths Xd Xp, window copies Xc,
+              adapters L (0 or 1)]
     payload  input_ids[T] positions[T] slot_mapping[T]
              decode_block_tables[D x Wd] decode_context_lens[D]
              prefill_block_tables[P x Wp] prefill_cu_seqlens_q[P + 1] prefill_context_lens[P]
              sample_rows[S] block_copies[C x 2]
              (G = 1:) window_slot_mapping[T] window_decode_tables[D x Xd]
                       window_prefill_tables[P x Xp] window_copies[Xc x 2]
+             (L = 1:) lora_ids[T]: each token's LoRA adapter (0: the base model)
 
 The window part is the sliding layers' own pool of a model that mixes sliding
 and global layers (engine/core/hybrid_blocks.py): the same tokens and lengths,
-other blocks.
+other blocks. The adapters' part is there when some sequence runs under a
+LoRA adapter: every rank maps the ids to its own slots (engine/model/lora/).
 
 `decode_step` cuts the payload back into tensors: views of one int64 tensor
 and a few int32 copies, after a single host-to-device transfer. With tensor
@@ -35,7 +38,7 @@ import torch
 from engine.model.attention_metadata import AttentionMetadata
 from engine.core.sched_output import ScheduledSequence
 
-HEADER_LEN = 12
+HEADER_LEN = 13
 
 
 class Op(IntEnum):
@@ -45,6 +48,8 @@ class Op(IntEnum):
     STEP = 1
     READ_BLOCKS = 2  # header [op, n]; payload: n block ids
     WRITE_BLOCKS = 3  # header [op, n]; payload: n block ids, then the blocks' bytes
+    ADD_LORA = 4  # header [op, n]; payload: n bytes, the LoRARequest as JSON
+    REMOVE_LORA = 5  # header [op, lora_int_id]
 
 
 @dataclass
@@ -56,6 +61,7 @@ class StepInputs:
     copy_sources: torch.Tensor  # long [C]: copy-on-write block pairs, applied first
     copy_destinations: torch.Tensor  # long [C]
     window_copies: torch.Tensor | None = None  # long [Xc, 2]: the window pool's pairs
+    lora_ids: torch.Tensor | None = None  # long [T]: each row's adapter (None: all the base)
 
 
 def encode_step(decodes: list[ScheduledSequence], prefills: list[ScheduledSequence],
@@ -81,10 +87,13 @@ def encode_step(decodes: list[ScheduledSequence], prefills: list[ScheduledSequen
         + sample_rows + [block for pair in copies for block in pair]
     )
     header = [Op.STEP, len(input_ids), len(decodes), decode_width, len(prefills),
-              prefill_width, len(sample_rows), len(copies), 0, 0, 0, 0]
+              prefill_width, len(sample_rows), len(copies), 0, 0, 0, 0, 0]
     if ordered and ordered[0].window_block_table is not None:
-        header[8:], window = _window_part(decodes, ordered, window_copies, block_size)
+        header[8:12], window = _window_part(decodes, ordered, window_copies, block_size)
         payload += window
+    if any(s.lora_id for s in ordered):
+        header[12] = 1
+        payload += [s.lora_id for s in ordered for _ in range(s.num_new_tokens)]
     return header, torch.tensor(payload, dtype=torch.long)
 
 
@@ -124,7 +133,7 @@ def payload_length(header: list[int]) -> int:
     main = (3 * tokens + decodes * (decode_width + 1)
             + prefills * (prefill_width + 2) + 1 + sampled + 2 * copies)
     return main + window * (tokens + decodes * window_decode_width
-                            + prefills * window_prefill_width + 2 * window_copies)
+                            + prefills * window_prefill_width + 2 * window_copies) + header[12] * tokens
 
 
 def decode_step(header: list[int], payload: torch.Tensor) -> StepInputs:
@@ -136,6 +145,8 @@ def decode_step(header: list[int], payload: torch.Tensor) -> StepInputs:
     if window:
         sizes += [tokens, decodes * window_decode_width, prefills * window_prefill_width,
                   2 * window_copies]
+    if header[12]:
+        sizes.append(tokens)
     parts = payload.split(sizes)
     (input_ids, positions, slots, decode_tables, decode_lens, prefill_tables,
      cu_seqlens, prefill_lens, sample_rows, pairs) = parts[:10]
@@ -151,8 +162,10 @@ def decode_step(header: list[int], payload: torch.Tensor) -> StepInputs:
     )
     pairs = pairs.view(copies, 2)
     inputs = StepInputs(input_ids, positions, meta, sample_rows, pairs[:, 0], pairs[:, 1])
+    if header[12]:
+        inputs.lora_ids = parts[-1]
     if window:
-        window_slots, window_decode, window_prefill, window_pairs = parts[10:]
+        window_slots, window_decode, window_prefill, window_pairs = parts[10:14]
         meta.window = dataclasses.replace(
             meta, slot_mapping=window_slots,
             decode_block_tables=window_decode.view(decodes, window_decode_width).to(int32),

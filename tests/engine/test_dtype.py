@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.model.model_runner import has_fast_bf16, resolve_dtype
+from engine.model.placement import has_fast_bf16, resolve_dtype
 from kernels import compiled_bf16_linear
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -20,13 +20,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.model.layers import fused_layer
 from engine.model.layers.activation import MLP
 from engine.model.layers.moe import FusedMoE
 from engine.model.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model.layers.quantization import QuantLinear
 from kernels.cpu import ops as cpu_ops
+from lora_models import ADAPTERS, make_adapter
 from need import need
 from tiny_models import make_tiny_family
 
@@ -45,7 +46,7 @@ def _compiled_ops_or_skip():
     need(hasattr(cpu_ops.current_ops(), "llama_layer"), "the build has no llama_layer")
 
 
-def _generate(llm, mode: str, monkeypatch, prompts=PROMPTS) -> tuple[list, int]:
+def _generate(llm, mode: str, monkeypatch, prompts=PROMPTS, lora=None) -> tuple[list, int]:
     """Greedy outputs with the layers in one op for the stack ("stack"), in
     one op each ("layer") or module by module ("modules"), and how many layer
     calls took an op (a stack call counts every layer)."""
@@ -67,19 +68,19 @@ def _generate(llm, mode: str, monkeypatch, prompts=PROMPTS) -> tuple[list, int]:
     monkeypatch.setattr(fused_layer, "run", counting)
     monkeypatch.setattr(fused_layer, "run_stacked", counting_stack)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     monkeypatch.setattr(fused_layer, "run", run)
     monkeypatch.setattr(fused_layer, "run_stacked", run_stacked)
     got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
     return got, sum(taken)
 
 
-def _same_with_and_without(llm, monkeypatch, prompts=PROMPTS, stacked: bool = True):
+def _same_with_and_without(llm, monkeypatch, prompts=PROMPTS, stacked: bool = True, lora=None):
     """Modules, then an op a layer, then (where the layers stack) one op for
     all: every token and every log-probability the same."""
-    modules, none = _generate(llm, "modules", monkeypatch, prompts)
-    per_layer, taken = _generate(llm, "layer", monkeypatch, prompts)
-    whole, taken_whole = _generate(llm, "stack", monkeypatch, prompts)
+    modules, none = _generate(llm, "modules", monkeypatch, prompts, lora)
+    per_layer, taken = _generate(llm, "layer", monkeypatch, prompts, lora)
+    whole, taken_whole = _generate(llm, "stack", monkeypatch, prompts, lora)
     assert none == 0 and taken > 0 and taken_whole > 0
     assert (llm.engine.runner.model.layer_stack.stacked is not None) == stacked
     for got in (per_layer, whole):
@@ -106,6 +107,21 @@ def test_quantized_caches_give_the_same_numbers(smollm2_path, monkeypatch, cache
     llm = LLM(str(smollm2_path), dtype="bfloat16", kv_cache_dtype=cache)
     assert llm.engine.runner.kv_cache.dtype == dtype
     _same_with_and_without(llm, monkeypatch)
+
+
+def test_lora_rows_give_the_same_numbers(smollm2_path, tmp_path_factory, monkeypatch):
+    """Rows under two LoRA adapters beside a base row: the op adds each row's
+    update (kernels/cpu/csrc/lora.h) where the modules' projections do."""
+    _compiled_ops_or_skip()
+    root = tmp_path_factory.mktemp("smollm2-lora")
+    requests = [LoRARequest(name, i + 1, str(make_adapter(smollm2_path, root / name, i, **ADAPTERS[name])))
+                for i, name in enumerate(["all-r8-rs", "qv-r4"])]
+    llm = LLM(str(smollm2_path), dtype="bfloat16", enable_lora=True, max_loras=2,
+              max_num_batched_tokens=16, block_size=16)
+    _same_with_and_without(llm, monkeypatch, lora=[requests[0], None, requests[1]])
+    base, _ = _generate(llm, "stack", monkeypatch)
+    adapted, _ = _generate(llm, "stack", monkeypatch, lora=[requests[0], None, requests[1]])
+    assert base[1] == adapted[1] and base[0][0] != adapted[0][0]
 
 
 def test_drafted_rows_give_the_same_numbers(smollm2_path, monkeypatch):

@@ -20,7 +20,7 @@ def test_decodes_and_prefills_round_trip():
     prefills = [seq(2, [20, 21, 22], 0, [9]), seq(3, [30, 31], 5, [4, 6])]
     header, payload = encode_step(decodes, prefills, sample_rows=[0, 1, 6],
                                   copies=[(5, 10)], block_size=block_size)
-    assert header == [Op.STEP, 7, 2, 3, 2, 2, 3, 1, 0, 0, 0, 0]  # no window group
+    assert header == [Op.STEP, 7, 2, 3, 2, 2, 3, 1, 0, 0, 0, 0, 0]  # no window group, no adapters
     assert len(header) == HEADER_LEN
     assert payload.dtype == torch.long and payload.numel() == payload_length(header)
 
@@ -56,7 +56,7 @@ def test_the_window_group_has_its_own_slots_tables_and_copies():
     prefills = [seq(1, [20, 21], 4, [9, 6], [1, 8])]
     header, payload = encode_step(decodes, prefills, [0, 2], [(5, 10)], block_size=4,
                                   window_copies=[(4, 3), (8, 7)])
-    assert header[8:] == [1, 3, 2, 2]
+    assert header[8:] == [1, 3, 2, 2, 0]
     assert payload.numel() == payload_length(header)
     inputs = decode_step(header, payload)
     main, window = inputs.meta, inputs.meta.window

@@ -25,6 +25,8 @@ milliseconds, and every later call raises WorkerFailedError.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import pickle
@@ -40,7 +42,8 @@ import torch
 from engine.config import EngineConfig
 from engine.model.distributed.group import RENDEZVOUS_TIMEOUT, TensorParallelGroup, host_store
 from engine.model.distributed.partition import Partition
-from engine.model.model_runner import ModelRunner, ModelRunnerOutput, resolve_device
+from engine.model.model_runner import ModelRunner, ModelRunnerOutput
+from engine.model.placement import resolve_device
 from engine.model.models.registry import model_class
 from engine.core.sched_output import SchedulerOutput
 from engine.model.step_inputs import HEADER_LEN, Op
@@ -267,6 +270,24 @@ class TensorParallelRunner(ModelRunner):
         data = data.to(self.device).contiguous()
         self.group.broadcast(data)
         super().write_blocks(block_ids, data[:, : self.bytes_per_block()].contiguous())
+
+    # -- LoRA adapters: every rank reads its own slice from the adapter's folder --------
+    def add_lora(self, request) -> bytes:
+        new = self.lora is not None and request.lora_int_id not in self.lora.known
+        digest = super().add_lora(request)  # rank 0 checks it first: a bad folder goes no further
+        if new:
+            self._collective(self._send_lora, request)
+        return digest
+
+    def _send_lora(self, request) -> None:
+        data = json.dumps(dataclasses.asdict(request)).encode()
+        self._send([Op.ADD_LORA, len(data)], torch.tensor(list(data), dtype=torch.uint8,
+                                                          device=self.device))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        found = super().remove_lora(lora_id)
+        self._collective(self._send, [Op.REMOVE_LORA, lora_id])
+        return found
 
     # -- shutdown ------------------------------------------------------------------------
     def close(self) -> None:

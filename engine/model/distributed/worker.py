@@ -18,6 +18,7 @@ and the worker exits at once.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -28,7 +29,9 @@ import torch
 
 from engine.model.distributed.executor import gather_memory
 from engine.model.distributed.group import TensorParallelGroup, join_store
-from engine.model.model_runner import ModelRunner, resolve_device
+from engine.model.lora.request import LoRARequest
+from engine.model.model_runner import ModelRunner
+from engine.model.placement import resolve_device
 from engine.model.models.loader import load_hf_config
 from engine.model.step_inputs import HEADER_LEN, Op, payload_length
 
@@ -75,6 +78,9 @@ def serve(runner: ModelRunner) -> None:
             group.broadcast(payload)
             runner.run_step(header, payload)
             continue
+        if op in (Op.ADD_LORA, Op.REMOVE_LORA):
+            lora_command(runner, header)
+            continue
         block_ids = torch.empty(header[1], dtype=torch.long, device=device)
         group.broadcast(block_ids)
         ids = block_ids.tolist()
@@ -87,6 +93,16 @@ def serve(runner: ModelRunner) -> None:
             runner.write_blocks(ids, data[:, group.rank * width : (group.rank + 1) * width].contiguous())
         else:
             raise RuntimeError(f"unknown command {op} from rank 0")
+
+
+def lora_command(runner: ModelRunner, header: list[int]) -> None:
+    """Rank 0 added an adapter (its LoRARequest follows, as JSON) or removed one."""
+    if header[0] == Op.REMOVE_LORA:
+        runner.remove_lora(header[1])
+        return
+    data = torch.empty(header[1], dtype=torch.uint8, device=runner.device)
+    runner.group.broadcast(data)
+    runner.add_lora(LoRARequest(**json.loads(bytes(data.tolist()))))
 
 
 def _exit_with_engine() -> None:

@@ -33,7 +33,8 @@ width. Gemma 2 / 3's layers (four `GemmaRMSNorm`s, GELU-tanh, Gemma 3's
 per-head norms) take a second op, `kernels.gemma_layer_op`, a call a layer
 (`run_kinds`: each kind of layer has its own RoPE tables). Anything else
 (MoE experts, float32, a GPU) runs the modules, whose kernels choose for
-themselves.
+themselves. Under LoRA adapters the Llama op adds each row's update itself
+(StepArgs.lora_ids, Bound.lora); a Gemma layer runs its modules for such a step.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class Bound:
     paged: PagedAttention  # the layer's attention: which cache slice and batch view it reads
     weights: tuple  # the op's weight arguments (Llama's twelve, Gemma's fourteen; None: none)
     numbers: tuple  # the op's trailing numbers, from Shape
+    lora: tuple | None = None  # the LoRA stacks, A and B of each projection (Llama's op only)
 
 
 def bind(layer) -> Bound | None:
@@ -140,7 +142,18 @@ def bind(layer) -> Bound | None:
                None if attn.k_norm is None else attn.k_norm.weight)
     numbers = (shape.num_heads, shape.num_kv_heads, shape.eps, shape.scale, shape.sliding_window,
                shape.logits_soft_cap)
-    return Bound(shape, op, attn.attn, weights, numbers)
+    return Bound(shape, op, attn.attn, weights, numbers, _lora_stacks(layer, shape))
+
+
+def _lora_stacks(layer, shape: Shape) -> tuple | None:
+    """A and B of each projection's LoRAStack (engine/model/lora/stacks.py), in
+    the op's order, when the engine serves adapters and the op adds them
+    (Llama's; Gemma's layer runs its modules under an adapter)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    stacks = [attn.qkv_proj.lora, attn.o_proj.lora, mlp.gate_up_proj.lora, mlp.down_proj.lora]
+    if shape.gemma or any(stack is None for stack in stacks):
+        return None
+    return tuple(t for stack in stacks for t in (stack.a, stack.b))
 
 
 @dataclass(frozen=True)
@@ -151,12 +164,16 @@ class StepArgs:
     sin: torch.Tensor
     kv_cache: tuple  # (K of every layer, V of every layer), as the runner gives it
     meta: AttentionMetadata
+    lora_ids: torch.Tensor | None = None  # each row's LoRA slot, when some row has one
 
 
-def step_args(rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata) -> StepArgs | None:
+def step_args(rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata,
+              lora=None) -> StepArgs | None:
     """The step's shared arguments, or None where this step cannot take the op
     (then every layer runs its modules): bf16 rows on the CPU, RoPE tables of
-    that dtype, caches of that dtype or int8 / fp8 (kernels/kv_quant.py), int64 slots."""
+    that dtype, caches of that dtype or int8 / fp8 (kernels/kv_quant.py), int64
+    slots. `lora`: the LoRAContext of an engine serving adapters (its rows'
+    slots go to the op, which adds their updates)."""
     cos, sin = rope_tables
     cache_dtype = kv_cache[0][0].dtype
     if not (hidden.dtype == torch.bfloat16 and hidden.is_cpu and hidden.dim() == 2
@@ -165,16 +182,17 @@ def step_args(rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetada
             and cos.is_contiguous() and sin.is_contiguous()
             and meta.slot_mapping.dtype == torch.int64):
         return None
-    return StepArgs(cos, sin, kv_cache, meta)
+    return StepArgs(cos, sin, kv_cache, meta, None if lora is None else lora.row_ids)
 
 
 def run(bound: Bound, step: StepArgs, hidden: torch.Tensor, residual: torch.Tensor | None):
     """(MLP output, residual) of one layer, in one op."""
     k_cache, v_cache, meta = bound.paged.layer_view(step.kv_cache, step.meta)
+    lora = () if step.lora_ids is None else (step.lora_ids, *bound.lora)
     return bound.op(hidden, residual, *bound.weights, step.cos, step.sin, k_cache, v_cache,
                     meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables,
                     meta.decode_context_lens, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                    meta.prefill_context_lens, *bound.numbers)
+                    meta.prefill_context_lens, *bound.numbers, *lora)
 
 
 def run_layers(layers, step: StepArgs | None, rope_tables, hidden: torch.Tensor, kv_cache,
@@ -198,15 +216,16 @@ def run_layer(layer, step: StepArgs | None, rope_tables, hidden: torch.Tensor, r
         if layer._fused is UNKNOWN:
             layer._fused = bind(layer)
         bound = layer._fused
-    if bound is None:
+    if bound is None or (step.lora_ids is not None and bound.lora is None):
         return layer(rope_tables, hidden, residual, kv_cache, meta)
     return run(bound, step, hidden, residual)
 
 
-def run_kinds(layers, rope_tables: dict, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
+def run_kinds(layers, rope_tables: dict, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata,
+              lora=None):
     """Gemma's layer loop: run_layers with RoPE tables per kind of layer
     (`layer.layer_type`), so a step's StepArgs per kind; a call a layer."""
-    steps = {kind: step_args(tables, hidden, kv_cache, meta) for kind, tables in rope_tables.items()}
+    steps = {kind: step_args(tables, hidden, kv_cache, meta, lora) for kind, tables in rope_tables.items()}
     residual = None
     for layer in layers:
         hidden, residual = run_layer(layer, steps[layer.layer_type], rope_tables, hidden, residual,
@@ -226,6 +245,7 @@ class Stacked:
     numbers: tuple
     indices: tuple[int, ...] | None  # each layer's cache index, None when they are 0, 1, 2, ...
     paged: PagedAttention  # the first layer's attention: the batch view every layer reads
+    lora_weights: list | None  # weights with each layer's Bound.lora after its twelve (None: no adapters)
 
 
 def stack(layers) -> Stacked | None:
@@ -245,8 +265,9 @@ def stack(layers) -> Stacked | None:
     if op is None:
         return None
     indices = tuple(b.paged.layer_index for b in bounds)
+    lora = None if first.lora is None else [t for b in bounds for t in (*b.weights, *b.lora)]
     return Stacked(op, [w for b in bounds for w in b.weights], first.numbers,
-                   None if indices == tuple(range(len(bounds))) else indices, first.paged)
+                   None if indices == tuple(range(len(bounds))) else indices, first.paged, lora)
 
 
 def run_stacked(stacked: Stacked, step: StepArgs, hidden: torch.Tensor):
@@ -255,10 +276,13 @@ def run_stacked(stacked: Stacked, step: StepArgs, hidden: torch.Tensor):
     keys, values = step.kv_cache
     if stacked.indices is not None:
         keys, values = [keys[i] for i in stacked.indices], [values[i] for i in stacked.indices]
-    return stacked.op(hidden, stacked.weights, step.cos, step.sin, keys, values, meta.slot_mapping,
+    weights, lora = stacked.weights, ()
+    if step.lora_ids is not None:  # twenty weights a layer, and the rows' slots
+        weights, lora = stacked.lora_weights, (step.lora_ids,)
+    return stacked.op(hidden, weights, step.cos, step.sin, keys, values, meta.slot_mapping,
                       meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
                       meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                      *stacked.numbers)
+                      *stacked.numbers, *lora)
 
 
 class LayerStack:
@@ -270,13 +294,15 @@ class LayerStack:
         self.layers = layers
         self.stacked = UNKNOWN  # a Stacked, or None, once every layer has had its first step
         self.whole = True
+        self.lora = None  # the LoRAContext when the engine serves adapters (engine/model/lora/)
 
     def __call__(self, rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
         layers = self.layers
-        step = step_args(rope_tables, hidden, kv_cache, meta) if len(layers) else None
+        step = step_args(rope_tables, hidden, kv_cache, meta, self.lora) if len(layers) else None
         if step is not None and self.whole and all(layer.fuse for layer in layers):
             if self.stacked is UNKNOWN and all(layer._fused is not UNKNOWN for layer in layers):
                 self.stacked = stack(layers)
-            if self.stacked is not UNKNOWN and self.stacked is not None:
+            if self.stacked is not UNKNOWN and self.stacked is not None and (
+                    step.lora_ids is None or self.stacked.lora_weights is not None):
                 return run_stacked(self.stacked, step, hidden)
         return run_layers(layers, step, rope_tables, hidden, kv_cache, meta)

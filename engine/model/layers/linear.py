@@ -10,7 +10,11 @@ from torch import nn
 class Linear(nn.Linear):
     """nn.Linear whose product is the kernel backend's: on the CPU, bf16
     weights go through the compiled op (kernels.linear), and after
-    `pack_linear_weights` the weight is in the layout that op reads fastest."""
+    `pack_linear_weights` the weight is in the layout that op reads fastest.
+    `lora`: the LoRA adapters' stack (engine/model/lora/stacks.py) when the
+    engine serves adapters, added to the product of the rows that have one."""
+
+    lora = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, kernels) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -23,7 +27,8 @@ class Linear(nn.Linear):
         bf16 layers are 15 GB of pages that are never touched)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x, self.weight, self.bias)
+        y = self.kernels.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 def packed(kernels, weight: nn.Parameter) -> nn.Parameter:

@@ -35,7 +35,10 @@ LOAD_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T (+ b) with W in GGUF blocks (one blob, one or more parts)."""
+    """y = x W^T (+ b) with W in GGUF blocks (one blob, one or more parts);
+    `lora` as on Linear (layers/linear.py)."""
+
+    lora = None
 
     def __init__(self, blob: torch.Tensor, bias: torch.Tensor | None, kernels) -> None:
         super().__init__()
@@ -52,7 +55,8 @@ class QuantLinear(nn.Module):
         return cls(blob, bias, linear.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.quant_linear(x, self.weight, self.bias)
+        y = self.kernels.quant_linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def extra_repr(self) -> str:
         types = "+".join(name for name, _ in quant_parts(self.weight))

@@ -84,7 +84,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         # HF rounds the scale to the model's dtype before multiplying.
         hidden = hidden * torch.tensor(self.args.hidden_size**0.5, dtype=hidden.dtype)
         rope_tables = {kind: rope.tables(positions, hidden.dtype) for kind, rope in self.rope.items()}
-        hidden, residual = fused_layer.run_kinds(self.layers, rope_tables, hidden, kv_cache, meta)
+        hidden, residual = fused_layer.run_kinds(self.layers, rope_tables, hidden, kv_cache, meta,
+                                                 self.layer_stack.lora)
         if residual is None:
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]

@@ -13,6 +13,11 @@
 //          ─► attention: decode rows (one per sequence), then prefill rows
 //          ─► o_proj ─► RMSNorm(+residual) ─► gate_up ─► SiLU·mul ─► down
 //
+// Under LoRA adapters (engine/model/lora/) each of the four projections adds
+// its rows' updates, B (A x), through lora.h's shrink and expand, as the
+// Python layer's modules do: `lora_ids` gives each row's slot (-1: none) and
+// `lora` the layer's stacks (A then B of qkv, o, gate_up, down).
+//
 // The rows are as AttentionMetadata lays them out: the first num_decode
 // tokens one per decoding sequence, then each prefill (or drafted) span.
 // qkv's columns are [q heads | k heads | v heads]; q and k are rotated in
@@ -25,6 +30,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstring>
 #include <optional>
 #include <tuple>
@@ -34,6 +40,7 @@
 #include "kv_store.h"
 #include "linear.h"
 #include "linear_packed.h"
+#include "lora.h"
 #include "prefill.h"
 #include "quant_linear.h"
 #include "rms_norm.h"
@@ -50,6 +57,26 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
   if (w.dim() == 4) return linear_bf16_packed(x, w, b, false);
 #endif
   return linear_bf16(x, w, b, false);
+}
+
+// A step's LoRA rows: each row's slot, and the layer's stacks (A and B of
+// qkv, o, gate_up, down); off when no row runs under an adapter.
+struct Lora {
+  std::optional<at::Tensor> ids;
+  std::array<std::optional<at::Tensor>, 8> stacks;
+  bool on() const { return ids.has_value() && ids->defined(); }
+};
+
+// linear() plus the LoRA update of projection `which` (0 qkv, 1 o, 2 gate_up,
+// 3 down) for the rows that have an adapter.
+inline at::Tensor adapted_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+                                 const Lora& lora, int which) {
+  at::Tensor y = layer_parts::linear(x, w, b);
+  if (!lora.on()) return y;
+  const std::optional<at::Tensor>& a_stack = lora.stacks[2 * which];
+  const std::optional<at::Tensor>& b_stack = lora.stacks[2 * which + 1];
+  TORCH_CHECK_VALUE(a_stack.has_value() && b_stack.has_value(), "llama_layer: LoRA stack ", which, " is None");
+  return lora_expand(y, lora_shrink(x.contiguous(), *a_stack, *lora.ids, 1.0), *b_stack, *lora.ids);
 }
 
 // q, k and v are column ranges of qkv's rows ([q heads | k heads | v heads]).
@@ -161,8 +188,14 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
     int64_t num_decode_tokens, const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
     const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
     const at::Tensor& prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-    double scale, int64_t sliding_window, double logits_soft_cap) {
+    double scale, int64_t sliding_window, double logits_soft_cap, const std::optional<at::Tensor>& lora_ids,
+    const std::optional<at::Tensor>& qkv_lora_a, const std::optional<at::Tensor>& qkv_lora_b,
+    const std::optional<at::Tensor>& o_lora_a, const std::optional<at::Tensor>& o_lora_b,
+    const std::optional<at::Tensor>& gate_up_lora_a, const std::optional<at::Tensor>& gate_up_lora_b,
+    const std::optional<at::Tensor>& down_lora_a, const std::optional<at::Tensor>& down_lora_b) {
   layer_parts::check_step("llama_layer", hidden, num_decode_tokens);
+  const layer_parts::Lora adapters{lora_ids, {qkv_lora_a, qkv_lora_b, o_lora_a, o_lora_b, gate_up_lora_a,
+                                              gate_up_lora_b, down_lora_a, down_lora_b}};
   const int64_t tokens = hidden.size(0), head_dim = kv_store::head_dim_of(k_cache);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const bool first = !(residual.has_value() && residual->defined());
@@ -170,7 +203,7 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
   at::Tensor x = first ? rms_norm(hidden, input_norm, eps, std::nullopt)
                        : rms_norm(hidden, input_norm, eps, stream);
 
-  const at::Tensor qkv = layer_parts::linear(x, qkv_weight, qkv_bias);
+  const at::Tensor qkv = layer_parts::adapted_linear(x, qkv_weight, qkv_bias, adapters, 0);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_layer: qkv_proj gives ", qkv.size(1),
               " columns, the heads need ", q_size + 2 * kv_size);
   const at::Tensor q = layer_parts::rotate_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
@@ -179,10 +212,10 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
                                prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens};
   const at::Tensor attn = layer_parts::attend(q, k_cache, v_cache, rows, scale, sliding_window, logits_soft_cap);
 
-  const at::Tensor o = layer_parts::linear(attn.view({tokens, q_size}), o_weight, o_bias);
+  const at::Tensor o = layer_parts::adapted_linear(attn.view({tokens, q_size}), o_weight, o_bias, adapters, 1);
   x = rms_norm(o, post_norm, eps, stream);
-  const at::Tensor gated = silu_and_mul(layer_parts::linear(x, gate_up_weight, gate_up_bias));
-  return {layer_parts::linear(gated, down_weight, down_bias), stream};
+  const at::Tensor gated = silu_and_mul(layer_parts::adapted_linear(x, gate_up_weight, gate_up_bias, adapters, 2));
+  return {layer_parts::adapted_linear(gated, down_weight, down_bias, adapters, 3), stream};
 }
 
 // Every layer of a Llama-style stack, in one call: llama_layer for each in
@@ -193,7 +226,8 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
 // `weights` holds twelve per layer, in llama_layer's order (input norm, qkv
 // weight and bias, o weight and bias, post norm, gate_up weight and bias,
 // down weight and bias, q_norm, k_norm; biases and the per-head norms may be
-// None); layer l reads k_caches[l] and v_caches[l].  Every layer shares the
+// None), and with `lora_ids` eight more, its LoRA stacks in llama_layer's
+// order; layer l reads k_caches[l] and v_caches[l].  Every layer shares the
 // heads, eps, scale and features.
 inline std::tuple<at::Tensor, at::Tensor> llama_layers(
     const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& weights, const at::Tensor& cos,
@@ -201,12 +235,12 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layers(
     int64_t num_decode_tokens, const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
     const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
     const at::Tensor& prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-    int64_t sliding_window, double logits_soft_cap) {
+    int64_t sliding_window, double logits_soft_cap, const std::optional<at::Tensor>& lora_ids) {
   const int64_t layers = int64_t(k_caches.size());
-  constexpr int64_t kPer = 12;  // weights a layer
+  const int64_t kPer = lora_ids.has_value() && lora_ids->defined() ? 20 : 12;  // weights a layer
   TORCH_CHECK_VALUE(layers > 0 && int64_t(v_caches.size()) == layers && int64_t(weights.size()) == kPer * layers,
                     "llama_layers: ", layers, " K caches, ", v_caches.size(), " V caches and ", weights.size(),
-                    " weights; expected one K and one V cache and twelve weights a layer");
+                    " weights; expected one K and one V cache and ", kPer, " weights a layer");
   auto weight = [&](int64_t l, int i) {
     const std::optional<at::Tensor> w = weights.get(kPer * l + i);
     TORCH_CHECK_VALUE(w.has_value() && w->defined(), "llama_layers: layer ", l, " weight ", i, " is None");
@@ -216,12 +250,14 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layers(
   std::optional<at::Tensor> residual;  // none before the first layer: hidden is the stream
   for (int64_t l = 0; l < layers; ++l) {
     auto optional = [&](int i) { return weights.get(kPer * l + i); };
+    auto stack = [&](int i) { return i < kPer ? optional(i) : std::optional<at::Tensor>(); };
     std::tie(h, residual) = llama_layer(
         h, residual, weight(l, 0), weight(l, 1), optional(2), weight(l, 3), optional(4), weight(l, 5),
         weight(l, 6), optional(7), weight(l, 8), optional(9), optional(10), optional(11), cos, sin,
         k_caches[l], v_caches[l], slot_mapping, num_decode_tokens, decode_block_tables, decode_context_lens,
         prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, num_heads, num_kv_heads, eps, scale,
-        sliding_window, logits_soft_cap);
+        sliding_window, logits_soft_cap, lora_ids, stack(12), stack(13), stack(14), stack(15), stack(16),
+        stack(17), stack(18), stack(19));
   }
   return {h, *residual};
 }

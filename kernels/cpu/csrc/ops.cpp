@@ -7,7 +7,8 @@
 // (rms_norm.h), RoPE (rope.h), SiLU(gate) * up (activation.h); and a whole
 // Llama layer over a step's tokens, those ops chained in C++, and a stack of
 // such layers in one call (llama_layer.h); a Gemma 2 / 3 layer alike, a call
-// a layer (gemma_layer.h).
+// a layer (gemma_layer.h); and multi-LoRA's shrink and expand, each row
+// through its own adapter (lora.h).
 //
 // Both attention ops take two optional features: sliding_window W (a query
 // sees only its last W tokens; blocks before the window are never read) and
@@ -36,6 +37,7 @@
 #include "linear.h"
 #include "linear_packed.h"
 #include "llama_layer.h"
+#include "lora.h"
 #include "prefill.h"
 #include "quant_linear.h"
 #include "rms_norm.h"
@@ -76,13 +78,16 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_decode_tokens, "
         "Tensor decode_block_tables, Tensor decode_context_lens, Tensor prefill_block_tables, "
         "Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, int num_heads, int num_kv_heads, "
-        "float eps, float scale, int sliding_window=0, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
+        "float eps, float scale, int sliding_window=0, float logits_soft_cap=0.0, Tensor? lora_ids=None, "
+        "Tensor? qkv_lora_a=None, Tensor? qkv_lora_b=None, Tensor? o_lora_a=None, Tensor? o_lora_b=None, "
+        "Tensor? gate_up_lora_a=None, Tensor? gate_up_lora_b=None, Tensor? down_lora_a=None, "
+        "Tensor? down_lora_b=None) -> (Tensor, Tensor)",
         &pagedserve::llama_layer);
   m.def("llama_layers(Tensor hidden, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor slot_mapping, int num_decode_tokens, Tensor decode_block_tables, "
         "Tensor decode_context_lens, Tensor prefill_block_tables, Tensor prefill_cu_seqlens_q, "
         "Tensor prefill_context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
-        "int sliding_window=0, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
+        "int sliding_window=0, float logits_soft_cap=0.0, Tensor? lora_ids=None) -> (Tensor, Tensor)",
         &pagedserve::llama_layers);
   m.def("gemma_layer(Tensor hidden, Tensor(a!)? residual, Tensor input_norm, Tensor qkv_weight, "
         "Tensor? qkv_bias, Tensor o_weight, Tensor? o_bias, Tensor post_attention_norm, "
@@ -96,6 +101,10 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
   m.def("quant_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor",
         &pagedserve::quant_linear);
   m.def("quant_dequantize(Tensor weight) -> Tensor", &pagedserve::quant_dequantize);
+  m.def("lora_shrink(Tensor x, Tensor lora_a_stack, Tensor row_lora_ids, float scale) -> Tensor",
+        &pagedserve::lora_shrink);
+  m.def("lora_expand(Tensor(a!) y, Tensor h, Tensor lora_b_stack, Tensor row_lora_ids) -> Tensor(a!)",
+        &pagedserve::lora_expand);
   m.def("isa() -> str", &pagedserve::isa_name);
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
   // AVX512-BF16 and AVX2 builds: kernels.pack_linear asks for it by name and

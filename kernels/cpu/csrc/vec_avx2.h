@@ -92,6 +92,15 @@ inline void load_pair(const fp16_t* p, F& a, F& b) {
   b.v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W)));
 }
 
+// W elements as fp32 in natural order (load_pair may split bf16's even and
+// odd ones): a width's last vector after its whole pairs (lora.h).
+inline F load_one(const float* p) { return load(p); }
+inline F load_one(const bf16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+}
+inline F load_one(const fp16_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+
 // 16 int8 codes as fp32: the low and high 8 (float and fp16's layout) ...
 inline void load_pair_i8(const int8_t* p, F& a, F& b) {
   __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

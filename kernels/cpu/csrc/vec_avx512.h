@@ -82,6 +82,15 @@ inline void load_pair(const fp16_t* p, F& a, F& b) {
   b.v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + W)));
 }
 
+// W elements as fp32 in natural order (load_pair may split bf16's even and
+// odd ones): a width's last vector after its whole pairs (lora.h).
+inline F load_one(const float* p) { return load(p); }
+inline F load_one(const bf16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+inline F load_one(const fp16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+
 // 32 int8 codes as fp32: the low and high 16 (float and fp16's layout) ...
 inline void load_pair_i8(const int8_t* p, F& a, F& b) {
   a.v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));

@@ -76,6 +76,19 @@ inline void load_pair(const fp16_t* p, F& a, F& b) {
   }
 }
 
+// W elements as fp32 in natural order: a width's last vector after its whole pairs (lora.h).
+inline F load_one(const float* p) { return load(p); }
+inline F load_one(const bf16_t* p) {
+  F a;
+  for (int i = 0; i < W; ++i) a.v[i] = to_float(p[i]);
+  return a;
+}
+inline F load_one(const fp16_t* p) {
+  F a;
+  for (int i = 0; i < W; ++i) a.v[i] = c10::detail::fp16_ieee_to_fp32_value(p[i].bits);
+  return a;
+}
+
 // int8 codes as fp32 in the loader layout, which is natural order here for
 // every type (bf16's included).
 inline void load_pair_i8(const int8_t* p, F& a, F& b) {
