@@ -36,7 +36,7 @@ from service.fleet.replica import Fleet
 from service.guards.auth import Guard
 from service.metrics import Metrics
 from service.openapi import build_openapi
-from service.routes import ROUTES
+from service.routes import app_routes
 from service.serving.lanes import Prep
 from service.serving.reasoning import check_tokenizer
 from service.serving.state import ServiceState
@@ -81,11 +81,25 @@ async def start_service(config: ServiceConfig) -> ServiceState:
         tool_parser=detect_parser(chat_template_source(tokenizer), config.tool_call_parser),
         prep=Prep(config.prep_threads, config.compile_threads),
     )
+    await _start_loras(state, bridge)
     logger.info("serving %s at http://%s:%d", state.model_name, config.host, config.port)
     if state.sampling_defaults:
         logger.info("sampling defaults from the model's generation config: %s",
                     state.sampling_defaults)
     return state
+
+
+async def _start_loras(state: ServiceState, bridge: AsyncEngine) -> None:
+    """Serve --lora-modules from the start; one that does not fit stops the start-up."""
+    if not state.config.engine.enable_lora:
+        return
+    state.metrics.watch_loras(state.loras)
+    try:
+        await state.loras.start(bridge, state.config.lora_modules)
+    except BaseException:
+        state.prep.close()
+        bridge.shutdown()
+        raise
 
 
 def create_app(config: ServiceConfig) -> Starlette:
@@ -128,10 +142,11 @@ def create_app(config: ServiceConfig) -> Starlette:
         ))
     middleware.append(Middleware(Guard, config=config))
     app = Starlette(
-        routes=ROUTES,
+        routes=app_routes(config),
         middleware=middleware,
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
-    app.state.openapi = msgspec.json.encode(build_openapi("pagedserve", VERSION))
+    app.state.openapi = msgspec.json.encode(
+        build_openapi("pagedserve", VERSION, runtime_lora=config.allow_runtime_lora_updating))
     return app

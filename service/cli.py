@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -27,7 +28,8 @@ import yaml
 from engine.args import add_engine_args, config_from_args
 from engine.config import EngineConfig
 from service.config import (
-    GENERATION_CONFIGS, REASONING_PARSERS, TOOL_CALL_PARSERS, FleetConfig, ServiceConfig,
+    GENERATION_CONFIGS, REASONING_PARSERS, TOOL_CALL_PARSERS, FleetConfig, LoRAModule,
+    ServiceConfig,
 )
 
 
@@ -86,10 +88,36 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
                        help="split a thinking model's <think>...</think> out of the content "
                             "into reasoning_content (Qwen3: qwen3, DeepSeek-R1: deepseek_r1); "
                             "default: none, the thought stays in the content (as in vLLM)")
+    add_lora_args(group)
     group.add_argument("--log-prompts", action="store_true",
                        help="log prompt token ids (off by default: prompts are private)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"))
+
+
+def lora_module(text: str) -> LoRAModule:
+    try:
+        return LoRAModule.parse(text)
+    except ValueError as exc:  # argparse shows this message, not "invalid value"
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_lora_args(group) -> None:
+    """vLLM's service-side LoRA flags (the engine's own come from EngineConfig)."""
+    group.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module,
+                       default=[], metavar="NAME=PATH",
+                       help="LoRA adapters served from start-up, each under its name (the "
+                            "request's `model`): name=path or a JSON object {\"name\": ..., "
+                            "\"path\": ..., \"base_model_name\": ...}; needs --enable-lora")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                            f"(admin key); also {RUNTIME_LORA_ENV}=1 or true, as vLLM")
+
+
+def runtime_lora_updating(args: argparse.Namespace) -> bool:
+    """The flag, or vLLM's environment variable (read as vLLM reads it)."""
+    env = os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+    return bool(args.allow_runtime_lora_updating) or env
 
 
 def add_fleet_args(parser: argparse.ArgumentParser) -> None:
@@ -160,6 +188,7 @@ def serving_step_tokens(device: str) -> int:
 # never show in the process list as flags would.
 SECRET_ENV = {"api_keys": "PAGEDSERVE_API_KEYS", "admin_keys": "PAGEDSERVE_ADMIN_KEYS"}
 REDIS_URL_ENV = "PAGEDSERVE_REDIS_URL"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def env_keys(name: str) -> list[str]:
@@ -197,6 +226,8 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         generation_config=args.generation_config,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=tuple(args.lora_modules),
+        allow_runtime_lora_updating=runtime_lora_updating(args),
     )
 
 
@@ -256,7 +287,9 @@ def serve(config: ServiceConfig, log_level: str = "info") -> int:
         **uvicorn_options(config),  # header deadline, connection cap
     ), app, config.shutdown_grace_seconds)
     server.run()
-    return 0
+    # uvicorn ends a failed start-up (a model or adapter that does not load)
+    # quietly after logging it; the exit status says so too (uvicorn's own 3).
+    return 0 if server.started else 3
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -292,8 +325,8 @@ def expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]
             negative = "--no-" + flag[2:]
             flags += [negative] if negative in options else []
         elif isinstance(value, list):
-            for item in value:
-                flags += [flag, str(item)]
+            for item in value:  # a mapping (a --lora-modules item) as JSON
+                flags += [flag, json.dumps(item) if isinstance(item, dict) else str(item)]
         elif value is not None:
             flags += [flag, str(value)]
     return flags + rest

@@ -6,6 +6,7 @@ it whole, so a test, the CLI and a deployment build a server the same way.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -66,6 +67,35 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
+@dataclass(frozen=True)
+class LoRAModule:
+    """One --lora-modules item: an adapter served from start-up under `name`."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None  # if given, it must be the served model's name
+
+    def __post_init__(self) -> None:
+        for key in ("name", "path"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ValueError(f"a LoRA module needs a non-empty {key}, got {self!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "LoRAModule":
+        """vLLM's two forms: `name=path`, or JSON `{"name", "path", "base_model_name"}`."""
+        if not text.lstrip().startswith("{"):
+            name, sep, path = text.partition("=")
+            if not sep:
+                raise ValueError(f"{text!r} is neither name=path nor a JSON object")
+            return cls(name.strip(), path.strip())
+        try:
+            fields = json.loads(text)
+            return cls(**fields)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"{text!r} is not a JSON object with name, path and optionally "
+                             f"base_model_name ({exc})") from None
+
+
 def resolved_replica_id(fleet: FleetConfig) -> str:
     """The replica's id: the configured one, else host name and process id."""
     return fleet.replica_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -116,6 +146,11 @@ class ServiceConfig:
     generation_config: str = "auto"
     tool_call_parser: str = "auto"
     reasoning_parser: str | None = None  # None: a thought stays in the content, as in vLLM
+    # LoRA adapters (service/serving/loras.py): those served from start-up, and
+    # whether /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    lora_modules: tuple[LoRAModule, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
@@ -127,6 +162,8 @@ class ServiceConfig:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         object.__setattr__(self, "admin_keys", tuple(self.admin_keys))
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        self._check_loras()
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config={self.generation_config!r} must be one of "
                              f"{', '.join(GENERATION_CONFIGS)}")
@@ -149,3 +186,24 @@ class ServiceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a number >= 0")
+
+    def _check_loras(self) -> None:
+        """Adapters need an engine that serves them; names must not collide."""
+        needs = [flag for flag, used in (("--lora-modules", self.lora_modules),
+                                         ("--allow-runtime-lora-updating",
+                                          self.allow_runtime_lora_updating)) if used]
+        if needs and not self.engine.enable_lora:
+            raise ValueError(f"{needs[0]} needs --enable-lora (enable_lora=True)")
+        if not all(isinstance(module, LoRAModule) for module in self.lora_modules):
+            raise ValueError("lora_modules must be LoRAModule items")
+        served = self.served_model_name or self.engine.model
+        names = [module.name for module in self.lora_modules]
+        for module in self.lora_modules:
+            if module.name == served:
+                raise ValueError(f"LoRA module {module.name!r} has the served model's name")
+            if names.count(module.name) > 1:
+                raise ValueError(f"LoRA module {module.name!r} is given twice")
+            if module.base_model_name not in (None, served):
+                raise ValueError(f"LoRA module {module.name!r}: base_model_name "
+                                 f"{module.base_model_name!r} is not the served model "
+                                 f"{served!r}")

@@ -22,6 +22,8 @@ The KV cache's configuration, fixed at start-up, is an info gauge as vLLM's
 `pagedserve:cache_config_info{cache_dtype="int8",block_size="16",num_gpu_blocks="2049"}`
 (num_gpu_blocks is vLLM's name: the blocks of the device pool, CPU memory
 included), with the tokens they hold beside it, `pagedserve:kv_cache_capacity_tokens`.
+With --enable-lora, `pagedserve:lora_adapters_loaded` counts the adapters
+served by name (service/serving/loras.py).
 """
 
 from __future__ import annotations
@@ -227,6 +229,18 @@ class FleetCollector:
                                   value=registry.dropped)
 
 
+class LoRACollector:
+    """The LoRA adapters served by name (--lora-modules and run-time loads)."""
+
+    def __init__(self, loras) -> None:
+        self.loras = loras  # service/serving/loras.py LoRARegistry
+
+    def collect(self):
+        yield GaugeMetricFamily(PREFIX + "lora_adapters_loaded", "LoRA adapters registered "
+                                "(requests may name them as `model`).",
+                                value=len(self.loras.adapters))
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -275,6 +289,10 @@ class Metrics:
         """Report this engine's state at every scrape."""
         self.registry.register(EngineCollector(engine))
         self.registry.register(OffloadCollector(engine))
+
+    def watch_loras(self, loras) -> None:
+        """Report the served adapters at every scrape (an engine with enable_lora)."""
+        self.registry.register(LoRACollector(loras))
 
     def watch_fleet(self, fleet) -> None:
         """Report the fleet link's state at every scrape."""

@@ -83,7 +83,31 @@ def _plain(summary: str, request: type, properties: dict) -> dict:
                                    **_errors(400, 401, 404, 413, 415)}}}
 
 
-def build_openapi(title: str, version: str) -> dict:
+def _lora_route(summary: str, properties: dict, required: list[str], errors) -> dict:
+    """A run-time LoRA route: a small JSON body, vLLM's plain-text success line."""
+    body = {"type": "object", "properties": properties, "required": required,
+            "additionalProperties": False}
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True,
+                                     "content": {"application/json": {"schema": body}}},
+                     "responses": {"200": {"description": "Success: ...", "content": {
+                         "text/plain": {"schema": {"type": "string"}}}},
+                                   **_errors(*errors)}}}
+
+
+def _runtime_lora_paths() -> dict:
+    """--allow-runtime-lora-updating only: the routes exist only then (service/routes/lora.py)."""
+    name = {"type": "string", "minLength": 1}
+    load = _lora_route("Serve a LoRA adapter (a PEFT folder) under a model name",
+                       {"lora_name": name, "lora_path": name}, ["lora_name", "lora_path"],
+                       (400, 401, 403, 413, 415, 503))
+    unload = _lora_route("Stop serving a LoRA adapter (running requests finish)",
+                         {"lora_name": name, "lora_int_id": {"type": "integer", "minimum": 1}},
+                         ["lora_name"], (400, 401, 403, 404, 413, 415, 503))
+    return {"/v1/load_lora_adapter": load, "/v1/unload_lora_adapter": unload}
+
+
+def build_openapi(title: str, version: str, runtime_lora: bool = False) -> dict:
     _, components = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
          CompletionResponse, ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest,
@@ -129,6 +153,7 @@ def build_openapi(title: str, version: str) -> dict:
             "200": {"description": "done",
                     "content": {"application/json": {"schema": {"type": "object"}}}},
             **_errors(401, 403, 503)}}},
+        **(_runtime_lora_paths() if runtime_lora else {}),
     }
     return {
         "openapi": "3.1.0",

@@ -32,6 +32,8 @@ PUBLIC_PATHS = frozenset({"/", "/openapi.json", "/favicon.ico"})
 PUBLIC_PREFIXES = ("/web/",)  # the chat page's own files
 # Routes that act on every tenant at once: an admin key only (once any key is set).
 ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
+# vLLM's run-time LoRA routes, admin too; only where they exist (else a plain 404).
+RUNTIME_LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def find_key(keys: tuple[str, ...], headers: Headers) -> str | None:
@@ -52,6 +54,8 @@ class Guard:
         self.app = app
         self.config = config
         self.pacer = RefusalPacer(config.refusal_rate, config.refusal_burst)
+        self.admin_paths = ADMIN_PATHS | (RUNTIME_LORA_PATHS if config.allow_runtime_lora_updating
+                                          else frozenset())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -92,7 +96,7 @@ class Guard:
                 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
-        if path in ADMIN_PATHS and key not in config.admin_keys:
+        if path in self.admin_paths and key not in config.admin_keys:
             return APIError(
                 403, f"{path} acts on every tenant: it needs an admin key (--admin-key)",
                 code="admin_key_required",

@@ -139,8 +139,9 @@ class ModelCard(Struct):
     created: int
     owned_by: str
     max_model_len: int
-    root: str
+    root: str  # the base model's path; an adapter's folder
     object: Literal["model"] = "model"
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); null for the base
 
 
 class ModelList(Struct):

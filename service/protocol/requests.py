@@ -231,4 +231,17 @@ class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     tokens: list[Annotated[int, Meta(ge=0)]]
 
 
+# -- /v1/load_lora_adapter and /v1/unload_lora_adapter (service/routes/lora.py) -----
+# vLLM's fields. Each is optional here so that a missing one is a 400 naming it
+# (service/routes/lora.py); the schema (service/openapi.py) marks them required.
+class LoadLoRAAdapterRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+class UnloadLoRAAdapterRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str | None = None
+    lora_int_id: Annotated[int, Meta(ge=1)] | None = None  # if given, it must be the name's
+
+
 REQUEST_TYPES = (ChatCompletionRequest, CompletionRequest)

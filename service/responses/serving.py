@@ -66,7 +66,7 @@ def response_head(state: ServiceState, body: ResponsesRequest,
     form = body.text.format if body.text is not None else None
     return ResponseObject(
         id="resp_" + admission.request_id.split("-", 1)[1],
-        created_at=int(time.time()), model=state.model_name, status="in_progress", output=[],
+        created_at=int(time.time()), model=admission.model, status="in_progress", output=[],
         instructions=body.instructions, max_output_tokens=body.max_output_tokens,
         temperature=(body.temperature if body.temperature is not None
                      else defaults.get("temperature", 1.0)),

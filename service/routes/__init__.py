@@ -1,9 +1,10 @@
-"""HTTP routes, one module per endpoint family; `ROUTES` is the app's table."""
+"""HTTP routes, one module per endpoint family; `app_routes(config)` is the app's table."""
 
 from starlette.routing import Mount, Route
 
+from service.config import ServiceConfig
 from service.routes import (
-    admin, chat, completions, discovery, health, models, render, responses, tokenize, web,
+    admin, chat, completions, discovery, health, lora, models, render, responses, tokenize, web,
 )
 
 ROUTES = [
@@ -30,3 +31,16 @@ ROUTES = [
     Route("/", web.index, methods=["GET"]),
     Mount("/web", app=web.web_files(), name="web"),
 ]
+
+# vLLM's run-time adapter routes, only with --allow-runtime-lora-updating (else
+# they do not exist: 404, as any unknown path); admin key (service/guards/auth.py).
+RUNTIME_LORA_ROUTES = (
+    Route("/v1/load_lora_adapter", lora.load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"]),
+)
+
+
+def app_routes(config: ServiceConfig) -> list:
+    """The routes this configuration serves."""
+    runtime = list(RUNTIME_LORA_ROUTES) if config.allow_runtime_lora_updating else []
+    return [*runtime, *ROUTES]

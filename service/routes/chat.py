@@ -22,8 +22,9 @@ async def create(request: Request) -> Response:
                               body.chat_template_kwargs, constrained=constraint is not None)
     admission = state.admit(request, body, [token_ids], id_prefix="chatcmpl",
                             **prepared.admission_args())
-    if state.fleet is not None and body.cache_salt is None:
-        # A client's own salt is not recorded: no other replica could warm it.
+    if state.fleet is not None and body.cache_salt is None and admission.lora is None:
+        # A client's own salt is not recorded: no other replica could warm it;
+        # nor an adapter's prompt: warming runs the base, whose blocks it never hits.
         state.fleet.observe_chat(system_turn(messages), token_ids,
                                  getattr(request.state, "api_key", None))
     if body.stream:

@@ -1,34 +1,38 @@
-"""GET /v1/models and GET /v1/models/{id}: the one model this server serves."""
+"""GET /v1/models and GET /v1/models/{id}: the base model and its LoRA adapters.
+
+As vLLM lists them: the base model's card, then one per adapter with
+`parent` the base model's name and `root` the adapter's folder.
+"""
 
 from __future__ import annotations
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.errors import APIError
+from engine.model.lora.request import LoRARequest
 from service.protocol.replies import ModelCard, ModelList, encoder
+from service.serving.state import ServiceState
 
 
-def _card(state) -> ModelCard:
+def _card(state: ServiceState, lora: LoRARequest | None = None) -> ModelCard:
     return ModelCard(
-        id=state.model_name,
+        id=state.loras.model_name(lora),
         created=state.created,
         owned_by="pagedserve",
         max_model_len=state.config.engine.max_model_len,
-        root=state.config.engine.model,
+        root=state.config.engine.model if lora is None else lora.lora_path,
+        parent=None if lora is None else state.model_name,
     )
 
 
 async def list_models(request: Request) -> Response:
-    card = _card(request.app.state.service)
-    return Response(encoder.encode(ModelList([card])), media_type="application/json")
+    state: ServiceState = request.app.state.service
+    cards = [_card(state), *(_card(state, lora) for lora in state.loras.adapters.values())]
+    return Response(encoder.encode(ModelList(cards)), media_type="application/json")
 
 
 async def retrieve_model(request: Request) -> Response:
     """OpenAI's `models.retrieve(id)`: the card, or 404 for another id."""
-    state = request.app.state.service
-    model_id = request.path_params["model_id"]
-    if model_id != state.model_name:
-        raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
-                       f"{state.model_name!r}", param="model", code="model_not_found")
-    return Response(encoder.encode(_card(state)), media_type="application/json")
+    state: ServiceState = request.app.state.service
+    lora = state.check_model(request.path_params["model_id"])  # 404 model_not_found
+    return Response(encoder.encode(_card(state, lora)), media_type="application/json")

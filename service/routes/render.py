@@ -30,6 +30,7 @@ from starlette.responses import Response
 
 from engine.core.block_hash import salt_digest
 from engine.core.kv_events import tenant_tag
+from engine.model.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from service.serving import chat, completions
 from service.serving.state import ServiceState, new_id
@@ -41,28 +42,29 @@ INTERNAL_FIELDS = ("output_kind",)
 async def chat_render(request: Request) -> Response:
     state: ServiceState = request.app.state.service
     prepared = await chat.prepare(request, state)
-    [params], salt = state.validate(request, prepared.body, [prepared.token_ids],
-                                    **prepared.admission_args())
+    [params], salt, lora = state.validate(request, prepared.body, [prepared.token_ids],
+                                          **prepared.admission_args())
     return _json(_generate_request(state, "chatcmpl", prepared.token_ids, params, salt,
-                                   prepared.body.stream))
+                                   prepared.body.stream, lora))
 
 
 async def completion_render(request: Request) -> Response:
     state: ServiceState = request.app.state.service
     body, prompts, constraint = await completions.prepare(request, state)
-    all_params, salt = state.validate(request, body, prompts,
-                                      **completions.admission_args(body, constraint))
-    return _json([_generate_request(state, "cmpl", token_ids, params, salt, body.stream)
+    all_params, salt, lora = state.validate(request, body, prompts,
+                                            **completions.admission_args(body, constraint))
+    return _json([_generate_request(state, "cmpl", token_ids, params, salt, body.stream, lora)
                   for token_ids, params in zip(prompts, all_params)])
 
 
 def _generate_request(state: ServiceState, prefix: str, token_ids: list[int],
-                      params: SamplingParams, salt: str | None, stream: bool) -> dict:
+                      params: SamplingParams, salt: str | None, stream: bool,
+                      lora: LoRARequest | None) -> dict:
     return {
         "request_id": new_id(prefix),
         "token_ids": token_ids,
         "sampling_params": sampling_dict(params),
-        "model": state.model_name,
+        "model": state.loras.model_name(lora),  # an adapter's name selects it, as in serving
         "stream": bool(stream),
         "cache_salt": tenant_tag(salt_digest(salt)) if salt else None,
     }

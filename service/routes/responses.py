@@ -44,7 +44,7 @@ async def create(request: Request) -> Response:
                                 logprobs=None, constraint=prepared.constraint)
     except APIError as exc:
         raise translated(exc, sources) from None
-    if state.fleet is not None:
+    if state.fleet is not None and admission.lora is None:  # warming runs the base model
         state.fleet.observe_chat(system_turn(prepared.messages), prepared.token_ids,
                                  getattr(request.state, "api_key", None))
     template = response_head(state, body, admission)

@@ -1,6 +1,6 @@
 """An admitted request: its engine streams, read as changed choices, closed once.
 
-    admit() ──► Admission(request_id, [TimedStream per prompt])
+    admit() ──► Admission(request_id, [TimedStream per prompt], model, lora)
                     │
                     ├── updates()   each engine output's changed choices (streaming)
                     ├── collect()   the final outputs, or None if the client left
@@ -29,6 +29,7 @@ from starlette.requests import Request
 from engine.frontend.async_engine import EngineDeadError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.frontend.request_stream import RequestStream
+from engine.model.lora.request import LoRARequest
 from service.errors import APIError
 from service.metrics import RequestTimer
 
@@ -91,6 +92,8 @@ class Update:
 class Admission:
     request_id: str
     streams: list[TimedStream]
+    model: str  # what the answer calls the model: the request's adapter, or the base
+    lora: LoRARequest | None = None  # the LoRA adapter it runs under
     # Each prompt's DELTA outputs folded into one: a non-streamed request's
     # whole answer, and the prompt and cached tokens that usage counts.
     latest: list[RequestOutput | None] = field(default_factory=list)

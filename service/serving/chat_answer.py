@@ -36,7 +36,7 @@ def chat_response(state, admission: Admission, output, body, plan,
             stop_reason=c.stop_reason,
         ))
     return ChatCompletionResponse(
-        admission.request_id, int(time.time()), state.model_name, choices, usage(admission),
+        admission.request_id, int(time.time()), admission.model, choices, usage(admission),
         prompt_logprobs=(wire_prompt_logprobs(state.tokenizer, output.prompt_logprobs)
                          if body.prompt_logprobs is not None else None),
     )
@@ -80,7 +80,7 @@ async def chat_events(state: ServiceState, admission: Admission, body, plan: Too
     The engine's outputs are deltas (DELTA): each choice holds only its new
     text, tokens and logprobs.
     """
-    created, model = int(time.time()), state.model_name
+    created, model = int(time.time()), admission.model
     parsers = [plan.new_parser() if plan is not None else None for _ in range(body.n)]
     thinkers = [thinking.new_parser() if thinking is not None else None for _ in range(body.n)]
 

@@ -144,12 +144,12 @@ def completion_response(state, admission: Admission, outputs, body) -> Completio
                  if body.prompt_logprobs is not None else None)
         choices.extend(_choice(state, c, i, body, _offsets(state, body), echo, extra)
                        for c in output.outputs)
-    return CompletionResponse(admission.request_id, int(time.time()), state.model_name, choices,
+    return CompletionResponse(admission.request_id, int(time.time()), admission.model, choices,
                               usage=usage(admission))
 
 
 async def completion_events(state, admission: Admission, body):
-    created, model = int(time.time()), state.model_name
+    created, model = int(time.time()), admission.model
     # Legacy logprobs number each token by its text offset in the choice; the
     # offsets run on across chunks, so they match a non-streamed answer.
     offsets: dict[tuple[int, int], TextOffsets | None] = {}

@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from engine.errors import ValidationError
 from engine.frontend.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from engine.model.lora.request import LoRARequest
 from engine.outputs import RequestOutputKind
 from engine.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import StructuredOutputsParams
@@ -41,6 +42,7 @@ from service.metrics import Metrics
 from service.protocol.requests import ChatCompletionRequest, SamplingFields, served_defaults
 from service.serving.admitted import Admission, TimedStream
 from service.serving.lanes import Prep
+from service.serving.loras import LoRARegistry
 from service.serving.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,11 @@ class ServiceState:
     # its tools, and the tool-call format tool_choice "auto" reads (None: refused).
     renders_tools: bool = False
     tool_parser: str | None = None
+    loras: LoRARegistry | None = None  # the adapters served by name (None: none yet)
+
+    def __post_init__(self) -> None:
+        if self.loras is None:
+            self.loras = LoRARegistry(self.model_name)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on a light prep thread (rendering, tokenizing); its errors re-raise here."""
@@ -114,35 +121,37 @@ class ServiceState:
         sampling value the engine cannot take (400), a full queue (429).
         """
         self._check_accepting()
-        all_params, salt = self.validate(request, body, prompts, prompt_param=prompt_param,
-                                         max_tokens=max_tokens, logprobs=logprobs,
-                                         constraint=constraint)
+        all_params, salt, lora = self.validate(request, body, prompts, prompt_param=prompt_param,
+                                               max_tokens=max_tokens, logprobs=logprobs,
+                                               constraint=constraint)
         request_id = new_id(id_prefix)
         streams: list[TimedStream] = []
         try:
             for i, (token_ids, params) in enumerate(zip(prompts, all_params)):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self._submit(engine_id, token_ids, params, salt, body.priority))
+                streams.append(self._submit(engine_id, token_ids, params, salt, body.priority,
+                                            lora))
         except BaseException:
             for stream in streams:  # a later prompt was refused (429): drop the earlier ones
                 stream.close()
             raise
-        return Admission(request_id, streams)
+        return Admission(request_id, streams, self.loras.model_name(lora), lora)
 
     def validate(self, request: Request, body: SamplingFields, prompts: list[list[int]], *,
                  prompt_param: str, max_tokens: int | None, logprobs: int | None,
                  constraint: StructuredOutputsParams | None = None,
-                 ) -> tuple[list[SamplingParams], str | None]:
+                 ) -> tuple[list[SamplingParams], str | None, LoRARequest | None]:
         """admit()'s checks without the engine (the render routes): the model name
-        (404) and each prompt's SamplingParams (400); and the tenant's cache salt."""
-        self.check_model(body.model)
+        (404) and each prompt's SamplingParams (400); the tenant's cache salt and
+        the LoRA adapter the model name selects (None: the base model)."""
+        lora = self.check_model(body.model)
         self._check_priority(body.priority)
         all_params = [
             self._sampling_params(body, token_ids, prompt_param, max_tokens, logprobs, constraint)
             for token_ids in prompts
         ]
         return all_params, cache_salt(self.config, getattr(request.state, "api_key", None),
-                                      body.cache_salt)
+                                      body.cache_salt), lora
 
     async def drain(self, grace_seconds: float) -> None:
         """SIGTERM: admit nothing new, let open requests run up to `grace_seconds`,
@@ -163,12 +172,9 @@ class ServiceState:
                 503, f"the server is shutting down and its grace period "
                 f"({grace_seconds:g} s) is over", code="shutting_down"))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"the model {model!r} does not exist; this server serves "
-                f"{self.model_name!r}", param="model", code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names, None for the base model; 404 for other names."""
+        return self.loras.resolve(model)
 
     def _check_accepting(self) -> None:
         if self.draining:
@@ -201,10 +207,13 @@ class ServiceState:
                               "priority", param="priority")
 
     def _submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                salt: str | None, priority: int = 0) -> TimedStream:
+                salt: str | None, priority: int = 0,
+                lora: LoRARequest | None = None) -> TimedStream:
         try:
+            # The whole LoRARequest, every time: the engine may have let the
+            # adapter's weights go and reads them again from its path.
             stream = self.engine.generate(request_id, token_ids, params, cache_salt=salt,
-                                          priority=priority)
+                                          priority=priority, lora_request=lora)
         except QueueFullError as exc:
             raise APIError(
                 429, f"the server is busy: {exc}; retry later", code="queue_full",
