@@ -8,13 +8,20 @@ adapters' low-rank pairs are stacked in slots, and each row names its slot::
         row_lora_ids [T] int32 or int64, a slot or -1 (no adapter);
         h [T, R] float32: h[t] = scale * (A[ids[t]] @ x[t]), products of the
         inputs upcast to float32, float32 sums; rows with id -1 are 0.
-    lora_expand(y, h, lora_b_stack, row_lora_ids) -> y     (in place)
+    lora_expand(y, h, lora_b_stack, row_lora_ids, slices=None) -> y     (in place)
         y [T, out] (the base linear's output); lora_b_stack [S, out, R], y's dtype;
         y[t] = (y[t].float() + B[ids[t]].float() @ h[t]).to(y.dtype) where
         ids[t] >= 0; rows with id -1 untouched (bit for bit).
+        slices = [s_0 = 0 < s_1 < ... < s_n = out]: a fused projection's n
+        slices (qkv_proj's q | k | v rows); h is [T, n * R], and output rows
+        [s_i, s_i+1) read only h's columns [i * R, (i + 1) * R):
+        y[t, s_i:s_i+1] += B[ids[t], s_i:s_i+1] @ h[t, i*R:(i+1)*R].
 
 R is the padded rank (an adapter of smaller rank has zero rows in A and
 zero columns in B); the scale (alpha / rank) is applied once, in shrink.
+Why slices: without them a fused projection's B is block-diagonal,
+[out, n * R] with each slice's rows zero outside its own block, and expand
+reads (n - 1) / n zeros; with them B holds only the blocks ([out, R]).
 
 Here: the references (any device; a loop over the distinct ids, each a
 gather and one matmul: never a [T, R, in] gather of the weights), and the
@@ -51,9 +58,32 @@ def lora_shrink_reference(x: torch.Tensor, lora_a_stack: torch.Tensor, row_lora_
     return h
 
 
+def checked_slices(slices, out: int, h_width: int, rank: int) -> list[int] | None:
+    """`slices` as a list of ints (None stays None), refused with a ValueError
+    unless they cut [0, out) into n slices and h is n rank blocks wide."""
+    if slices is None:
+        if h_width != rank:
+            raise ValueError(f"lora_expand: h is {h_width} wide, lora_b_stack's rank {rank}")
+        return None
+    bounds = [int(s) for s in slices]
+    n = len(bounds) - 1
+    if n < 1 or bounds[0] != 0 or bounds[-1] != out or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"lora_expand: slices {bounds} must rise from 0 to out = {out}")
+    if h_width != n * rank:
+        raise ValueError(f"lora_expand: h is {h_width} wide; {n} slices of rank {rank} need {n * rank}")
+    return bounds
+
+
 def lora_expand_reference(y: torch.Tensor, h: torch.Tensor, lora_b_stack: torch.Tensor,
-                          row_lora_ids: torch.Tensor) -> torch.Tensor:
+                          row_lora_ids: torch.Tensor, slices=None) -> torch.Tensor:
     """y += B[ids] @ h in place (one rounding to y's dtype); see the module docstring."""
+    rank = lora_b_stack.shape[2]
+    bounds = checked_slices(slices, y.shape[1], h.shape[1], rank)
+    if bounds is not None:  # each slice on its own: views of y's columns and h's block
+        for i, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+            lora_expand_reference(y[:, start:stop], h[:, i * rank:(i + 1) * rank],
+                                  lora_b_stack[:, start:stop], row_lora_ids)
+        return y
     for slot, rows in _slots(row_lora_ids):
         y[rows] = (y[rows].float() + h[rows].float() @ lora_b_stack[slot].float().t()).to(y.dtype)
     return y
@@ -78,16 +108,17 @@ def lora_shrink_cpu(x: torch.Tensor, lora_a_stack: torch.Tensor, row_lora_ids: t
 
 
 def lora_expand_cpu(y: torch.Tensor, h: torch.Tensor, lora_b_stack: torch.Tensor,
-                    row_lora_ids: torch.Tensor) -> torch.Tensor:
+                    row_lora_ids: torch.Tensor, slices=None) -> torch.Tensor:
     """The compiled expand when this process has a build and y is contiguous
     (it is written in place), else the reference. Returns y."""
     if (_compiled_takes(y, lora_b_stack, row_lora_ids) and y.is_contiguous()
             and h.dtype == torch.float32 and h.is_cpu):
         ops = cpu_ops.current_ops()
         if ops is not None:
-            ops.lora_expand(y, h.contiguous(), lora_b_stack.contiguous(), row_lora_ids)
+            bounds = None if slices is None else [int(s) for s in slices]
+            ops.lora_expand(y, h.contiguous(), lora_b_stack.contiguous(), row_lora_ids, bounds)
             return y
-    return lora_expand_reference(y, h, lora_b_stack, row_lora_ids)
+    return lora_expand_reference(y, h, lora_b_stack, row_lora_ids, slices)
 
 
 # The ``auto`` backend's entry points (kernels/__init__.py exports them):
@@ -101,11 +132,13 @@ def lora_shrink(x: torch.Tensor, lora_a_stack: torch.Tensor, row_lora_ids: torch
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b_stack: torch.Tensor,
-                row_lora_ids: torch.Tensor) -> torch.Tensor:
-    """y[t] += B[ids[t]] @ h[t] in place (rows with id -1 untouched); returns y.
-    A y the kernels cannot write in place (not contiguous) takes the reference."""
+                row_lora_ids: torch.Tensor, slices=None) -> torch.Tensor:
+    """y[t] += B[ids[t]] @ h[t] in place (rows with id -1 untouched; `slices`:
+    see the module docstring); returns y. A y the kernels cannot write in
+    place (not contiguous) takes the reference."""
     if y.is_cuda and y.is_contiguous():
-        return importlib.import_module("kernels.lora_triton").lora_expand(y, h, lora_b_stack, row_lora_ids)
+        triton_lora = importlib.import_module("kernels.lora_triton")
+        return triton_lora.lora_expand(y, h, lora_b_stack, row_lora_ids, slices)
     if y.is_cuda:
-        return lora_expand_reference(y, h, lora_b_stack, row_lora_ids)
-    return lora_expand_cpu(y, h, lora_b_stack, row_lora_ids)
+        return lora_expand_reference(y, h, lora_b_stack, row_lora_ids, slices)
+    return lora_expand_cpu(y, h, lora_b_stack, row_lora_ids, slices)

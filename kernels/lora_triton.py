@@ -6,6 +6,11 @@ work when it is -1, so a batch of many adapters is one launch per op::
     _shrink_kernel   program (row t, block of R):    h[t, r] = scale * sum_k A[id, r, k] * x[t, k]
     _expand_kernel   program (row t, block of out):  y[t, o] = y[t, o] + sum_r B[id, o, r] * h[t, r]
 
+With a fused projection's slices, a program's outputs lie in one slice
+and read that slice's rank block of h: the programs' (first output, end of
+its slice, first column of h) come from a small table built on the host
+once per shape and device (``_strips``).
+
 A program is a GEMV over one adapter's rows (BGMV). Rows of one id re-read
 the same weights, from L2 on a GPU; the adapters are small beside the base
 linear, whose cost this adds to. Inputs are upcast to fp32 after loading,
@@ -15,9 +20,13 @@ arithmetic, no tensor-core rounding); y is rounded once, to its dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from kernels.lora import checked_slices
 
 BLOCK_K = 128       # inputs per shrink step
 BLOCK_OUT = 128     # outputs per expand program
@@ -47,17 +56,23 @@ def _shrink_kernel(x_ptr, a_ptr, ids_ptr, h_ptr, in_features, rank, scale,
 
 
 @triton.jit
-def _expand_kernel(y_ptr, h_ptr, b_ptr, ids_ptr, out_features, rank,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program = (row, block of BLOCK_N outputs): y[row, n] += B[id, n, :] . h[row]."""
+def _expand_kernel(y_ptr, h_ptr, b_ptr, ids_ptr, strips_ptr, out_features, rank, h_width,
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SLICED: tl.constexpr):
+    """One program = (row, block of BLOCK_N outputs of one slice):
+    y[row, n] += B[id, n, :] . h[row, the slice's block]."""
     row = tl.program_id(0)
     slot = tl.load(ids_ptr + row).to(tl.int64)
     if slot < 0:  # no adapter: y's row is not touched
         return
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < out_features
+    if SLICED:  # strips_ptr: [programs, 3] int32 (first output, its slice's end, h's first column)
+        strip = strips_ptr + tl.program_id(1) * 3
+        n0, n_end, h0 = tl.load(strip), tl.load(strip + 1), tl.load(strip + 2)
+    else:
+        n0, n_end, h0 = tl.program_id(1) * BLOCK_N, out_features, 0
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < n_end
     b_rows = b_ptr + (slot * out_features + n[:, None]) * rank
-    h_row = h_ptr + row.to(tl.int64) * rank
+    h_row = h_ptr + row.to(tl.int64) * h_width + h0
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
@@ -68,6 +83,16 @@ def _expand_kernel(y_ptr, h_ptr, b_ptr, ids_ptr, out_features, rank,
     y_at = y_ptr + row.to(tl.int64) * out_features + n
     y = tl.load(y_at, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_at, (y + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@functools.lru_cache(maxsize=256)
+def _strips(bounds: tuple[int, ...], rank: int, device: torch.device) -> torch.Tensor:
+    """[programs, 3] int32: each slice cut into BLOCK_OUT outputs, so no program
+    straddles two slices; made once per shape (a copy to the GPU per call
+    would cost more than the kernel at decode)."""
+    rows = [(o, stop, i * rank) for i, (start, stop) in enumerate(zip(bounds, bounds[1:]))
+            for o in range(start, stop, BLOCK_OUT)]
+    return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
 def _rank_block(rank: int) -> int:
@@ -90,15 +115,23 @@ def lora_shrink(x: torch.Tensor, lora_a_stack: torch.Tensor, row_lora_ids: torch
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b_stack: torch.Tensor,
-                row_lora_ids: torch.Tensor) -> torch.Tensor:
-    """y[t] += B[ids[t]] @ h[t] in place (fp32 sums, one rounding); rows with id -1 untouched."""
+                row_lora_ids: torch.Tensor, slices=None) -> torch.Tensor:
+    """y[t] += B[ids[t]] @ h[t] in place (fp32 sums, one rounding); rows with id -1
+    untouched. `slices`: a fused projection's output row bounds (kernels/lora.py)."""
     if not y.is_contiguous():
         raise ValueError("lora_expand (triton): y must be contiguous (it is written in place)")
     tokens, out_features = y.shape
-    rank = h.shape[1]
+    rank = lora_b_stack.shape[2]
+    bounds = checked_slices(slices, out_features, h.shape[1], rank)
     if tokens == 0 or out_features == 0 or rank == 0:
         return y
-    grid = (tokens, triton.cdiv(out_features, BLOCK_OUT))
-    _expand_kernel[grid](y, h.float().contiguous(), lora_b_stack.contiguous(), row_lora_ids.contiguous(),
-                         out_features, rank, BLOCK_N=BLOCK_OUT, BLOCK_R=_rank_block(rank))
+    if bounds is None:
+        strips, programs = row_lora_ids, triton.cdiv(out_features, BLOCK_OUT)  # strips unread
+    else:
+        strips = _strips(tuple(bounds), rank, y.device)
+        programs = strips.shape[0]
+    _expand_kernel[(tokens, programs)](
+        y, h.float().contiguous(), lora_b_stack.contiguous(), row_lora_ids.contiguous(), strips,
+        out_features, rank, h.shape[1], BLOCK_N=BLOCK_OUT, BLOCK_R=_rank_block(rank),
+        SLICED=bounds is not None)
     return y

@@ -7,6 +7,8 @@
 # serve`), one at a time: two servers on a small machine measure each other.
 # Each workload writes OUT_DIR/<name>.json (`pagedserve bench serve
 # --output`); the last lines print the table of docs/performance.md.
+# BENCH_FLAGS: more flags for every run (`--lora-modules lora0 lora1 ...`: the
+# requests take the server's adapters in turn).
 #
 #   one-stream   1 stream, 128 in / 64 out, 16 requests         median ITL
 #   32-streams   32 streams, 128 in / 64 out, 64 requests       output tok/s, median TTFT
@@ -37,7 +39,7 @@ for name in "${WORKLOADS[@]}"; do
     echo "== $name" >&2
     # shellcheck disable=SC2046
     (cd "$REPO" && "$PY" -m pagedserve bench serve --base-url "$URL" --seed 0 --timeout 1800 \
-        $(args_of "$name") --output "$OUT/$name.json")
+        $(args_of "$name") ${BENCH_FLAGS:-} --output "$OUT/$name.json")
 done
 
 "$PY" - "$OUT" "${WORKLOADS[@]}" <<'EOF'

@@ -237,6 +237,8 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         self.use_configured_threads()
         decodes = [s for s in output.sequences if s.num_new_tokens == 1]
+        if self.lora is not None:  # an adapter's rows side by side: its weights read once for them
+            decodes.sort(key=lambda s: s.lora_id)
         prefills = [s for s in output.sequences if s.num_new_tokens > 1]
         batch = build_sampling_batch(decodes + prefills, self.eos_token_ids)
         prompt = prompt_logprob_rows(decodes + prefills)  # their rows follow the sampled ones

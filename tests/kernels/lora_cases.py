@@ -43,18 +43,32 @@ def make_ids(tokens: int, slots: int, generator):
     return ids
 
 
-def make_inputs(tokens: int, rank: int, width: int, dtype, seed: int, out: int | None = None):
-    """x [T, width], A [S, R, width], y [T, out], B [S, out, R] (out = width
-    unless given) in dtype, ids [T]: values of about 1, sums of about 1."""
+def make_inputs(tokens: int, rank: int, width: int, dtype, seed: int, out: int | None = None,
+                blocks: int = 1):
+    """x [T, width], A [S, blocks * R, width], y [T, out], B [S, out, R] (out =
+    width unless given) in dtype, ids [T]: values of about 1, sums of about 1.
+    blocks > 1: a fused projection's A (a rank block per slice) and compact B."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     out = width if out is None else out
     x = torch.randn(tokens, width, generator=g).to(dtype)
-    a = (torch.randn(SLOTS, rank, width, generator=g) / width ** 0.5).to(dtype)
+    a = (torch.randn(SLOTS, blocks * rank, width, generator=g) / width ** 0.5).to(dtype)
     y = torch.randn(tokens, out, generator=g).to(dtype)
     b = (torch.randn(SLOTS, out, rank, generator=g) / rank ** 0.5).to(dtype)
     return x, a, y, b, make_ids(tokens, SLOTS, g)
+
+
+def block_diagonal(b, slices):
+    """A compact B [S, out, R] with `slices` as the padded form [S, out, n * R]:
+    slice i's rows in column block i, zeros elsewhere (the same products)."""
+    import torch
+
+    rank, n = b.shape[2], len(slices) - 1
+    padded = torch.zeros(b.shape[0], b.shape[1], n * rank, dtype=b.dtype)
+    for i, (start, stop) in enumerate(zip(slices, slices[1:])):
+        padded[:, start:stop, i * rank:(i + 1) * rank] = b[:, start:stop]
+    return padded
 
 
 def _magnitude(rows, stack, ids, base=None):
@@ -91,15 +105,19 @@ def _run_case(case: dict, device: str) -> str | None:
     from kernels.lora import lora_expand_reference, lora_shrink_reference
 
     dtype = getattr(torch, case["dtype"])
-    x, a, y, b, ids = make_inputs(case["T"], case["R"], case["width"], dtype, case["seed"], case.get("out"))
+    slices = case.get("slices")
+    x, a, y, b, ids = make_inputs(case["T"], case["R"], case["width"], dtype, case["seed"], case.get("out"),
+                                  blocks=len(slices) - 1 if slices else 1)
     scale = 0.5
     h = lora_triton.lora_shrink(x.to(device), a.to(device), ids.to(device), scale).cpu()
     error = check_close(h, lora_shrink_reference(x, a, ids, scale), x, a, ids, scale=scale)
     if error is not None:
         return f"shrink: {error}"
     h = lora_shrink_reference(x, a, ids, scale)
-    got = lora_triton.lora_expand(y.clone().to(device), h.to(device), b.to(device), ids.to(device)).cpu()
-    error = check_close(got, lora_expand_reference(y.clone(), h, b, ids), h, b, ids, base=y)
+    got = lora_triton.lora_expand(y.clone().to(device), h.to(device), b.to(device), ids.to(device),
+                                  slices).cpu()
+    padded = b if slices is None else block_diagonal(b, slices)  # the bound's magnitudes
+    error = check_close(got, lora_expand_reference(y.clone(), h, b, ids, slices), h, padded, ids, base=y)
     if error is not None:
         return f"expand: {error}"
     if not torch.equal(got[ids < 0], y[ids < 0]):
@@ -118,8 +136,9 @@ def _run_compile(case: dict) -> str | None:
     ids = "*i32" if case["ids"] == "int32" else "*i64"
     _compile(lt._shrink_kernel, dict(x_ptr=t, a_ptr=t, ids_ptr=ids, h_ptr="*fp32", scale="fp32"),
              dict(BLOCK_R=lt.MAX_BLOCK_RANK, BLOCK_K=lt.BLOCK_K), 90)
-    _compile(lt._expand_kernel, dict(y_ptr=t, h_ptr="*fp32", b_ptr=t, ids_ptr=ids),
-             dict(BLOCK_N=lt.BLOCK_OUT, BLOCK_R=lt.MAX_BLOCK_RANK), 90)
+    for sliced in (False, True):
+        _compile(lt._expand_kernel, dict(y_ptr=t, h_ptr="*fp32", b_ptr=t, ids_ptr=ids, strips_ptr="*i32"),
+                 dict(BLOCK_N=lt.BLOCK_OUT, BLOCK_R=lt.MAX_BLOCK_RANK, SLICED=sliced), 90)
     return None
 
 

@@ -7,7 +7,11 @@
   widths 64, 576 and 100 (a scalar tail), float32 and bf16, scale 0.5, a
   stack of 3 adapters; then fp16, int64 ids, ranks up to 200 and widths
   whose tails take each path; expand leaves the rows with id -1 bit for bit;
-* a row's numbers do not depend on its batch; bad ids are refused;
+* expand with a fused projection's slices (compact B, a rank block of h per
+  slice): the reference against the per-slice formula in float64, every
+  build against the reference (SmolLM2's q | k | v, slices that cut work
+  items short, ranks whose blocks start off a vector pair);
+* a row's numbers do not depend on its batch; bad ids and slices are refused;
 * the dispatch: auto / cpu take the compiled op, the reference without a build
   or for a y it cannot write in place.
 
@@ -23,10 +27,11 @@ import torch
 import kernels
 from kernel_cases import case_seed
 from kernels.lora import lora_expand_reference, lora_shrink_reference
-from lora_cases import check_close, make_inputs
+from lora_cases import block_diagonal, check_close, make_inputs
 
 SCALE = 0.5
 RANKS = (4, 16, 48)
+QKV = (0, 576, 768, 960)  # SmolLM2's qkv_proj: q 576 rows, k and v 192
 
 
 def _seed(session_seed: int, *parts) -> int:
@@ -63,6 +68,32 @@ def test_reference_matches_the_per_row_formula(tokens, dtype, session_seed):
     error = check_close(got, _naive_expand(y, h, b, ids), h, b, ids, base=y)
     assert error is None, f"expand, seed {session_seed}: {error}"
     assert torch.equal(got[ids < 0], y[ids < 0])
+
+
+def _naive_sliced_expand(y, h, b, ids, slices):
+    out = y.double().clone()
+    rank = b.shape[2]
+    for t, slot in enumerate(ids.tolist()):
+        if slot < 0:
+            continue
+        for i, (start, stop) in enumerate(zip(slices, slices[1:])):
+            out[t, start:stop] += b[slot, start:stop].double() @ h[t, i * rank:(i + 1) * rank].double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_reference_matches_the_per_slice_formula(tokens, dtype, session_seed):
+    x, a, y, b, ids = make_inputs(tokens, 16, 64, dtype, _seed(session_seed, "sliced", tokens, str(dtype)),
+                                  out=QKV[-1], blocks=3)
+    h = lora_shrink_reference(x, a, ids, SCALE)
+    got = lora_expand_reference(y.clone(), h, b, ids, list(QKV))
+    error = check_close(got, _naive_sliced_expand(y, h, b, ids, QKV), h, block_diagonal(b, QKV), ids, base=y)
+    assert error is None, f"seed {session_seed}: {error}"
+    assert torch.equal(got[ids < 0], y[ids < 0])
+    # One slice is the plain expand.
+    one = lora_expand_reference(y.clone(), h[:, :16], b, ids, (0, QKV[-1]))
+    assert torch.equal(one, lora_expand_reference(y.clone(), h[:, :16].contiguous(), b, ids))
 
 
 def _check_builds(builds, x, a, y, b, ids) -> None:
@@ -107,6 +138,40 @@ def test_other_dtypes_ranks_and_int64_ids(builds, dtype, rank, width, out, sessi
     _check_builds(builds, x, a, y, b, ids.long())
 
 
+# (rank, width, slices): SmolLM2's qkv at rank 16 (block 1 starts half way
+# into an AVX-512 pair); rank 40 (a pair, a vector on AVX2) on slices that
+# end work items at 100 and 130; rank 5 (scalar code), gate | up halves;
+# rank 48 with a strip of 128, 128 and 44 in each half.
+SLICED = ((16, 64, QKV), (40, 48, (0, 100, 130, 200)), (5, 64, (0, 70, 140)), (48, 64, (0, 300, 600)))
+
+
+def _check_sliced_builds(builds, h, y, b, ids, slices) -> None:
+    expected = lora_expand_reference(y.clone(), h, b, ids, slices)
+    padded = block_diagonal(b, slices)  # the bound's magnitudes
+    for isa, ops in builds.items():
+        where = f"{isa} T={h.shape[0]} R={b.shape[2]} slices {slices} {y.dtype}"
+        out = y.clone()
+        assert ops.lora_expand(out, h, b, ids, list(slices)).data_ptr() == out.data_ptr(), where
+        error = check_close(out, expected, h, padded, ids, base=y)
+        assert error is None, f"{where}: {error}"
+        assert torch.equal(out[ids < 0], y[ids < 0]), f"{where}: a row with id -1 changed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_every_build_matches_the_reference_with_slices(builds, tokens, dtype, session_seed):
+    for rank, width, slices in SLICED:
+        x, a, y, b, ids = make_inputs(tokens, rank, width, dtype, _seed(session_seed, tokens, rank, slices),
+                                      out=slices[-1], blocks=len(slices) - 1)
+        _check_sliced_builds(builds, lora_shrink_reference(x, a, ids, SCALE), y, b, ids, slices)
+
+
+def test_fp16_and_int64_ids_with_slices(builds, session_seed):
+    x, a, y, b, ids = make_inputs(7, 24, 48, torch.float16, _seed(session_seed, "fp16 sliced"), out=130,
+                                  blocks=3)
+    _check_sliced_builds(builds, lora_shrink_reference(x, a, ids, SCALE), y, b, ids.long(), (0, 10, 66, 130))
+
+
 def test_a_row_does_not_depend_on_its_batch(compiled_cpu_ops, session_seed):
     """The same FMAs in the same order wherever a row lands: alone, or in a
     run of a prefill chunk, its numbers are the same bits."""
@@ -119,6 +184,28 @@ def test_a_row_does_not_depend_on_its_batch(compiled_cpu_ops, session_seed):
         h_row = compiled_cpu_ops.lora_shrink(x[t:t + 1], a, one, SCALE)
         assert torch.equal(h_row, h[t:t + 1]), f"shrink row {t}"
         assert torch.equal(compiled_cpu_ops.lora_expand(y[t:t + 1].clone(), h_row, b, one), out[t:t + 1])
+
+
+def test_a_sliced_row_does_not_depend_on_its_batch(compiled_cpu_ops, session_seed):
+    x, a, y, b, ids = make_inputs(40, 16, 64, torch.bfloat16, _seed(session_seed, "sliced batch"),
+                                  out=QKV[-1], blocks=3)
+    ids[:37] = 2
+    h = compiled_cpu_ops.lora_shrink(x, a, ids, SCALE)
+    out = compiled_cpu_ops.lora_expand(y.clone(), h, b, ids, list(QKV))
+    for t in (0, 33, 39):
+        row = compiled_cpu_ops.lora_expand(y[t:t + 1].clone(), h[t:t + 1], b, ids[t:t + 1], list(QKV))
+        assert torch.equal(row, out[t:t + 1]), f"row {t}"
+
+
+def test_bad_slices_are_refused(compiled_cpu_ops):
+    x, a, y, b, ids = make_inputs(4, 4, 64, torch.float32, 0, out=96, blocks=3)
+    h = lora_shrink_reference(x, a, ids, SCALE)
+    for bad in ([0, 32, 64], [0, 64, 32, 96], [0, 32, 64, 90], [8, 32, 64, 96], [0, 32, 32, 96], [0], []):
+        for expand in (compiled_cpu_ops.lora_expand, lora_expand_reference):
+            with pytest.raises(ValueError, match="slices|wide"):
+                expand(y.clone(), h, b, ids, bad)
+    with pytest.raises(ValueError, match="wide"):  # h of three blocks, no slices
+        lora_expand_reference(y.clone(), h, b, ids)
 
 
 def test_bad_ids_are_refused(compiled_cpu_ops):
@@ -158,3 +245,21 @@ def test_the_reference_serves_without_a_build_or_in_place_layout(monkeypatch, se
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "off")
     assert torch.equal(kernels.lora_shrink(x, a, ids, SCALE), h)
     assert torch.equal(kernels.lora_expand(y.clone(), h, b, ids), expected)
+
+
+def test_every_entry_point_takes_slices(compiled_cpu_ops, monkeypatch, session_seed):
+    """auto / cpu forward the slices to the compiled op; the reference takes
+    them for a y it cannot write in place, and without a build."""
+    x, a, y, b, ids = make_inputs(9, 16, 64, torch.bfloat16, _seed(session_seed, "sliced dispatch"),
+                                  out=QKV[-1], blocks=3)
+    h = compiled_cpu_ops.lora_shrink(x, a, ids, SCALE)
+    expected = compiled_cpu_ops.lora_expand(y.clone(), h, b, ids, list(QKV))
+    for backend in (kernels, kernels.get_backend("auto"), kernels.get_backend("cpu")):
+        out = y.clone()
+        assert backend.lora_expand(out, h, b, ids, slices=QKV) is out and torch.equal(out, expected)
+    reference = lora_expand_reference(y.clone(), h, b, ids, QKV)
+    strided = torch.zeros(9, 2 * QKV[-1], dtype=y.dtype)[:, ::2]
+    strided.copy_(y)
+    assert torch.equal(kernels.lora_expand(strided, h, b, ids, QKV), reference)
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "off")
+    assert torch.equal(kernels.lora_expand(y.clone(), h, b, ids, QKV), reference)

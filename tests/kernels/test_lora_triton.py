@@ -3,8 +3,10 @@ references (kernels/lora.py), on fresh random inputs each session:
 
 * Bounded: shrink and expand at 1, 5 and 64 rows (ids in runs, -1 among
   them), ranks 4 to 192 (blocks of 64 and a partial one), widths with a
-  partial block, within twice fp32's summation bound of the reference
-  (lora_cases.py); expand leaves the rows with id -1 bit for bit. float32
+  partial block, and expand with a fused projection's slices (q | k | v,
+  gate | up: compact B, a rank block of h per slice), within twice fp32's
+  summation bound of the reference (lora_cases.py); expand leaves the rows
+  with id -1 bit for bit. float32
   under the interpreter (its bf16 arithmetic is broken); bf16 too on a GPU.
 * Compiled: both kernels go through the real compiler for sm_90, which
   rejects code the interpreter takes.
@@ -29,15 +31,23 @@ from need import need
 HERE = Path(__file__).resolve().parent
 # (rows, rank, width, out): out None = width.
 SHAPES = ((1, 4, 64, None), (5, 48, 100, 70), (64, 16, 576, None), (3, 192, 70, 300))
+# (rows, rank per slice, width, slices): SmolLM2's qkv_proj (q 576 rows: a
+# partial block; k, v 192 each); gate | up halves of a partial block each,
+# rank 80 (a block of 64 and a partial one).
+SLICED = ((5, 16, 64, (0, 576, 768, 960)), (64, 16, 100, (0, 576, 768, 960)), (3, 80, 48, (0, 70, 140)))
 COMPILED = [{"id": f"sm90-{dtype}-{ids}", "dtype": dtype, "ids": ids}
             for dtype, ids in (("bfloat16", "int32"), ("float32", "int64"))]
 
 
 def _cases(device: str) -> list[dict]:
     dtypes = ("float32",) if device == "cpu" else ("float32", "bfloat16")
-    return [{"id": f"{dtype}-T{rows}-R{rank}-w{width}", "dtype": dtype, "T": rows, "R": rank,
-             "width": width, "out": out}
-            for dtype in dtypes for rows, rank, width, out in SHAPES]
+    plain = [{"id": f"{dtype}-T{rows}-R{rank}-w{width}", "dtype": dtype, "T": rows, "R": rank,
+              "width": width, "out": out}
+             for dtype in dtypes for rows, rank, width, out in SHAPES]
+    sliced = [{"id": f"{dtype}-T{rows}-R{rank}-w{width}-slices{len(bounds) - 1}x{bounds[-1]}", "dtype": dtype,
+               "T": rows, "R": rank, "width": width, "out": bounds[-1], "slices": list(bounds)}
+              for dtype in dtypes for rows, rank, width, bounds in SLICED]
+    return plain + sliced
 
 
 def _run(device: str, cases: list[dict], seed: int):

@@ -34,6 +34,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "activation.h"
 #include "decode.h"
@@ -68,15 +69,28 @@ struct Lora {
 };
 
 // linear() plus the LoRA update of projection `which` (0 qkv, 1 o, 2 gate_up,
-// 3 down) for the rows that have an adapter.
+// 3 down) for the rows that have an adapter.  A stack whose A has more rows
+// than B has columns holds a rank block per slice of the projection (qkv: q
+// | k | v rows, of q_size, kv_size, kv_size; gate_up: gate | up, halves) and
+// only each slice's own block of B (engine/model/lora/stacks.py), so expand
+// takes the slices' bounds; one whose A and B agree has a single slice.
 inline at::Tensor adapted_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                                 const Lora& lora, int which) {
+                                 const Lora& lora, int which, int64_t q_size = 0, int64_t kv_size = 0) {
   at::Tensor y = layer_parts::linear(x, w, b);
   if (!lora.on()) return y;
   const std::optional<at::Tensor>& a_stack = lora.stacks[2 * which];
   const std::optional<at::Tensor>& b_stack = lora.stacks[2 * which + 1];
   TORCH_CHECK_VALUE(a_stack.has_value() && b_stack.has_value(), "llama_layer: LoRA stack ", which, " is None");
-  return lora_expand(y, lora_shrink(x.contiguous(), *a_stack, *lora.ids, 1.0), *b_stack, *lora.ids);
+  const at::Tensor h = lora_shrink(x.contiguous(), *a_stack, *lora.ids, 1.0);
+  if (a_stack->size(1) == b_stack->size(2)) return lora_expand(y, h, *b_stack, *lora.ids);
+  const int64_t out = y.size(1);
+  const std::vector<int64_t> bounds = which == 0 ? std::vector<int64_t>{0, q_size, q_size + kv_size, out}
+                                                 : std::vector<int64_t>{0, out / 2, out};
+  const int64_t slices = int64_t(bounds.size()) - 1;
+  TORCH_CHECK_VALUE((which == 0 || which == 2) && a_stack->size(1) == slices * b_stack->size(2),
+                    "llama_layer: LoRA stack ", which, " has ", a_stack->size(1), " rank rows and ",
+                    b_stack->size(2), " B columns; expected one B block or ", slices, " A blocks");
+  return lora_expand(y, h, *b_stack, *lora.ids, bounds);
 }
 
 // q, k and v are column ranges of qkv's rows ([q heads | k heads | v heads]).
@@ -203,7 +217,7 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
   at::Tensor x = first ? rms_norm(hidden, input_norm, eps, std::nullopt)
                        : rms_norm(hidden, input_norm, eps, stream);
 
-  const at::Tensor qkv = layer_parts::adapted_linear(x, qkv_weight, qkv_bias, adapters, 0);
+  const at::Tensor qkv = layer_parts::adapted_linear(x, qkv_weight, qkv_bias, adapters, 0, q_size, kv_size);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_layer: qkv_proj gives ", qkv.size(1),
               " columns, the heads need ", q_size + 2 * kv_size);
   const at::Tensor q = layer_parts::rotate_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,

@@ -5,6 +5,10 @@
 //   shrink   h[t] = scale * A[id[t]] @ x[t]     h [T, R] fp32, A [S, R, in]
 //   expand   y[t] += B[id[t]] @ h[t]            y [T, out] in place, B [S, out, R]
 //
+// A fused projection (qkv_proj's q | k | v rows) may pass its slices' row
+// boundaries to expand: output rows of slice i then read h's rank block i
+// (h [T, n * R]), so B holds each slice's own block and no zeros.
+//
 // Why compiled: torch needs a gather and two matmuls per distinct id, and a
 // decode batch has an id per row, so its cost is dispatch, not arithmetic.
 //
@@ -12,9 +16,9 @@
 // small GEMM that reuses its adapter's weights for all its rows while they
 // are in cache; a decode row is a run of one, a GEMV (BGMV).  Work items are
 // (piece of a run of at most kRunRows rows, block of weight rows: A's rank
-// rows, or B's outputs).  Every (row, output) dot product takes the same
-// FMAs in the same order whatever tile, item or batch it lands in, so a
-// row's numbers never depend on its neighbours.
+// rows, or B's outputs within one slice).  Every (row, output) dot product
+// takes the same FMAs in the same order whatever tile, item or batch it
+// lands in, so a row's numbers never depend on its neighbours.
 //
 // Any width: whole pairs go through vec::load_pair (fp32, bf16, fp16 to
 // fp32), then one vector of W if that many remain, the rest in scalar code.
@@ -204,6 +208,32 @@ at::Tensor in_loader_layout(const at::Tensor& h) {
   }
 }
 
+// Expand's outputs [o0, o0 + cols) (at most kExpandCols), all in one slice,
+// whose rank block starts at column h0 of h's rows.
+struct Strip {
+  int64_t o0, cols, h0;
+};
+
+// The strips of each slice in turn: an item never straddles two slices, so
+// its outputs share one block of h.  No slices: one slice of every output.
+inline std::vector<Strip> strips_of(at::OptionalIntArrayRef slices, int64_t N, int64_t H, int64_t R) {
+  std::vector<int64_t> bounds{0, N};
+  if (slices.has_value()) bounds.assign(slices->begin(), slices->end());
+  const int64_t n = int64_t(bounds.size()) - 1;
+  TORCH_CHECK_VALUE(n >= 1 && bounds[0] == 0 && bounds[n] == N, "lora_expand: slices ",
+                    c10::IntArrayRef(bounds), " must rise from 0 to out = ", N);
+  TORCH_CHECK_VALUE(H == n * R, "lora_expand: h is ", H, " wide; ", n, " slices of rank ", R, " need ",
+                    n * R);
+  std::vector<Strip> out;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(bounds[i] < bounds[i + 1], "lora_expand: slices ", c10::IntArrayRef(bounds),
+                      " must rise from 0 to out = ", N);
+    for (int64_t o = bounds[i]; o < bounds[i + 1]; o += kExpandCols)
+      out.push_back({o, std::min(kExpandCols, bounds[i + 1] - o), i * R});
+  }
+  return out;
+}
+
 template <typename F>
 void dispatch(at::ScalarType dtype, const F& f) {
   switch (dtype) {
@@ -255,36 +285,42 @@ inline at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, con
   return h;
 }
 
-// y [T, out] (in place), h [T, R] fp32, B [S, out, R] (y's dtype), ids [T]:
-// y[t] = y[t] + B[ids[t]] @ h[t], summed in fp32 and rounded once; rows with
-// id -1 untouched.  Returns y.
+// y [T, out] (in place), h [T, n * R] fp32, B [S, out, R] (y's dtype), ids
+// [T], slices (n + 1 row boundaries; none: n = 1): y[t, rows of slice i] +=
+// B[ids[t], those rows] @ h[t, block i], summed in fp32 and rounded once;
+// rows with id -1 untouched.  Returns y.
 inline at::Tensor lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
-                              const at::Tensor& ids) {
+                              const at::Tensor& ids, at::OptionalIntArrayRef slices = std::nullopt) {
   TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.is_contiguous(),
               "lora_expand: y must be a contiguous CPU [T, out] tensor");
   TORCH_CHECK(h.device().is_cpu() && h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat &&
                   h.size(0) == y.size(0),
-              "lora_expand: h must be a contiguous CPU float32 [T, R] tensor, T = y's rows");
-  lora::check_stack(lora_b, y.scalar_type(), h.size(1), "lora_expand: lora_b_stack");
+              "lora_expand: h must be a contiguous CPU float32 [T, n * R] tensor, T = y's rows");
+  TORCH_CHECK(lora_b.dim() == 3, "lora_expand: lora_b_stack must be [S, out, R]");
+  lora::check_stack(lora_b, y.scalar_type(), lora_b.size(2), "lora_expand: lora_b_stack");
   TORCH_CHECK(lora_b.size(1) == y.size(1), "lora_expand: lora_b_stack has ", lora_b.size(1),
               " outputs, y ", y.size(1));
-  const int64_t T = y.size(0), N = y.size(1), R = h.size(1);
+  const int64_t T = y.size(0), N = y.size(1), H = h.size(1), R = lora_b.size(2);
+  const std::vector<lora::Strip> strips = lora::strips_of(slices, N, H, R);
   const std::vector<lora::Run> work = lora::runs_of(ids, T, lora_b.size(0));
-  const int64_t strips = (N + lora::kExpandCols - 1) / lora::kExpandCols;
-  if (work.empty() || strips == 0) return y;
-  const int64_t per_item = T * N * std::max<int64_t>(R, 1) / int64_t(work.size() * strips);
+  const int64_t count = int64_t(strips.size());
+  if (work.empty() || count == 0 || R == 0) return y;  // rank 0 adds nothing
+  const int64_t per_item = T * N * R / int64_t(work.size() * count);
   lora::dispatch(y.scalar_type(), [&](auto tag) {
     using Elem = decltype(tag);
-    const at::Tensor hl = lora::in_loader_layout<Elem>(h);
+    // Reordered block by block (rows of R): product reads each slice's block
+    // from its first column, so its pairs must start there, not at h's.
+    const at::Tensor hl = lora::in_loader_layout<Elem>(h.view({T * H / R, R}));
     const float* hp = hl.data_ptr<float>();
     Elem* yp = reinterpret_cast<Elem*>(y.data_ptr());
     const Elem* bp = reinterpret_cast<const Elem*>(lora_b.data_ptr());
-    lora::for_items(int64_t(work.size()) * strips, per_item, [&](int64_t i) {
-      const lora::Run& run = work[i / strips];
-      const int64_t o0 = (i % strips) * lora::kExpandCols, cols = std::min(lora::kExpandCols, N - o0);
-      Elem* out = yp + run.row0 * N + o0;
-      lora::product(hp + run.row0 * R, R, run.rows, bp + (run.slot * N + o0) * R, R, cols, R,
-                    [&](int64_t r, const float* dots) { lora::add_row(out + r * N, dots, cols); });
+    lora::for_items(int64_t(work.size()) * count, per_item, [&](int64_t i) {
+      const lora::Run& run = work[i / count];
+      const lora::Strip& strip = strips[i % count];
+      Elem* out = yp + run.row0 * N + strip.o0;
+      lora::product(hp + run.row0 * H + strip.h0, H, run.rows, bp + (run.slot * N + strip.o0) * R, R,
+                    strip.cols, R,
+                    [&](int64_t r, const float* dots) { lora::add_row(out + r * N, dots, strip.cols); });
     });
   });
   return y;

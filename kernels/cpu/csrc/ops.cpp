@@ -103,7 +103,8 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
   m.def("quant_dequantize(Tensor weight) -> Tensor", &pagedserve::quant_dequantize);
   m.def("lora_shrink(Tensor x, Tensor lora_a_stack, Tensor row_lora_ids, float scale) -> Tensor",
         &pagedserve::lora_shrink);
-  m.def("lora_expand(Tensor(a!) y, Tensor h, Tensor lora_b_stack, Tensor row_lora_ids) -> Tensor(a!)",
+  m.def("lora_expand(Tensor(a!) y, Tensor h, Tensor lora_b_stack, Tensor row_lora_ids, int[]? slices=None) "
+        "-> Tensor(a!)",
         &pagedserve::lora_expand);
   m.def("isa() -> str", &pagedserve::isa_name);
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
