@@ -26,7 +26,7 @@ NAMES=$(for m in $MODULES; do printf '%s ' "${m%%=*}"; done)
 serve_and_measure() {  # kind, round
     local kind=$1 dir="$OUT/$1-$2" flags=()
     [ "$kind" = lora ] && flags=(--enable-lora --max-loras 8 --lora-modules $MODULES)
-    (cd "$REPO" && "$PY" -m pagedserve serve --port "$PORT" "${flags[@]}" ${EXTRA[@]+"${EXTRA[@]}"} >"$OUT/$kind-$2.log" 2>&1) &
+    (cd "$REPO" && exec "$PY" -m pagedserve serve --port "$PORT" "${flags[@]}" ${EXTRA[@]+"${EXTRA[@]}"} >"$OUT/$kind-$2.log" 2>&1) &
     local pid=$!
     for _ in $(seq 600); do
         curl -sf "$URL/health" >/dev/null && break
