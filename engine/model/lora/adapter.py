@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_tensors
 
 from engine.errors import ValidationError
 from engine.model.lora.request import LoRARequest
@@ -54,10 +54,6 @@ class LoRAAdapter:
     # (layer, HF module name) -> (A * scaling [r, in], B [out, r]), the model's dtype
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def load_adapter(request: LoRARequest, args, max_rank: int, dtype: torch.dtype,
                  partition=None) -> LoRAAdapter:
@@ -67,7 +63,8 @@ def load_adapter(request: LoRARequest, args, max_rank: int, dtype: torch.dtype,
     config = _read_config(folder)
     _check_config(config, max_rank)
     scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
-    tensors = load_file(str(folder / _FILES[0]))
+    data = (folder / _FILES[0]).read_bytes()  # read once: its tensors and its digest
+    tensors = load_tensors(data)
     pairs = _pairs(tensors)
     shapes = module_shapes(args)
     weights = {}
@@ -78,9 +75,8 @@ def load_adapter(request: LoRARequest, args, max_rank: int, dtype: torch.dtype,
         weights[layer, module] = ((a.float() * scaling).to(dtype), b.to(dtype))
     if not weights:
         raise ValidationError(f"adapter {request.lora_name!r} holds no LoRA weights", "lora_path")
-    digest = hashlib.sha256()
-    for name in ("adapter_config.json", *_FILES):
-        digest.update((folder / name).read_bytes())
+    digest = hashlib.sha256((folder / "adapter_config.json").read_bytes())
+    digest.update(data)
     return LoRAAdapter(request, config.r, scaling, digest.digest(), weights)
 
 

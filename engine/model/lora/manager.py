@@ -121,10 +121,6 @@ class LoRAManager:
             stack.load(slot, pieces.get(key, []))
         self.slots[slot] = adapter.request.lora_int_id
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the slots (the host cache is counted by nothing: it is small)."""
-        return sum(stack.nbytes for stack in self.stacks.values())
 
 
 def _install(model, context, kernels, slots, max_rank, dtype, device) -> dict:

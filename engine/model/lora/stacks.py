@@ -73,7 +73,3 @@ class LoRAStack:
                 self.a[slot, block * self.max_rank:block * self.max_rank + rank].copy_(a)
             start, stop = (0, self.rows[-1][1]) if index is None else self.rows[index]
             self.b[slot, start:stop, :rank].copy_(b)
-
-    @property
-    def nbytes(self) -> int:
-        return self.a.nbytes + self.b.nbytes
