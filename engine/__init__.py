@@ -4,7 +4,9 @@ from engine.config import EngineConfig
 from engine.frontend.llm import LLM
 from engine.frontend.llm_engine import LLMEngine
 from engine.model.lora.request import LoRARequest
-from engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from engine.model.pooling.params import PoolingParams
+from engine.outputs import (CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
+                            RequestOutputKind)
 from engine.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import StructuredOutputsParams
 
@@ -14,6 +16,9 @@ __all__ = [
     "EngineConfig",
     "LLMEngine",
     "LoRARequest",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -36,6 +36,8 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")  # ZMQ transports a publisher can use
 MAX_BLOCK_SIZE = 128
 MAX_LORA_RANK = 64
+RUNNERS = ("generate", "pooling")  # vLLM's --runner
+CONVERTS = (None, "embed", "classify")  # vLLM's --convert, for a pooling runner
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # Names of the default model, a GGUF file (engine/model/models/loader.py).
 DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "smollm2", "SmolLM2-135M-Instruct")
@@ -193,6 +195,15 @@ class EngineConfig:
     max_cpu_loras: int | None = field(default=None, metadata={
         "help": "adapters kept read in host memory, least recently used dropped first "
                 "(read again from their folder when asked for); default: --max-loras"})
+    # Pooling: prefill-only requests answered with a vector (engine/model/pooling/; vLLM's flags).
+    runner: str = field(default="generate", metadata={
+        "help": "generate: a model that writes text; pooling: embeddings, classification "
+                "and scores (an encoder such as BERT, or a decoder's hidden states)",
+        "choices": RUNNERS})
+    convert: str | None = field(default=None, metadata={
+        "help": "--runner pooling over a generator checkpoint: embed (the last token's hidden "
+                "state) or classify (a sequence-classification head, `score`, from the "
+                "checkpoint); default: what the checkpoint's architecture is", "choices": CONVERTS})
     # Converted models live here; $XDG_CACHE_HOME already moves it, so no flag.
     cache_dir: Path = field(default_factory=default_cache_dir, metadata={"cli": False})
 
@@ -202,6 +213,7 @@ class EngineConfig:
         self._check_kv_events()
         self._check_offload()
         self._check_lora()
+        self._check_pooling()
         if not _is_power_of_two(self.block_size) or self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(
                 f"block_size={self.block_size} is not supported: use a power of two "
@@ -357,6 +369,20 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= "
                              f"max_loras={self.max_loras}: a step reads its adapters from there")
+
+    def _check_pooling(self) -> None:
+        if self.runner not in RUNNERS or self.convert not in CONVERTS:
+            raise ValueError(f"runner={self.runner!r} / convert={self.convert!r}: choose runner "
+                             f"from {RUNNERS} and convert from {CONVERTS[1:]}")
+        if self.runner != "pooling":
+            if self.convert is not None:
+                raise ValueError(f"convert={self.convert!r} needs runner='pooling'")
+            return
+        clashes = [name for name, on in (
+            ("enable_lora", self.enable_lora), ("speculative_config", self.speculative_config),
+            ("tensor_parallel_size > 1", self.tensor_parallel_size > 1)) if on]
+        if clashes:
+            raise ValueError(f"runner='pooling' does not run with {', '.join(clashes)}")
 
     def replace(self, **changes) -> "EngineConfig":
         """A new validated config with some fields changed (the original stays as it was)."""

@@ -94,3 +94,35 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's answer: `data` is a 1-D float32 tensor on the host.
+    Read it as vLLM's outputs name it: an embedding, a classifier's per-label
+    probabilities, or a pair's score."""
+
+    data: object  # torch.Tensor (this module imports no torch)
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def score(self) -> float:
+        return float(self.data[0])
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request gets: one output, when its prompt has been computed."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -188,17 +188,16 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     if ops is not None:
         return ops.paged_decode_attention(
             query.contiguous(), k_cache, v_cache, block_tables, context_lens, scale, **features)
-    if k_cache.dtype in QUANTIZED_CACHES:  # the fallback below reads the query's dtype
-        return paged_decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens,
-                                                scale, **features)
-    return paged_decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, scale,
-                                      **features)
+    quantized = k_cache.dtype in QUANTIZED_CACHES  # the CPU fallback reads the query's dtype
+    fallback = paged_decode_attention_reference if quantized else paged_decode_attention_cpu
+    return fallback(query, k_cache, v_cache, block_tables, context_lens, scale, **features)
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                            *, sliding_window=None, logits_soft_cap=None):
-    """Causal prefill/extend attention over the paged cache; see kernels.reference."""
-    features = attention_features(sliding_window, logits_soft_cap)
+                            *, sliding_window=None, logits_soft_cap=None, causal=True):
+    """Prefill/extend attention over the paged cache, causal unless ``causal=False``
+    (encoders: every new token sees its whole context); see kernels.reference."""
+    features = attention_features(sliding_window, logits_soft_cap, causal)  # causal only if False
     if query.is_cuda:
         return _triton_modules()[2].paged_prefill_attention(
             query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **features)

@@ -81,7 +81,7 @@ _GATHER_BUDGET = 1 << 21
 def paged_prefill_attention_cpu(query, k_cache, v_cache, block_tables, cu_seqlens_q,
                                 context_lens, scale, **features):
     """Same contract as ``paged_prefill_attention_reference`` (``features``: its
-    sliding_window and logits_soft_cap); float32 is it exactly."""
+    sliding_window, logits_soft_cap and causal); float32 is it exactly."""
     return paged_prefill_attention_reference(
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
         compute_dtype=k_cache.dtype, **features)

@@ -34,13 +34,15 @@ by ``scale * log2(e)`` so ``exp2`` can be used.  Running maxima start at a
 large finite negative number instead of -inf so rows that see no key at all
 (padding) stay NaN-free and finish as 0 / 0 -> guarded to 0.
 
-Two optional features, each a constexpr flag so that plain attention
+Optional features, each a constexpr flag so that plain attention
 compiles exactly as without them:
 
 * ``WINDOW`` (sliding window W): a row at position p sees keys k with
   p - W < k <= p.  The kernels start their KV loop at the tile holding the
   first row's first key, so tiles wholly before the window are never read,
   and mask the rest.
+* ``CAUSAL`` (prefill only; off for encoders): a row at position p sees
+  keys k <= p; without it every row sees the whole context.
 * ``SOFT_CAP`` (Gemma 2): each score s = q.k * scale becomes c * tanh(s / c),
   in fp32, before the mask (``soft_cap_tanh``: the interpreter has no libdevice,
   and the compiled CPU ops evaluate the same rational function).
@@ -238,10 +240,11 @@ def check_int8_layout(cache: torch.Tensor) -> None:
                          f"(strides {tuple(cache.stride())})")
 
 
-def feature_args(sliding_window, logits_soft_cap) -> dict:
+def feature_args(sliding_window, logits_soft_cap, causal=True) -> dict:
     """The kernels' feature arguments: the values, and the constexpr flags that
-    compile the features in (neither set: the plain kernels)."""
-    attention_features(sliding_window, logits_soft_cap)  # a bad value is a ValueError
+    compile the features in (neither set: the plain kernels).  ``causal``
+    (prefill's) is only checked here: a window without it is refused."""
+    attention_features(sliding_window, logits_soft_cap, causal)  # a bad value is a ValueError
     return dict(window=sliding_window or 0, soft_cap=(logits_soft_cap or 1.0) * LOG2E,
                 WINDOW=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None)
 

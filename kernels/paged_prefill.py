@@ -2,7 +2,8 @@
 
 A program owns one tile of BLOCK_M rows (BLOCK_M // GROUP_PAD query tokens
 times the query heads of one kv head) of one sequence and attends causally
-over that sequence's cached context plus its new tokens.  Sequences of
+over that sequence's cached context plus its new tokens (CAUSAL off,
+encoders: every row sees the whole context).  Sequences of
 different lengths share one launch: ``_find_sequence`` maps a tile number to
 its sequence from ``cu_seqlens_q`` on the device, so the host never reads it.
 
@@ -41,12 +42,17 @@ def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _key_range(context_len, q_len, first_token, window,
-               BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+               BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+               CAUSAL: tl.constexpr):
     """Keys [start, end) a tile of q tokens from ``first_token`` needs: up to its
-    last valid token's position; from 0, or with a window W from the tile
-    holding its first token's first key (L - nq + first_token - W + 1)."""
+    last valid token's position (without CAUSAL, the whole context); from 0, or
+    with a window W from the tile holding its first token's first key
+    (L - nq + first_token - W + 1)."""
     last_token = tl.minimum(first_token + BLOCK_Q, q_len)
-    kv_end = tl.where(first_token < q_len, context_len - q_len + last_token, 0)
+    if CAUSAL:
+        kv_end = tl.where(first_token < q_len, context_len - q_len + last_token, 0)
+    else:
+        kv_end = tl.where(first_token < q_len, context_len, 0)
     kv_start = 0
     if WINDOW:
         first_key = context_len - q_len + first_token - window + 1
@@ -65,7 +71,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, UPCAST: tl.constexpr,
-    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """One program = (tile of BLOCK_M // GROUP_PAD query tokens, kv head).
 
@@ -75,6 +81,7 @@ def _prefill_kernel(
         context of length L:   [0 ........ L-nq-1 | L-nq ... L-1]
                                  cached prefix       this chunk's q tokens
         q token j sits at position L - nq + j and sees keys 0 .. L - nq + j
+                                 (0 .. L - 1 without CAUSAL)
     """
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     tile = tl.program_id(0)
@@ -99,7 +106,7 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     q_pos = context_len - q_len + token
 
-    kv_start, kv_end = _key_range(context_len, q_len, first_token, window, BLOCK_Q, BLOCK_N, WINDOW)
+    kv_start, kv_end = _key_range(context_len, q_len, first_token, window, BLOCK_Q, BLOCK_N, WINDOW, CAUSAL)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -107,7 +114,7 @@ def _prefill_kernel(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr + seq.to(tl.int64) * stride_table,
         kv_start, kv_end, context_len, kv_head, qk_scale, window, soft_cap,
         stride_block, stride_slot, stride_head, stride_dim,
-        True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP, UPCAST)
+        CAUSAL, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP, UPCAST)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_offsets = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -131,14 +138,14 @@ def _prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                             scale, *, out: torch.Tensor | None = None, sliding_window=None,
-                            logits_soft_cap=None) -> torch.Tensor:
+                            logits_soft_cap=None, causal=True) -> torch.Tensor:
     """Causal prefill/extend attention (see kernels.reference for the contract,
-    and its ``sliding_window`` and ``logits_soft_cap``).
+    and its ``sliding_window``, ``logits_soft_cap`` and ``causal``).
 
     ``out`` as in paged_decode_attention.
     """
     check_inputs(query, k_cache, v_cache, block_tables, context_lens)
-    features = feature_args(sliding_window, logits_soft_cap)
+    features = feature_args(sliding_window, logits_soft_cap, causal)
     if cu_seqlens_q.dtype != torch.int32:
         raise ValueError("cu_seqlens_q must be int32")
     total_q, heads, head_dim = query.shape
@@ -160,6 +167,6 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        UPCAST=not query.is_cuda, **features, **config,
+        UPCAST=not query.is_cuda, CAUSAL=bool(causal), **features, **config,
     )
     return out

@@ -84,33 +84,35 @@ def _values(rows: torch.Tensor) -> torch.Tensor:
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                allowed: torch.Tensor | None, scale: float,
-               logits_soft_cap: float | None = None) -> torch.Tensor:
+               logits_soft_cap: float | None = None, causal: bool = True) -> torch.Tensor:
     """Grouped attention in fp32 through torch's fused SDPA (what HF runs too).
 
     q: [rows, num_heads, nq, head_dim]; k, v: [rows, kv_heads, length, head_dim]
     allowed: bool mask broadcastable to [rows, num_heads, nq, length], or None
-    for plain causal attention (nq == length). Query head h reads KV head
+    for plain causal attention (nq == length), or with causal=False none at
+    all (every query sees every key). Query head h reads KV head
     h // group (HF's repeat_kv convention) without copying K/V group times.
     With `logits_soft_cap` (Gemma 2) the scores are capped before the mask,
     which SDPA cannot do: the product is spelled out instead.
     """
     if logits_soft_cap is not None:
-        return _capped_attention(q, k, v, allowed, scale, logits_soft_cap)
+        return _capped_attention(q, k, v, allowed, scale, logits_soft_cap, causal)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scale, enable_gqa=True
+        q, k, v, attn_mask=allowed, is_causal=allowed is None and causal, scale=scale, enable_gqa=True
     )
 
 
-def _capped_attention(q, k, v, allowed, scale, cap):
+def _capped_attention(q, k, v, allowed, scale, cap, causal=True):
     """softmax(cap * tanh(q k^T * scale / cap) + mask) v, as HF's eager Gemma 2."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / cap) * cap
-    if allowed is None:
+    if allowed is None and causal:
         allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
@@ -130,11 +132,13 @@ def window_mask(q_pos: torch.Tensor, length: int, sliding_window: int | None) ->
 
 
 def attention_features(sliding_window: int | None = None,
-                       logits_soft_cap: float | None = None) -> dict:
+                       logits_soft_cap: float | None = None, causal: bool = True) -> dict:
     """The features that are on, as the keyword arguments every backend's
     attention takes ({} for plain attention: the compiled ops' defaults, 0,
-    mean off); a window under one token or a cap <= 0 is a ValueError."""
-    features = {}
+    mean off; ``causal`` only as False, prefill's); a window under one token,
+    a cap <= 0 or a window without causal is a ValueError."""
+    features = {} if causal else {"causal": False}
+    check_causal(causal, sliding_window)
     if sliding_window is not None:
         if int(sliding_window) < 1:
             raise ValueError(f"sliding_window must be a positive token count, got {sliding_window!r}")
@@ -144,6 +148,12 @@ def attention_features(sliding_window: int | None = None,
             raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap!r}")
         features["logits_soft_cap"] = float(logits_soft_cap)
     return features
+
+
+def check_causal(causal: bool, sliding_window: int | None) -> None:
+    """Bidirectional attention (encoders) takes no sliding window: HF's is causal."""
+    if not causal and sliding_window is not None:
+        raise ValueError("sliding_window needs causal attention; causal=False takes none")
 
 
 def _decode_rows(query, k_cache, v_cache, block_tables, context_lens, scale,
@@ -240,8 +250,10 @@ def paged_prefill_attention_reference(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged context.
+    """Causal attention of each sequence's new tokens over its paged context
+    (``causal=False``, encoders: each new token sees all ``context_lens[i]``).
 
     Sequence i owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; they are
     the last ``nq`` of its ``context_lens[i]`` cached tokens::
@@ -256,6 +268,7 @@ def paged_prefill_attention_reference(
     total_q, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     _check_heads(num_heads, kv_heads)
+    check_causal(causal, sliding_window)
     out = torch.zeros(total_q, num_heads, head_dim, dtype=query.dtype, device=query.device)
     starts = cu_seqlens_q.tolist()
     lengths = context_lens.tolist()
@@ -269,12 +282,12 @@ def paged_prefill_attention_reference(
         k = _gather_context(k_cache, block_tables[i:i + 1], length, compute_dtype)[0].transpose(0, 1)
         v = _gather_context(v_cache, block_tables[i:i + 1], length, compute_dtype)[0].transpose(0, 1)
         q = query[q_start:q_end].to(compute_dtype).transpose(0, 1)[None]  # [1, H, nq, D]
-        allowed = None  # a whole prompt at once: plain causal attention
-        if nq < length or (sliding_window is not None and sliding_window < length):
+        allowed = None  # a whole prompt at once: plain causal attention (or none)
+        if causal and (nq < length or (sliding_window is not None and sliding_window < length)):
             # q_j (at position length - nq + j) sees positions <= its own, within the window
             q_pos = torch.arange(length - nq, length, device=query.device)
             allowed = window_mask(q_pos, length, sliding_window)
-        o = _attention(q, k[None], v[None], allowed, scale, logits_soft_cap)
+        o = _attention(q, k[None], v[None], allowed, scale, logits_soft_cap, causal)
         out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
     return out
 

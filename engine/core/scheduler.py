@@ -4,11 +4,10 @@ Every step has a token budget (`max_num_batched_tokens`) and a cap on running
 sequences (`max_num_seqs`). The scheduler spends the budget in two passes:
 
     1. running sequences, oldest first: a decode costs 1 token, an unfinished
-       prefill the rest of its prompt (or as much as the budget allows: a
-       *chunk*). Decodes therefore keep flowing while a long prompt is
-       prefilled a chunk per step.
-    2. waiting sequences, in arrival order, while budget, seats, blocks and
-       LoRA slots last (at most `max_loras` distinct adapters run at once).
+       prefill the rest of its prompt (or as much as the budget allows: a *chunk*).
+       Decodes therefore keep flowing while a long prompt is prefilled a chunk per step.
+    2. waiting sequences, in arrival order, while budget, seats, blocks and LoRA slots
+       last (at most `max_loras` adapters at once); a pooling prompt enters whole or waits.
 
 When a running sequence needs a block and none is free, the newest running
 sequence is preempted: its blocks are freed and it goes back to the front of
@@ -47,9 +46,8 @@ recomputes only the last prompt token to draw its own first token. Whoever
 first writes into a block that is still shared gets a private copy of it
 (copy on write; the runner copies the K/V before the forward pass).
 
-The result is a `SchedulerOutput`: plain data, the only thing the model
-runner sees: which sequences run, which of their tokens, and for those that
-sample, what sampling reads (the sampler's batch is the runner's to build).
+The result is a `SchedulerOutput`, plain data and all the runner sees: which
+sequences run, which of their tokens, and what sampling reads where they sample.
 """
 
 from __future__ import annotations
@@ -63,7 +61,6 @@ from engine.core.headroom import Headroom
 from engine.core.kv_offload.offload import KVOffload
 from engine.core.sched_output import ScheduledSequence, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
-
 
 LOADING = -1  # what _admit returns for a sequence that waits aside for its look-up or loads
 
@@ -79,6 +76,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_loras = config.max_loras  # distinct LoRA adapters in the running batch
+        self.whole_prompts = config.runner == "pooling"  # its prompts' rows are pooled together
         self.block_size = config.block_size
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -314,6 +312,8 @@ class Scheduler:
             return LOADING
         cached = len(hits) * self.block_size
         num_new = min(seq.num_tokens - cached, budget)
+        if self.whole_prompts and num_new < seq.num_tokens - cached:
+            return None  # a pooling prompt runs in one step, never in chunks
         if not self._has_headroom(seq, cached + num_new, len(hits), growth):
             return None
         if manager.allocate(seq.seq_id, cached + num_new, hits) is None:

@@ -121,6 +121,11 @@ class AsyncEngine:
         return self.engine.fingerprint
 
     @property
+    def pooling(self):
+        """A pooling model's PoolingInfo (what it answers), None for a generator (fixed at load)."""
+        return self.engine.pooling
+
+    @property
     def kv_cache_dtype(self) -> str:
         """The dtype of the KV cache, as a name ("int8"): a block's identity across replicas."""
         return dtype_name(self.engine.runner.kv_cache_dtype)
@@ -140,16 +145,18 @@ class AsyncEngine:
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     # -- the asyncio side --------------------------------------------------------------
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+    def generate(self, request_id: str, prompt: str | list[int], params, *,
                  add_special_tokens: bool = True, cache_salt: str | None = None,
-                 priority: int = 0, lora_request=None) -> "RequestStream":
+                 priority: int = 0, lora_request=None,
+                 token_type_ids: list[int] | None = None) -> "RequestStream":
         """Submit a request now; iterate the returned stream for its outputs.
 
         Refusals (engine dead, queue full) raise here, before anything is
         streamed, so the caller can still answer with an HTTP status; call
         check_prompt() and check_params() first for what the engine cannot run. Closing
         the stream before its last output (client gone, task cancelled)
-        aborts the request, which frees its blocks on the next step.
+        aborts the request, which frees its blocks on the next step. `params`:
+        SamplingParams, or PoolingParams on a pooling engine (one PoolingRequestOutput).
         """
         self._check_can_accept()
         if request_id in self._streams:
@@ -161,7 +168,8 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request_id, prompt, params,
                                         add_special_tokens=add_special_tokens, cache_salt=cache_salt,
-                                        priority=priority, lora_request=lora_request)
+                                        priority=priority, lora_request=lora_request,
+                                        token_type_ids=token_type_ids)
             except Exception as exc:  # a bad request, not a broken engine
                 self._deliver_soon([(request_id, exc)])
 

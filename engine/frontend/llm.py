@@ -24,7 +24,12 @@ from engine.frontend.chat_template import render_chat_text
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.frontend.llm_engine import LLMEngine
 from engine.model.lora.request import LoRARequest
-from engine.outputs import RequestOutput, RequestOutputKind
+from engine.frontend.pooling_requests import check_request_kind
+from engine.model.pooling.inputs import embed_input, pair_input, truncated_ids
+from engine.model.pooling.params import PoolingParams
+from engine.model.pooling.pooler import PoolingInfo
+from engine.model.pooling.scores import cosine_output, score_pairs
+from engine.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from engine.sampling_params import SamplingParams
 
 # A prompt is text, token ids, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
@@ -67,7 +72,8 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
         loras = _per_prompt(lora_request, len(prompts), "lora_request")
-        items = [(_unwrap(p), sp, True, lora) for p, sp, lora in zip(prompts, params, loras)]
+        items = [(_unwrap(p), sp, True, {"lora_request": lora})
+                 for p, sp, lora in zip(prompts, params, loras)]
         return self._run(items, use_tqdm)
 
     def chat(
@@ -95,18 +101,79 @@ class LLM:
         for conversation, sp, lora in zip(conversations, params, loras):
             text = render_chat_text(tokenizer, conversation, add_generation_prompt, tools,
                                     chat_template_kwargs)
-            items.append((text, sp, False, lora))  # the template already placed special tokens
+            # The template already placed the special tokens.
+            items.append((text, sp, False, {"lora_request": lora}))
         return self._run(items, use_tqdm)
+
+    # -- pooling models (runner="pooling"; vLLM's offline names) ------------------------
+    def embed(self, prompts: Prompt | SequenceABC[Prompt],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              prompt_name: str | None = None, truncate_prompt_tokens: int | None = None
+              ) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (`outputs.embedding`), tokenized as
+        sentence-transformers does (its `prompt_name` prefix included)."""
+        params = pooling_params or PoolingParams(task="embed")
+        items = [(*self._pooling_input(p, prompt_name, truncate_prompt_tokens), params)
+                 for p in _as_prompt_list(prompts)]
+        return self._run_pooling(items, use_tqdm)
+
+    def classify(self, prompts: Prompt | SequenceABC[Prompt], use_tqdm: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """A classifier's label probabilities for each prompt (`outputs.probs`)."""
+        params = PoolingParams(task="classify")
+        items = [(*self._pooling_input(p, None, truncate_prompt_tokens), params)
+                 for p in _as_prompt_list(prompts)]
+        return self._run_pooling(items, use_tqdm)
+
+    def score(self, text_1: str | list[str], text_2: str | list[str], use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Each pair's score (`outputs.score`): one text_1 against every text_2, or
+        pair by pair. A cross-encoder scores the pair as one input; an embedding
+        model answers the cosine similarity of the two embeddings."""
+        pairs = score_pairs(text_1, text_2)
+        info, tokenizer = self.engine.pooling, self.get_tokenizer()
+        if info is not None and info.task == "embed":
+            firsts = self.embed([a for a, _ in pairs], use_tqdm=use_tqdm,
+                                truncate_prompt_tokens=truncate_prompt_tokens)
+            seconds = self.embed([b for _, b in pairs], use_tqdm=use_tqdm,
+                                 truncate_prompt_tokens=truncate_prompt_tokens)
+            return [cosine_output(a, b) for a, b in zip(firsts, seconds)]
+        params = PoolingParams(task="score")
+        items = [(*pair_input(tokenizer, self._pooling_info(), a, b, truncate_prompt_tokens),
+                  params) for a, b in pairs]
+        return self._run_pooling(items, use_tqdm)
+
+    def encode(self, prompts: Prompt | SequenceABC[Prompt], pooling_params: PoolingParams,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt's answer as `pooling_params` asks (its task: embed or classify)."""
+        items = [(*self._pooling_input(p, None, None), pooling_params)
+                 for p in _as_prompt_list(prompts)]
+        return self._run_pooling(items, use_tqdm)
+
+    def _pooling_info(self) -> PoolingInfo:
+        check_request_kind(self.engine.pooling, PoolingParams())
+        return self.engine.pooling
+
+    def _pooling_input(self, prompt: Prompt, prompt_name, truncate):
+        info, prompt = self._pooling_info(), _unwrap(prompt)
+        if isinstance(prompt, str):
+            return embed_input(self.get_tokenizer(), info, prompt, prompt_name, truncate, "prompt")
+        return truncated_ids(prompt, info, truncate, "prompt"), None
+
+    def _run_pooling(self, items, use_tqdm: bool) -> list[PoolingRequestOutput]:
+        """(token ids, token types, params) per prompt: tokenized here, no special tokens added."""
+        return self._run([(ids, params, False, {"token_type_ids": types})
+                          for ids, types, params in items], use_tqdm)
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
-            for prompt, params, add_special, lora in items:
+            for prompt, params, add_special, extra in items:
                 request_id = str(next(self._request_ids))
                 params = _final_only(params)
                 engine.add_request(request_id, prompt, params, add_special_tokens=add_special,
-                                   lora_request=lora)
+                                   **extra)
                 ids.append(request_id)
             finished: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
@@ -123,8 +190,9 @@ class LLM:
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:
-    """The caller's settings, asking for one whole output per request."""
-    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+    """The caller's settings, asking for one whole output per request (a pooling
+    request has only that one)."""
+    if isinstance(params, PoolingParams) or params.output_kind is RequestOutputKind.FINAL_ONLY:
         return params
     return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 

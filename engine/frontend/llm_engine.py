@@ -42,6 +42,9 @@ from engine.frontend.prompt_logprobs import prompt_ends, settle_prompts
 from engine.frontend.engine_parts import build_block_manager, build_kv_events, build_kv_offload
 from engine.frontend.lora_adapters import LoRAAdapters
 from engine.model.lora.request import LoRARequest
+from engine.frontend.pooling_requests import check_request_kind, pooling_prompt, take_pooled
+from engine.model.pooling.inputs import check_length
+from engine.model.pooling.params import PoolingParams
 
 
 class LLMEngine:
@@ -73,6 +76,7 @@ class LLMEngine:
         self.eos_token_ids = model_info.eos_token_ids
         self.vocab_size = model_info.vocab_size
         self.fingerprint = model_info.fingerprint
+        self.pooling = model_info.pooling  # a pooling model's PoolingInfo; None: a generator
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size,
                                                     self.eos_token_ids)
         if scheduler is None:
@@ -120,11 +124,12 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> None:
         """Queue a request: a text prompt (tokenized here) or prompt token ids.
 
@@ -132,14 +137,17 @@ class LLMEngine:
         rendered chat template. `cache_salt` separates tenants in the prefix
         cache: requests share cached blocks only when their salts are equal. The
         service derives it from the authenticated caller, never from the client.
-        `priority` orders requests under scheduling_policy="priority" (lower first).
+        `priority` orders requests under scheduling_policy="priority" (lower first);
         `lora_request`: the LoRA adapter it runs under (read now if not held).
-        """
+        PoolingParams (a pooling engine): the answer is a vector, not tokens
+        (engine/frontend/pooling_requests.py); `token_type_ids`: BERT's pair halves."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt, add_special_tokens)
         self.check_prompt(token_ids)
         self.check_params(params)
+        pooling = params if isinstance(params, PoolingParams) else None
+        params, carried = pooling_prompt(self.pooling, params, token_ids, token_type_ids)
         salt = salt_digest(cache_salt)
         lora_id, lora_key = self.loras.admit(lora_request)
         seqs, detokenizers, stop_checkers = [], [], []
@@ -148,30 +156,21 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + index
             grammar = None if constraint is None else self.structured_outputs.matcher(constraint)
             seq = Sequence(
-                seq_id=next(self._seq_ids),
-                request_id=request_id,
-                index=index,
-                prompt_token_ids=token_ids,
-                params=params,
+                seq_id=next(self._seq_ids), request_id=request_id, index=index,
+                prompt_token_ids=carried, params=params,
                 generator=None if seed is None else make_generator(seed, self.runner.device),
-                hash_extra=self.fingerprint,
-                cache_salt=salt,
-                fork_parent=seqs[0] if seqs else None,
-                grammar=grammar,
-                priority=priority,
-                lora_id=lora_id,
-                lora_key=lora_key,
-            )
+                hash_extra=self.fingerprint, cache_salt=salt,
+                fork_parent=seqs[0] if seqs else None, grammar=grammar, priority=priority,
+                lora_id=lora_id, lora_key=lora_key)
             seqs.append(seq)
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.skip_special_tokens
-            )
+            detokenizer = IncrementalDetokenizer(  # none of a pooling request's text is read
+                self.tokenizer if pooling is None else None, token_ids, params.skip_special_tokens)
             detokenizers.append(detokenizer)
             stop_checkers.append(StopChecker(params, self.eos_token_ids, self.config.max_model_len,
                                              len(token_ids), detokenizer, grammar))
         self.requests[request_id] = Request(
             request_id, text, token_ids, seqs, detokenizers, stop_checkers,
-            [0] * params.n, [False] * params.n,
+            [0] * params.n, [False] * params.n, pooling=pooling,
         )
         self.num_prompt_tokens += len(token_ids)
         for seq in seqs:
@@ -225,7 +224,9 @@ class LLMEngine:
         if not token_ids:
             raise ValidationError("the prompt is empty", "prompt")
         limit = self.config.max_model_len
-        if len(token_ids) >= limit:
+        if self.pooling is not None:  # the prompt is all: no room for output needed
+            check_length(token_ids, self.pooling, "prompt")
+        elif len(token_ids) >= limit:
             raise ValidationError(
                 f"the prompt has {len(token_ids)} tokens, which leaves no room for output "
                 f"within max_model_len={limit}", "prompt"
@@ -235,9 +236,13 @@ class LLMEngine:
             raise ValidationError(
                 f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
 
-    def check_params(self, params: SamplingParams) -> None:
-        """Refuse a logit_bias for a token id outside the vocabulary, and a
-        structured-output constraint that does not compile (thread-safe)."""
+    def check_params(self, params: SamplingParams | PoolingParams) -> None:
+        """Refuse a logit_bias for a token id outside the vocabulary, a
+        structured-output constraint that does not compile, and params of the
+        kind this engine does not run (thread-safe)."""
+        check_request_kind(self.pooling, params)
+        if isinstance(params, PoolingParams):
+            return
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise ValidationError(f"logit_bias: token id {bad} is outside the vocabulary "
@@ -273,6 +278,7 @@ class LLMEngine:
             request = self.requests[seq.request_id]
             self._take_tokens(request, seq, rows_of[seq.seq_id], result.sampled)
             moved[request.request_id] = request
+        take_pooled(self.requests, result.pooled, self.pooling)  # before settle ends them
         moved |= settle_prompts(self.requests, result.prompt_logprobs, ends, self._finish)
         if self.offload is not None:
             self.offload.after_step()  # copy out the blocks to store while they still exist

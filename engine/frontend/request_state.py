@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.sequence import Sequence
+from engine.frontend.pooling_requests import pooling_output
 from engine.frontend.prompt_logprobs import PromptLogprobsState
-from engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from engine.outputs import (CompletionOutput, PoolingRequestOutput, RequestOutput,
+                            RequestOutputKind)
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling.stopping import StopChecker
 
@@ -34,6 +36,10 @@ class Request:
     finish_reported: list[bool] = field(default_factory=list)  # per seq
     # SamplingParams.prompt_logprobs: what the prefill scored so far (None: not asked).
     prompt_logprobs: PromptLogprobsState | None = None
+    # A pooling request (engine/frontend/pooling_requests.py): its params, and its
+    # answer once the step that computed its prompt handed it back.
+    pooling: object | None = None
+    pooled: object | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_logprobs is None and self.seqs[0].params.prompt_logprobs is not None:
@@ -47,9 +53,11 @@ class Request:
     def output_kind(self) -> RequestOutputKind:
         return self.seqs[0].params.output_kind  # every choice shares the params
 
-    def output(self) -> RequestOutput | None:
+    def output(self) -> RequestOutput | PoolingRequestOutput | None:
         """This step's report of the request, which moved in it (None: a
         FINAL_ONLY request that has not finished yet)."""
+        if self.pooling is not None:
+            return pooling_output(self)
         kind = self.output_kind
         if kind is RequestOutputKind.FINAL_ONLY:
             if not self.finished:

@@ -16,6 +16,8 @@ from engine.config import EngineConfig
 from engine.model.distributed.executor import TensorParallelRunner
 from engine.model.kv_cache import dtype_name, token_capacity
 from engine.model.model_runner import ModelRunner
+from engine.model.models.registry import model_class
+from engine.model.pooling.pooler import PoolingInfo
 from engine.model.models.loader import GGUF_LINK, load_hf_config, load_tokenizer, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ class ModelInfo:
     fingerprint: bytes = bytes(32)
     tokenizer: object | None = None  # None: prompts are token ids, outputs carry no text
     path: Path | None = None  # the checkpoint folder, when there is one
+    # A pooling model's answers (engine/model/pooling/pooler.py); None: a generator.
+    pooling: PoolingInfo | None = None
 
 
 def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunner]:
@@ -44,7 +48,7 @@ def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunn
     model_path = resolve_model_path(config.model, config.cache_dir,
                                     dequantize=config.quantization != "gguf")
     hf_config = load_hf_config(model_path)
-    config = config.resolve_max_model_len(hf_config.max_position_embeddings)
+    config = config.resolve_max_model_len(_position_limit(config, hf_config))
     tokenizer = (
         load_tokenizer(config.tokenizer, required=True)
         if config.tokenizer
@@ -55,12 +59,16 @@ def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunn
         runner = TensorParallelRunner(config, hf_config, model_path, eos_token_ids)
     else:
         runner = ModelRunner(config, hf_config, model_path, eos_token_ids)
+    pooling = runner.pooling if config.runner == "pooling" else None
+    if pooling is not None and not pooling.prefix_cacheable:  # rows a hit would skip are pooled
+        config = config.replace(enable_prefix_caching=False)
     info = ModelInfo(
         vocab_size=runner.model.args.vocab_size,
         eos_token_ids=eos_token_ids,
         fingerprint=model_fingerprint(model_path, runner.dtype, config),
         tokenizer=tokenizer,
         path=model_path,
+        pooling=pooling,
     )
     logger.info(
         "model ready: %s on %s (%s); KV cache in %s: %d blocks of %d tokens, %d tokens in all",
@@ -73,6 +81,15 @@ def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunn
                     rank, config.tensor_parallel_size, memory["weights_bytes"] / 2**20,
                     memory["kv_cache_bytes"] / 2**20)
     return config, info, runner
+
+
+def _position_limit(config: EngineConfig, hf_config) -> int:
+    """The longest sequence the model's positions allow: its config's, except where
+    a pooling family reads it its own way (XLM-R's positions start after padding_idx)."""
+    if config.runner != "pooling":
+        return hf_config.max_position_embeddings
+    cls = model_class(hf_config, config.tensor_parallel_size, config.runner, config.convert)
+    return cls.model_args(hf_config).max_position_embeddings
 
 
 def model_fingerprint(model_path, dtype, config: EngineConfig) -> bytes:

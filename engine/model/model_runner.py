@@ -49,6 +49,7 @@ from engine.sampling.speculative import verify
 from engine.core.sched_output import SchedulerOutput
 from engine.model.step_inputs import Op, decode_step, encode_step
 from engine.model.lora.manager import LoRAManager
+from engine.model.pooling.pooler import pool, read_pooling_info
 from engine.model.placement import resolve_device, resolve_dtype
 from kernels import check_backend_support, get_backend
 
@@ -80,7 +81,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         size = group.size if group is not None else 1
-        self.model_class = model_class(hf_config, size)
+        self.model_class = model_class(hf_config, size, config.runner, config.convert)
         args = self.model_class.model_args(hf_config)
         self.partition = Partition.of(args, rank, size)
         self.kv_layout = KVLayout(self.kv_cache_dtype, self.block_size,
@@ -103,6 +104,9 @@ class ModelRunner:
         self.layer_caches = self.kv_groups.layer_caches(self.kv_cache, self.window_cache)
         if self.graphs is not None:  # after the KV cache: the graphs hold its addresses
             self.graphs.capture(self.layer_caches)
+        self.pooling = (read_pooling_info(model_path, self.model, min(
+            config.max_model_len, config.max_num_batched_tokens))
+            if config.runner == "pooling" else None)  # what a pooling step answers
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(args.vocab_size, seed=config.seed)
 
@@ -236,6 +240,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         self.use_configured_threads()
+        if self.pooling is not None:
+            return self._execute_pooling(output)
         decodes = [s for s in output.sequences if s.num_new_tokens == 1]
         if self.lora is not None:  # an adapter's rows side by side: its weights read once for them
             decodes.sort(key=lambda s: s.lora_id)
@@ -254,6 +260,31 @@ class ModelRunner:
                                      prompt_logprobs)
         owners, sampled = verify(self.sampler, logits, batch.drafted(self.eos_token_ids))
         return ModelRunnerOutput([batch.seq_ids[i] for i in owners], sampled, prompt_logprobs)
+
+    def _execute_pooling(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """A pooling step: the hidden states of every scheduled prompt, pooled per
+        sequence whose prompt the step completes (engine/model/pooling/pooler.py)."""
+        decodes = [s for s in output.sequences if s.num_new_tokens == 1]
+        prefills = [s for s in output.sequences if s.num_new_tokens > 1]
+        header, payload = encode_step(decodes, prefills, [], output.blocks_to_copy,
+                                      self.block_size, output.window_blocks_to_copy)
+        inputs = decode_step(header, payload.to(self.device))
+        if inputs.copy_sources.numel():
+            self._copy_blocks(self.kv_cache, inputs.copy_sources, inputs.copy_destinations)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
+        spans, seq_ids, offset = [], [], 0
+        for s in decodes + prefills:
+            if s.context_len == len(s.prompt_token_ids):
+                spans.append((offset, s.num_new_tokens))
+                seq_ids.append(s.seq_id)
+            offset += s.num_new_tokens
+        if not spans:
+            return ModelRunnerOutput([], SamplerOutput([], [], []))
+        pooled = pool(hidden, spans, self.pooling.pooling_type)
+        if self.pooling.task == "classify":  # the head, in the model's dtype
+            pooled = self.model.classify(pooled.to(hidden.dtype)).float()
+        return ModelRunnerOutput([], SamplerOutput([], [], []),
+                                 pooled=dict(zip(seq_ids, pooled.cpu())))
 
     # -- LoRA adapters (engine/model/lora/) -------------------------------------------
     def add_lora(self, request: LoRARequest) -> bytes:

@@ -34,6 +34,9 @@ class ModelRunnerOutput:
     sampled: SamplerOutput
     # Prompt logprobs its prefill chunk scored, by sequence (engine/model/prompt_logprobs.py).
     prompt_logprobs: dict[int, PromptChunk] = field(default_factory=dict)
+    # A pooling step's answers (engine/model/pooling/): each sequence whose prompt
+    # it completed, its pooled row (float32, on the host), instead of a sampled token.
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Runner(Protocol):

@@ -1,9 +1,11 @@
 """The gated MLP of Llama-style decoders: down(act(gate(x)) * up(x)), with
-act SiLU (Llama, Qwen, Mistral, Phi-3) or tanh-approximated GELU (Gemma)."""
+act SiLU (Llama, Qwen, Mistral, Phi-3) or tanh-approximated GELU (Gemma);
+and the plain MLP of encoders: down(act(up(x))), act BERT's exact (erf) GELU."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.model.layers.linear import Linear, all_reduce
@@ -38,3 +40,28 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gated = self.act_and_mul(self.gate_up_proj(x))
         return all_reduce(self.down_proj(gated), self.group)
+
+
+# HF's hidden_act names -> torch's function, as HF's ACT2FN computes it.
+PLAIN_ACTIVATIONS = {
+    "gelu": F.gelu,  # exact: x * Phi(x), through erf (BERT, XLM-RoBERTa)
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class PlainMLP(nn.Module):
+    """An encoder's feed-forward block, ungated: down_proj(act(up_proj(x)))
+    (BERT's intermediate.dense and output.dense)."""
+
+    def __init__(self, hidden_size: int, width: int, kernels, activation: str = "gelu") -> None:
+        super().__init__()
+        if activation not in PLAIN_ACTIVATIONS:
+            raise ValueError(f"hidden activation {activation!r} is not supported; "
+                             f"supported: {', '.join(PLAIN_ACTIVATIONS)}")
+        self.act = PLAIN_ACTIVATIONS[activation]
+        self.up_proj = Linear(hidden_size, width, True, kernels)
+        self.down_proj = Linear(width, hidden_size, True, kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))

@@ -21,11 +21,14 @@ from engine.model.layers.linear import Linear, all_reduce
 
 
 class PagedAttention(nn.Module):
-    """softmax(q k^T * scale) v for this rank's heads, K/V read from the cache."""
+    """softmax(q k^T * scale) v for this rank's heads, K/V read from the cache
+    (causal, or with causal=False bidirectional: encoders)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  layer_index: int, kernels, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, causal: bool = True) -> None:
+        """`causal` False (encoders): each prefill token attends to its whole
+        sequence; decode is the same either way (one token sees all it has)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
@@ -36,6 +39,9 @@ class PagedAttention(nn.Module):
         self.features = {name: value for name, value in (
             ("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
             if value is not None}
+        # The prefill kernel's keywords: `features` plus causal=False where off
+        # (kept out of `features`, which the fused decoder layer ops read too).
+        self.prefill_features = self.features if causal else dict(self.features, causal=False)
 
     def layer_view(self, kv_cache, meta: AttentionMetadata):
         """(k_cache, v_cache, meta) this layer reads: its own slice of the cache,
@@ -59,7 +65,7 @@ class PagedAttention(nn.Module):
         if d < q.shape[0]:
             out[d:] = self.kernels.paged_prefill_attention(
                 q[d:], k_cache, v_cache, meta.prefill_block_tables,
-                meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale, **self.features,
+                meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale, **self.prefill_features,
             )
         return out
 

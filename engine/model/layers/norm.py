@@ -1,8 +1,9 @@
-"""RMSNorm through the kernel backend (kernels.rms_norm)."""
+"""RMSNorm through the kernel backend (kernels.rms_norm), and the encoders' LayerNorm."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -43,3 +44,20 @@ class GemmaRMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class LayerNorm(nn.Module):
+    """torch's LayerNorm with a bias, as BERT's post-norm layers use it: with a
+    residual, norm(x + residual). The sum is a new tensor, not added in place:
+    after a post-norm the normed output is the residual stream."""
+
+    def __init__(self, dim: int, eps: float, kernels=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            x = x + residual
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)

@@ -93,7 +93,7 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
     @classmethod
     def model_args(cls, hf_config) -> ModelArgs:
         """What this family reads from an HF config (Qwen2 biases q/k/v, not o)."""
-        if "Qwen2ForCausalLM" in (getattr(hf_config, "architectures", None) or ()):
+        if any(name.startswith("Qwen2") for name in getattr(hf_config, "architectures", None) or ()):
             return ModelArgs.from_hf_config(hf_config, qkv_bias=True, o_bias=False)
         return ModelArgs.from_hf_config(hf_config)
 

@@ -13,6 +13,8 @@
 // Both attention ops take two optional features: sliding_window W (a query
 // sees only its last W tokens; blocks before the window are never read) and
 // logits_soft_cap c (Gemma 2: each score s becomes c * tanh(s / c)); 0 = off.
+// Prefill also takes causal (true; false: encoders, every query token sees
+// its whole context).
 //
 // Work items are (sequence, kv head) for decode, (sequence, kv head, tile of
 // query tokens) for prefill: the query heads of a kv group share every K/V
@@ -60,7 +62,7 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         &pagedserve::paged_decode_attention);
   m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale, "
-        "int sliding_window=0, float logits_soft_cap=0.0) -> Tensor",
+        "int sliding_window=0, float logits_soft_cap=0.0, bool causal=True) -> Tensor",
         &pagedserve::paged_prefill_attention);
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor",
         &pagedserve::linear_bf16);

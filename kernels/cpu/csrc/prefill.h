@@ -14,6 +14,9 @@
 //
 //     j0       ......######....
 //     j1-1     .........######.
+//
+//   causal = false (encoders): every row sees all L tokens, a rectangle
+//   (no window then: the op refuses one)
 #pragma once
 
 #include <ATen/ops/empty_like.h>
@@ -33,10 +36,17 @@ struct PrefillItem {
 template <typename T>
 struct PrefillArgs : OpArgs<T> {
   const int32_t* cu;  // cu_seqlens_q
+  bool causal;        // false: every row sees the whole context
 };
 
+// Tokens query token j (of nq, the last of the context's len) sees.
+inline int64_t prefill_visible(int64_t len, int64_t nq, int64_t j, bool causal) {
+  return causal ? len - nq + j + 1 : len;
+}
+
 inline std::vector<PrefillItem> plan_prefill(const Layer& l, const int32_t* cu, const int32_t* lens,
-                                             int64_t seqs, int64_t tokens_per_item, int64_t window) {
+                                             int64_t seqs, int64_t tokens_per_item, int64_t window,
+                                             bool causal) {
   std::vector<PrefillItem> items;
   std::vector<int64_t> cost;
   for (int64_t i = 0; i < seqs; ++i) {
@@ -46,8 +56,10 @@ inline std::vector<PrefillItem> plan_prefill(const Layer& l, const int32_t* cu, 
         items.push_back({i, h, j0, std::min(nq, j0 + tokens_per_item)});
   }
   auto work = [&](const PrefillItem& it) {  // rows x the tokens the item reads
-    const int64_t first = lens[it.seq] - (cu[it.seq + 1] - cu[it.seq]) + it.j0 + 1;
-    return (it.j1 - it.j0) * (first + it.j1 - it.j0 - 1 - window_lo(first, window));
+    const int64_t nq = cu[it.seq + 1] - cu[it.seq];
+    const int64_t first = prefill_visible(lens[it.seq], nq, it.j0, causal);
+    const int64_t last = prefill_visible(lens[it.seq], nq, it.j1 - 1, causal);
+    return (it.j1 - it.j0) * (last - window_lo(first, window));
   };
   std::stable_sort(items.begin(), items.end(),
                    [&](const PrefillItem& a, const PrefillItem& b) { return work(a) > work(b); });
@@ -64,7 +76,7 @@ void prefill_item(Scratch<C, QT>& s, const PrefillArgs<T>& a, const PrefillItem&
     for (int g = 0; g < group; ++g) {
       const int r = int(j - it.j0) * group + g;
       prepare_query(a.query + (row0 + g) * head_dim, head_dim, &s.q[size_t(r) * head_dim]);
-      s.visible[r] = len - nq + j + 1;
+      s.visible[r] = prefill_visible(len, nq, j, a.causal);
       s.lo[r] = window_lo(s.visible[r], a.window);
     }
   }
@@ -102,17 +114,17 @@ inline void check_prefill(const at::Tensor& query, const at::Tensor& cu_t, const
 template <typename T, typename C>
 void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& cu,
-                   const at::Tensor& lens, double scale, const Features& f, at::Tensor& out) {
+                   const at::Tensor& lens, double scale, const Features& f, bool causal, at::Tensor& out) {
   using QT = QueryFor<T, C>;
   const int64_t tokens_per_item = std::max<int64_t>(1, kPrefillRows / l.group);
   const std::vector<PrefillItem> items = plan_prefill(
-      l, cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.numel(), tokens_per_item, f.window);
+      l, cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.numel(), tokens_per_item, f.window, causal);
   const PrefillArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),
                           k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                           float(scale) * kLog2e,
                           is_q8<C> || is_fp8<C> || (!std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock),
                           f.window, f.cap_scale, f.cap2},
-                         cu.data_ptr<int32_t>()};
+                         cu.data_ptr<int32_t>(), causal};
   auto make = [&] { return Scratch<C, QT>(int(tokens_per_item * l.group), int(l.head_dim), a.convert); };
   run_items(int64_t(items.size()), make,
             [&](Scratch<C, QT>& s, int64_t i) { prefill_item<T, C, QT>(s, a, items[i]); });
@@ -122,9 +134,12 @@ inline at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Ten
                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                                           const at::Tensor& cu_seqlens_q,
                                           const at::Tensor& context_lens, double scale,
-                                          int64_t sliding_window, double logits_soft_cap) {
+                                          int64_t sliding_window, double logits_soft_cap,
+                                          bool causal = true) {
   const Layer l = check_inputs(query, k_cache, v_cache, block_tables, context_lens);
   const Features f = features(sliding_window, logits_soft_cap, scale);
+  TORCH_CHECK_VALUE(causal || f.window == 0,
+                    "paged_prefill_attention: sliding_window needs causal attention; causal=False takes none");
   check_prefill(query, cu_seqlens_q, context_lens, block_tables);
   const int64_t seqs = context_lens.numel();
   check_tables(l, block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), seqs);
@@ -134,7 +149,7 @@ inline at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Ten
   at::Tensor out = covered ? at::empty_like(query) : at::zeros_like(query);
   dispatch_cache(query.scalar_type(), k_cache.scalar_type(), [&](auto query_tag, auto cache_tag) {
     prefill_typed<decltype(query_tag), decltype(cache_tag)>(l, query, k_cache, v_cache, block_tables,
-                                                            cu_seqlens_q, context_lens, scale, f, out);
+                                                            cu_seqlens_q, context_lens, scale, f, causal, out);
   });
   return out;
 }
