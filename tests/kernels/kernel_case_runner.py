@@ -77,8 +77,10 @@ def _run_decode(kc, case, seed, device):
 
 
 def _feature_sets(kc, case):
-    """The features' keyword arguments to run in turn ({}: plain attention)."""
-    return kc.feature_sets(case["features"], case["shape"][3]) if "features" in case else [{}]
+    """The features' keyword arguments to run in turn ({}: plain attention);
+    a prefill case with "causal": false adds causal=False to each (encoders)."""
+    sets = kc.feature_sets(case["features"], case["shape"][3]) if "features" in case else [{}]
+    return sets if case.get("causal", True) else [dict(features, causal=False) for features in sets]
 
 
 def _run_prefill(kc, case, seed, device):

@@ -31,7 +31,8 @@ def _compile(jit_fn, pointer_types: dict, constants: dict, capability: int, **op
 
 def compile_all(dtype: torch.dtype, head_dim: int, group: int, block_size: int, capability: int = 90) -> None:
     """Compile decode (plain, split), reduce, prefill and store for one config;
-    decode and prefill also with both features (sliding window, soft cap) on."""
+    decode and prefill also with both features (sliding window, soft cap) on,
+    and prefill plain without CAUSAL (encoders)."""
     import triton
 
     from kernels import paged_decode as pd
@@ -51,7 +52,9 @@ def compile_all(dtype: torch.dtype, head_dim: int, group: int, block_size: int, 
                      dict(shared, SPLIT=split, **pd._decode_config(head_dim, group)), capability)
         prefill = pp._prefill_config(head_dim, group, dtype)
         stages = prefill.pop("num_stages")
-        _compile(pp._prefill_kernel, attention, dict(shared, **prefill), capability, num_stages=stages)
+        for causal in (True, False) if shared is plain else (True,):
+            _compile(pp._prefill_kernel, attention, dict(shared, CAUSAL=causal, **prefill), capability,
+                     num_stages=stages)
     dim_pad = triton.next_power_of_2(head_dim)
     _compile(pd._decode_reduce_kernel, attention, dict(HEAD_DIM=head_dim, DIM_PAD=dim_pad, PARTS_PAD=64),
              capability)

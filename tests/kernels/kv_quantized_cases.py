@@ -232,8 +232,8 @@ def _run_compile(case: dict) -> str | None:
     kernels = {"decode": kcmp._compile(pd._decode_kernel, attention, decode, 90)}
     prefill = pp._prefill_config(head_dim, group, torch.bfloat16)
     stages = prefill.pop("num_stages")
-    kernels["prefill"] = kcmp._compile(pp._prefill_kernel, attention, dict(shared, **prefill), 90,
-                                       num_stages=stages)
+    kernels["prefill"] = kcmp._compile(pp._prefill_kernel, attention, dict(shared, CAUSAL=True, **prefill),
+                                       90, num_stages=stages)
     store = dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, slot_ptr="*i64")
     constants = dict(NUM_KV_HEADS=2, HEAD_DIM=head_dim, HEADS_PAD=2, DIM_PAD=1 << (head_dim - 1).bit_length(),
                      UPCAST=False)
