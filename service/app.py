@@ -65,24 +65,28 @@ async def start_service(config: ServiceConfig) -> ServiceState:
     except ValueError:
         bridge.shutdown()
         raise
+    # A pooling model generates nothing: no logprobs to spell out in bytes, no
+    # sampling defaults (service/serving/pooling.py serves it).
+    generates = bridge.pooling is None
     state = ServiceState(
         # From here on the engine's resolved config is the only one.
         config=replace(config, engine=bridge.config),
         engine=bridge,
         # Its own tokenizer: the engine thread detokenizes with the other one.
         tokenizer=tokenizer,
-        token_bytes=(None if tokenizer is None
-                     else await anyio.to_thread.run_sync(TokenBytes, tokenizer)),
+        token_bytes=(await anyio.to_thread.run_sync(TokenBytes, tokenizer)
+                     if tokenizer is not None and generates else None),
         metrics=metrics,
         model_name=config.served_model_name or config.engine.model,
         sampling_defaults=(load_sampling_defaults(engine.model_path)
-                           if config.generation_config == "auto" else {}),
+                           if config.generation_config == "auto" and generates else {}),
         renders_tools=renders_tools(tokenizer),
         tool_parser=detect_parser(chat_template_source(tokenizer), config.tool_call_parser),
         prep=Prep(config.prep_threads, config.compile_threads),
     )
     await _start_loras(state, bridge)
-    logger.info("serving %s at http://%s:%d", state.model_name, config.host, config.port)
+    logger.info("serving %s at http://%s:%d%s", state.model_name, config.host, config.port,
+                "" if generates else f" (pooling: {bridge.pooling.task})")
     if state.sampling_defaults:
         logger.info("sampling defaults from the model's generation config: %s",
                     state.sampling_defaults)
@@ -114,7 +118,12 @@ def create_app(config: ServiceConfig) -> Starlette:
     async def lifespan(app: Starlette):
         state = await start_service(config)
         app.state.service = state
-        if config.fleet.redis_url:
+        if config.fleet.redis_url and state.engine.pooling is not None:
+            # The fleet records and warms chats' system prompts: nothing a pooling
+            # model serves. It runs alone, ready at once.
+            logger.warning("--redis-url: a pooling server takes no part in the fleet's "
+                           "prefix warm-up; it runs without the fleet")
+        elif config.fleet.redis_url:
             # Readiness waits for its warm-up; serving does not wait for Redis.
             state.fleet = Fleet(state, config.fleet)
             state.metrics.watch_fleet(state.fleet)
@@ -148,5 +157,6 @@ def create_app(config: ServiceConfig) -> Starlette:
         lifespan=lifespan,
     )
     app.state.openapi = msgspec.json.encode(
-        build_openapi("pagedserve", VERSION, runtime_lora=config.allow_runtime_lora_updating))
+        build_openapi("pagedserve", VERSION, runtime_lora=config.allow_runtime_lora_updating,
+                      pooling=config.engine.runner == "pooling"))
     return app

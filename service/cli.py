@@ -175,11 +175,15 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
 CPU_SERVING_STEP_TOKENS = 512
 
 
-def serving_step_tokens(device: str) -> int:
-    """The serving default of max_num_batched_tokens for the --device flag."""
+def serving_step_tokens(device: str, runner: str = "generate") -> int:
+    """The serving default of max_num_batched_tokens for the --device and --runner flags.
+
+    A pooling model streams nothing, so no stream waits on a long step: it keeps
+    the engine's default, where a batch of inputs runs in as few steps as it can.
+    """
     from engine.model.placement import resolve_device  # torch: imported only when serving
 
-    if resolve_device(EngineConfig(device=device)).type == "cpu":
+    if runner == "generate" and resolve_device(EngineConfig(device=device)).type == "cpu":
         return CPU_SERVING_STEP_TOKENS
     return EngineConfig().max_num_batched_tokens
 
@@ -198,7 +202,7 @@ def env_keys(name: str) -> list[str]:
 
 def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
     if args.max_num_batched_tokens is None:  # not given: the serving default
-        args.max_num_batched_tokens = serving_step_tokens(args.device)
+        args.max_num_batched_tokens = serving_step_tokens(args.device, args.runner)
     if args.redis_url is None:
         args.redis_url = os.environ.get(REDIS_URL_ENV) or None
     return ServiceConfig(
@@ -346,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest == "max_num_batched_tokens":
             action.help = (f"most tokens in one step; longer prompts are prefilled a chunk per "
                            f"step (default: {CPU_SERVING_STEP_TOKENS} on a CPU, where a step "
-                           f"stalls every stream, {EngineConfig().max_num_batched_tokens} on a GPU)")
+                           f"stalls every stream, {EngineConfig().max_num_batched_tokens} on a GPU "
+                           f"and with --runner pooling)")
     return parser
 
 

@@ -163,6 +163,7 @@ class ServiceConfig:
         object.__setattr__(self, "admin_keys", tuple(self.admin_keys))
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        self._check_pooling()
         self._check_loras()
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config={self.generation_config!r} must be one of "
@@ -186,6 +187,18 @@ class ServiceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a number >= 0")
+
+    def _check_pooling(self) -> None:
+        """A pooling model (--runner pooling) generates nothing: settings that shape
+        generation are refused rather than ignored."""
+        if self.engine.runner != "pooling":
+            return
+        for flag, used in (("--reasoning-parser", self.reasoning_parser is not None),
+                           ("--lora-modules", bool(self.lora_modules)),
+                           ("--allow-runtime-lora-updating", self.allow_runtime_lora_updating)):
+            if used:
+                raise ValueError(f"{flag} shapes generation; a pooling model (--runner "
+                                 "pooling) generates nothing")
 
     def _check_loras(self) -> None:
         """Adapters need an engine that serves them; names must not collide."""

@@ -12,6 +12,10 @@ from service.protocol.replies import (
     ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ErrorResponse, Health,
     ModelCard, ModelList,
 )
+from service.protocol.pooling import (
+    ClassificationRequest, ClassificationResponse, EmbeddingRequest, EmbeddingResponse,
+    PoolingRequest, PoolingResponse, RerankRequest, RerankResponse, ScoreRequest, ScoreResponse,
+)
 from service.protocol.requests import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
@@ -107,14 +111,17 @@ def _runtime_lora_paths() -> dict:
     return {"/v1/load_lora_adapter": load, "/v1/unload_lora_adapter": unload}
 
 
-def build_openapi(title: str, version: str, runtime_lora: bool = False) -> dict:
-    _, components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
-         CompletionResponse, ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest,
-         DetokenizeRequest, ResponsesRequest, ResponseObject],
-        ref_template=REF,
-    )
-    paths = {
+def _pooled(request: type, response: type, summary: str) -> dict:
+    """A pooling route (--runner pooling only): JSON in, JSON out."""
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": _json(request)},
+                     "responses": {"200": {"description": "the answer",
+                                           "content": _json(response)},
+                                   **_errors(400, 401, 404, 408, 413, 415, 429, 503)}}}
+
+
+def _generation_paths() -> dict:
+    return {
         "/v1/chat/completions": _generation(
             ChatCompletionRequest, ChatCompletionResponse, "Chat completion"),
         "/v1/completions": _generation(CompletionRequest, CompletionResponse, "Text completion"),
@@ -122,6 +129,38 @@ def build_openapi(title: str, version: str, runtime_lora: bool = False) -> dict:
                                      "A response (OpenAI's Responses API; nothing stored)"),
         "/v1/chat/completions/render": _render(ChatCompletionRequest, False),
         "/v1/completions/render": _render(CompletionRequest, True),
+    }
+
+
+def _pooling_paths() -> dict:
+    rerank = _pooled(RerankRequest, RerankResponse,
+                     "Documents by relevance to a query, best first (Jina's and Cohere's shape)")
+    score = _pooled(ScoreRequest, ScoreResponse, "A score per (text_1, text_2) pair")
+    return {
+        "/v1/embeddings": _pooled(EmbeddingRequest, EmbeddingResponse,
+                                  "Embeddings (an embedding model)"),
+        "/pooling": _pooled(PoolingRequest, PoolingResponse, "The model's output per input"),
+        "/classify": _pooled(ClassificationRequest, ClassificationResponse,
+                             "Label probabilities per input (a classifier)"),
+        "/score": score, "/v1/score": score,
+        "/rerank": rerank, "/v1/rerank": rerank, "/v2/rerank": rerank,
+    }
+
+
+def build_openapi(title: str, version: str, runtime_lora: bool = False,
+                  pooling: bool = False) -> dict:
+    """The served API: the generation routes, or with `pooling` (--runner pooling)
+    the pooling routes, and what every server serves."""
+    kinds = ([EmbeddingRequest, EmbeddingResponse, PoolingRequest, PoolingResponse,
+              ClassificationRequest, ClassificationResponse, ScoreRequest, ScoreResponse,
+              RerankRequest, RerankResponse] if pooling else
+             [ChatCompletionRequest, CompletionRequest, ChatCompletionResponse,
+              ChatCompletionChunk, CompletionResponse, ResponsesRequest, ResponseObject])
+    _, components = msgspec.json.schema_components(
+        [*kinds, ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest,
+         DetokenizeRequest], ref_template=REF)
+    paths = {
+        **(_pooling_paths() if pooling else _generation_paths()),
         "/tokenize": _plain("A prompt or a chat as the token ids serving runs", TokenizeRequest,
                             {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
                              "tokens": {"type": "array", "items": {"type": "integer"}},

@@ -12,11 +12,13 @@ from clients.python.errors import (
     RateLimitError, ServiceUnavailableError, StreamError,
 )
 from clients.python.streams import AsyncTextStream, TextStream
-from clients.python.types import ChatCompletion, Completion, Health, Model, Usage
+from clients.python.types import (
+    ChatCompletion, Completion, Embedding, Embeddings, Health, Model, Rerank, RerankResult, Usage,
+)
 
 __all__ = [
     "APIError", "AsyncClient", "AsyncTextStream", "AuthenticationError", "BadRequestError",
-    "ChatCompletion", "Client", "Completion", "ConnectionError", "Health", "Model",
-    "NotFoundError", "RateLimitError", "ServiceUnavailableError", "StreamError",
-    "TextStream", "Usage",
+    "ChatCompletion", "Client", "Completion", "ConnectionError", "Embedding", "Embeddings",
+    "Health", "Model", "NotFoundError", "RateLimitError", "Rerank", "RerankResult",
+    "ServiceUnavailableError", "StreamError", "TextStream", "Usage",
 ]

@@ -16,7 +16,10 @@ it, closes the connection, and the server aborts the request.
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
+import sys
 import time
 from typing import Any
 
@@ -25,7 +28,9 @@ import msgspec
 
 from clients.python.errors import ConnectionError, error_from
 from clients.python.streams import AsyncTextStream, TextStream
-from clients.python.types import ChatCompletion, Completion, Health, ModelList
+from clients.python.types import (
+    ChatCompletion, Completion, Embeddings, Health, ModelList, Rerank,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 RETRY_STATUSES = frozenset({429, 503})
@@ -66,6 +71,16 @@ class _Settings:
             body["stream"] = True
             body.setdefault("stream_options", {"include_usage": True})
         return body
+
+    def embed_body(self, input, params: dict[str, Any]) -> dict[str, Any]:
+        """An embeddings body: base64 on the wire unless asked otherwise (a quarter of
+        the bytes of JSON numbers, as the openai SDK does), decoded by `embeddings`."""
+        params = {"encoding_format": "base64", **params}
+        return self.body(False, params, input=input)
+
+    def rerank_body(self, query: str, documents: list[str], top_n: int | None,
+                    params: dict[str, Any]) -> dict[str, Any]:
+        return self.body(False, {"top_n": top_n, **params}, query=query, documents=documents)
 
     def use_session(self, session_id: str | None) -> None:
         """Send X-Session-ID from now on (None: stop sending it)."""
@@ -114,6 +129,22 @@ class Client(_Settings):
     def complete_stream(self, prompt: str | list[int], **params: Any) -> TextStream:
         body = self.body(True, params, prompt=prompt)
         return TextStream(self._post("/v1/completions", body), chat=False)
+
+    def embed(self, input: str | list[str] | list[int] | list[list[int]],
+              **params: Any) -> Embeddings:
+        """Embeddings of a text, texts or token ids (a server with --runner pooling).
+
+        `params`: dimensions, normalize, truncate_prompt_tokens, ... as the server
+        takes them. Each embedding comes back as a list of floats.
+        """
+        body = self.embed_body(input, params)
+        return embeddings(self._read(self._post("/v1/embeddings", body)))
+
+    def rerank(self, query: str, documents: list[str], top_n: int | None = None,
+               **params: Any) -> Rerank:
+        """The documents by relevance to the query, best first (the first top_n)."""
+        body = self.rerank_body(query, documents, top_n, params)
+        return msgspec.json.decode(self._read(self._post("/v1/rerank", body)), type=Rerank)
 
     def models(self) -> list:
         return msgspec.json.decode(self._read(self._get("/v1/models")), type=ModelList).data
@@ -195,6 +226,19 @@ class AsyncClient(_Settings):
         body = self.body(True, params, prompt=prompt)
         return AsyncTextStream(await self._post("/v1/completions", body), chat=False)
 
+    async def embed(self, input: str | list[str] | list[int] | list[list[int]],
+                    **params: Any) -> Embeddings:
+        """Embeddings of a text, texts or token ids (see Client.embed)."""
+        body = self.embed_body(input, params)
+        return embeddings(await self._read(await self._post("/v1/embeddings", body)))
+
+    async def rerank(self, query: str, documents: list[str], top_n: int | None = None,
+                     **params: Any) -> Rerank:
+        """The documents by relevance to the query, best first (the first top_n)."""
+        body = self.rerank_body(query, documents, top_n, params)
+        data = await self._read(await self._post("/v1/rerank", body))
+        return msgspec.json.decode(data, type=Rerank)
+
     async def models(self) -> list:
         data = await self._read(await self._send(lambda: self.http.build_request(
             "GET", "/v1/models")))
@@ -233,3 +277,20 @@ class AsyncClient(_Settings):
             return await response.aread()
         finally:
             await response.aclose()
+
+
+def embeddings(data: bytes) -> Embeddings:
+    """An embeddings answer, each base64 embedding decoded to floats."""
+    answer = msgspec.json.decode(data, type=Embeddings)
+    for item in answer.data:
+        if isinstance(item.embedding, str):
+            item.embedding = floats(item.embedding)
+    return answer
+
+
+def floats(encoded: str) -> list[float]:
+    """base64 of little-endian float32s (OpenAI's encoding) as floats."""
+    values = array.array("f", base64.b64decode(encoded))
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()

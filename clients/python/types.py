@@ -119,6 +119,49 @@ class Model(Struct):
     id: str
     owned_by: str = ""
     max_model_len: int | None = None
+    task: str = "generate"  # "generate", or a pooling server's "embed" or "classify"
+
+
+class Embedding(Struct):
+    index: int
+    # A list of floats; the client decodes a base64 answer (Client.embed) to one.
+    embedding: list[float] | str
+
+
+class Embeddings(Struct):
+    """A /v1/embeddings answer: one embedding per input, in the inputs' order."""
+
+    data: list[Embedding]
+    model: str = ""
+    usage: Usage | None = None
+
+    @property
+    def vectors(self) -> list[list[float]]:
+        return [item.embedding for item in sorted(self.data, key=lambda item: item.index)]
+
+
+class RerankDocument(Struct):
+    text: str
+
+
+class RerankResult(Struct):
+    index: int  # the document's place in the request's list
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class Rerank(Struct):
+    """A /v1/rerank answer: the documents by relevance, best first."""
+
+    results: list[RerankResult]
+    id: str = ""
+    model: str = ""
+    usage: Usage | None = None
+
+    @property
+    def order(self) -> list[int]:
+        """The documents' indexes, most relevant first."""
+        return [result.index for result in self.results]
 
 
 class ModelList(Struct):

@@ -142,6 +142,10 @@ class ModelCard(Struct):
     root: str  # the base model's path; an adapter's folder
     object: Literal["model"] = "model"
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field); null for the base
+    # What the model serves: "generate" (chat, completions, responses), or with
+    # --runner pooling "embed" (/v1/embeddings) or "classify" (/classify);
+    # both of those also serve /pooling, /score and /rerank.
+    task: Literal["generate", "embed", "classify"] = "generate"
 
 
 class ModelList(Struct):

@@ -1,7 +1,8 @@
 """GET /v1/models and GET /v1/models/{id}: the base model and its LoRA adapters.
 
 As vLLM lists them: the base model's card, then one per adapter with
-`parent` the base model's name and `root` the adapter's folder.
+`parent` the base model's name and `root` the adapter's folder; `task` (ours)
+says what the model serves: "generate", or a pooling model's "embed" or "classify".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def _card(state: ServiceState, lora: LoRARequest | None = None) -> ModelCard:
         max_model_len=state.config.engine.max_model_len,
         root=state.config.engine.model if lora is None else lora.lora_path,
         parent=None if lora is None else state.model_name,
+        task="generate" if state.engine.pooling is None else state.engine.pooling.task,
     )
 
 

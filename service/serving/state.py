@@ -120,7 +120,7 @@ class ServiceState:
         model name (404), a draining or dead engine (503), a prompt or
         sampling value the engine cannot take (400), a full queue (429).
         """
-        self._check_accepting()
+        self.check_accepting()
         all_params, salt, lora = self.validate(request, body, prompts, prompt_param=prompt_param,
                                                max_tokens=max_tokens, logprobs=logprobs,
                                                constraint=constraint)
@@ -145,7 +145,7 @@ class ServiceState:
         (404) and each prompt's SamplingParams (400); the tenant's cache salt and
         the LoRA adapter the model name selects (None: the base model)."""
         lora = self.check_model(body.model)
-        self._check_priority(body.priority)
+        self.check_priority(body.priority)
         all_params = [
             self._sampling_params(body, token_ids, prompt_param, max_tokens, logprobs, constraint)
             for token_ids in prompts
@@ -176,7 +176,7 @@ class ServiceState:
         """The adapter `model` names, None for the base model; 404 for other names."""
         return self.loras.resolve(model)
 
-    def _check_accepting(self) -> None:
+    def check_accepting(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if self.engine.failure is not None:
@@ -201,7 +201,7 @@ class ServiceState:
             raise from_engine_error(exc, request_fields(body, prompt_param)) from None
         return params
 
-    def _check_priority(self, priority: int) -> None:
+    def check_priority(self, priority: int) -> None:
         if priority and self.engine.config.scheduling_policy != "priority":
             raise bad_request("priority needs a server started with --scheduling-policy "
                               "priority", param="priority")

@@ -75,3 +75,16 @@ def test_reasoning_parser_flag(tmp_path):
         config_for(["--reasoning-parser", "granite"])
     with pytest.raises(ValueError, match="reasoning_parser='granite'"):
         ServiceConfig(reasoning_parser="granite")
+
+
+def test_runner_pooling_flag():
+    """--runner pooling: the engine's step budget (no stream waits on a step), and
+    generation-only settings refused rather than ignored."""
+    from engine.config import EngineConfig
+
+    pooling = config_for(["--runner", "pooling", "--device", "cpu"])
+    assert pooling.engine.runner == "pooling"
+    assert pooling.engine.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+    assert config_for(["--device", "cpu"]).engine.max_num_batched_tokens == 512
+    with pytest.raises(ValueError, match="--reasoning-parser shapes generation"):
+        config_for(["--runner", "pooling", "--reasoning-parser", "qwen3"])
