@@ -14,7 +14,8 @@ suffix_decoding_max_tree_depth) with how often each continued each way,
 Two tries are consulted: the request's own (prompt and output so far, the
 same text an n-gram looks in) and a global one over the outputs of the last
 `suffix_decoding_max_cached_requests` finished requests, which catches what
-agents and templated answers repeat across requests. The deeper match wins.
+agents and templated answers repeat across requests. The deeper match wins;
+at equal depth the request's own does.
 
 Each trie is extended a token at a time: the nodes of the context's current
 suffixes of length 0..D-1 ("active" nodes) each gain the new token as a

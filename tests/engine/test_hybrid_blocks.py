@@ -60,6 +60,43 @@ def test_the_window_pool_gives_its_last_free_block():
     bm.check_invariants()
 
 
+def cached_window_hit(window_taken: int) -> tuple[HybridBlockManager, list[int]]:
+    """A 24-token chain cached and freed, then `window_taken` window blocks held
+    by another sequence, leaving the chain's window blocks 4 and 5 (the ones a
+    25-token prompt's hit needs) cached but free; returns the manager and the hit."""
+    bm = manager(num_window=8)  # 7 usable window blocks
+    chain = hashes(6)
+    bm.allocate("a", 24)
+    bm.cache_full_blocks("a", chain, 24)
+    bm.free_outside_window("a", 24)  # window blocks 0..3 leave first: evicted first
+    bm.free("a")
+    bm.allocate("x", 4 * window_taken)  # the full pool takes never-used blocks
+    assert chain[4] in bm.window.cached and chain[5] in bm.window.cached
+    hits = bm.find_cached_prefix(chain, 25)
+    assert len(hits) == 6
+    return bm, hits
+
+
+def test_a_hits_cached_free_window_blocks_count_against_the_window_pool():
+    """A hit takes its cached window blocks out of the free ones: a 25-token
+    prompt over a 6-block hit needs one fresh window block and the two cached
+    ones, three in all. With exactly three free it is served; with two it is
+    refused, and neither pool changes."""
+    bm, hits = cached_window_hit(4)
+    assert bm.window.num_free_blocks == 3
+    assert bm.allocate("b", 25, hits) is not None
+    assert bm.window.num_free_blocks == 0
+    bm.check_invariants()
+
+    bm, hits = cached_window_hit(5)
+    assert bm.window.num_free_blocks == 2
+    free = bm.num_free_blocks
+    assert bm.allocate("b", 25, hits) is None
+    assert not bm.has("b") and not bm.window.has("b")
+    assert (bm.num_free_blocks, bm.window.num_free_blocks) == (free, 2)
+    bm.check_invariants()
+
+
 def test_the_budget_splits_by_each_pools_own_layer_count():
     """Three sliding layers and one global one: the window pool takes what the
     running sequences' windows need at three layers a block, the main pool the

@@ -204,7 +204,8 @@ def test_the_flag_builds_the_same_config():
 def scheduler(num_blocks=16, block_size=4, budget=64):
     config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=budget,
                              block_size=block_size, max_model_len=64,
-                             schedule_conservativeness=0.0, scheduling_policy="fcfs", max_loras=1)
+                             schedule_conservativeness=0.0, scheduling_policy="fcfs", max_loras=1,
+                             runner="generate")
     return Scheduler(config, BlockManager(num_blocks, block_size, enable_caching=True))
 
 

@@ -77,3 +77,18 @@ def test_detokenize_at_the_vocabularys_edge(live):
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "tokens"
     assert f"(0..{vocab - 1})" in refused.json()["error"]["message"]
+
+
+def test_tokenize_reaches_the_vocabularys_last_id(live):
+    """The last id is inside on both routes: its text tokenizes back to it, named
+    in token_strs; with the first id past the vocabulary beside it, /detokenize
+    refuses the request by that id."""
+    vocab = len(live.state.tokenizer)
+    text = post(live, "/detokenize", {"tokens": [vocab - 1]}).json()["prompt"]
+    got = post(live, "/tokenize", {"prompt": text, "add_special_tokens": False,
+                                   "return_token_strs": True}).json()
+    assert got["tokens"] == [vocab - 1] and got["count"] == 1, got
+    assert got["token_strs"] == live.state.tokenizer.convert_ids_to_tokens([vocab - 1])
+    refused = post(live, "/detokenize", {"tokens": [vocab - 1, vocab]})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["message"].startswith(f"token id {vocab} ")

@@ -1,0 +1,50 @@
+"""Refusal pacing leaves the server's own errors alone, over HTTP (issue 57).
+
+A 5xx is the server's fault, not the client's: it takes no refusal token,
+never waits, and is never turned into a 429 (service/guards/pacing.py).
+The unit test in test_pacing.py holds the decision; here a real server
+answers 503 (it is draining: `state.draining`, what SIGTERM sets) several
+times past the refusal burst, and afterwards the same client's burst of
+400s is still whole: none of them waited, and /metrics counted no wait.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from live_server import run_server, tiny_config
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+RATE, BURST = 2.0, 2  # a token back every 0.5 s
+GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+BAD = {**GOOD, "foo": 1}  # 400: an unknown field
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_path):
+    with run_server(tiny_config(tiny_llama_path, refusal_rate=RATE,
+                                refusal_burst=BURST)) as live:
+        yield live
+
+
+def paced_total(server) -> float:
+    return server.metrics()["pagedserve:refusals_paced_total"]
+
+
+def test_503s_past_the_burst_take_no_token_and_do_not_wait(server):
+    before = paced_total(server)
+    server.state.draining = True  # every new request: 503 shutting_down
+    try:
+        with server.client() as http:
+            answers = [http.post("/v1/completions", json=GOOD) for _ in range(3 * BURST)]
+            health = http.get("/health")
+    finally:
+        server.state.draining = False
+    assert [a.status_code for a in answers] == [503] * (3 * BURST), [a.text for a in answers]
+    assert all(a.json()["error"]["code"] == "shutting_down" for a in answers)
+    assert health.status_code == 503
+    with server.client() as http:
+        refused = [http.post("/v1/completions", json=BAD) for _ in range(BURST)]
+    assert [r.status_code for r in refused] == [400] * BURST
+    assert paced_total(server) == before  # nothing waited: the 503s took no token
