@@ -4,7 +4,8 @@
     pagedserve generate --prompt "Hello" [--chat] [engine flags]
     pagedserve fleet --redis-url redis://host:6379
     pagedserve chat [--base-url URL] [--system "..."]
-    pagedserve bench throughput|prefix|serve|scheduler|kernels|fleet|offload|structured|hostile [...]
+    pagedserve bench throughput|embeddings|prefix|serve|scheduler|kernels|fleet|offload|
+                     structured|hostile [...]
 
 Each command is a module with `main(argv) -> int | None` that parses its own
 flags; this dispatcher only picks the module and hands it the rest of the
@@ -28,6 +29,8 @@ COMMANDS = MappingProxyType({
 })
 BENCHMARKS = MappingProxyType({
     "throughput": ("bench.offline.throughput", "offline throughput: this engine vs HF generate"),
+    "embeddings": ("bench.offline.embeddings", "embeddings/s and single-query latency: "
+                   "pooling models vs sentence-transformers (and vLLM's CPU build)"),
     "prefix": ("bench.offline.prefix_caching",
                "the same workload with prefix caching off and on"),
     "serve": ("bench.serving.serve", "load generator for any OpenAI-compatible server"),

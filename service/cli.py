@@ -39,17 +39,7 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--served-model-name", default=None,
                        help="the model id clients send (default: --model)")
-    group.add_argument("--api-key", action="append", default=[], dest="api_keys",
-                       help="accept this key (repeat for several; also PAGEDSERVE_API_KEYS, "
-                            "comma-separated); none means no auth")
-    group.add_argument("--admin-key", action="append", default=[], dest="admin_keys",
-                       help="a key for admin routes (/reset_prefix_cache), which act on every "
-                            "tenant; once any key is set, other keys get 403 there (also "
-                            "PAGEDSERVE_ADMIN_KEYS)")
-    group.add_argument("--protect-health-and-metrics", action="store_true",
-                       help="require a key for /health and /metrics too")
-    group.add_argument("--share-prefix-cache-across-keys", action="store_true",
-                       help="let different API keys share cached prefixes (timing side channel)")
+    add_key_args(group)
     group.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
                        help="CORS: a browser origin allowed to call the API (repeatable)")
     group.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
@@ -66,13 +56,17 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
                        help="a client's refused requests (4xx) past --refusal-burst are "
                             "answered at this rate a second, the rest wait; 0: off")
     group.add_argument("--refusal-burst", type=int, default=ServiceConfig.refusal_burst,
-                       help="refusals a client gets at once before pacing starts")
+                       help="refusals at once before pacing; as many more wait, then 429")
+    group.add_argument("--trusted-proxy", action="append", default=[], dest="trusted_proxies",
+                       help="an address or CIDR network whose X-Forwarded-For names the "
+                            "client (repeatable; default: none)")
     group.add_argument("--prep-threads", type=int, default=4,
                        help="threads that render chat templates and tokenize")
-    group.add_argument("--compile-threads", type=int, default=1,
+    group.add_argument("--compile-threads", type=int, default=2,
                        help="threads that compile output constraints (JSON schemas, "
-                            "regexes, grammars), apart; one past 1 s goes on at the lowest CPU "
-                            "priority")
+                            "regexes, grammars), apart, in turn by tenant (API key, else "
+                            "client address), one running per tenant; one past 1 s goes on at "
+                            "the lowest CPU priority")
     group.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="past this many queued requests, answer 429")
     group.add_argument("--shutdown-grace-seconds", type=float, default=30.0)
@@ -93,6 +87,29 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
                        help="log prompt token ids (off by default: prompts are private)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"))
+
+
+def add_key_args(group) -> None:
+    """API keys and what each kind of key may do."""
+    group.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                       help="accept this key (repeat for several; also PAGEDSERVE_API_KEYS, "
+                            "comma-separated); none means no auth")
+    group.add_argument("--admin-key", action="append", default=[], dest="admin_keys",
+                       help="a key for admin routes (/reset_prefix_cache), which act on every "
+                            "tenant; once any key is set, other keys get 403 there (also "
+                            "PAGEDSERVE_ADMIN_KEYS)")
+    group.add_argument("--protect-health-and-metrics", action="store_true",
+                       help="require a key for /health and /metrics too")
+    group.add_argument("--min-priority-non-admin", type=int,
+                       default=ServiceConfig.min_priority_non_admin,
+                       help="once any key is set, the most urgent (lowest) priority a request "
+                            "without an admin key may ask for; lower gets 403 (-2147483648: "
+                            "no floor, as vLLM)")
+    group.add_argument("--open-kv-event-sources", action="store_true",
+                       help="answer GET /kv_event_sources without a key once keys are set, for "
+                            "a router that discovers pods and holds no key")
+    group.add_argument("--share-prefix-cache-across-keys", action="store_true",
+                       help="let different API keys share cached prefixes (timing side channel)")
 
 
 def lora_module(text: str) -> LoRAModule:
@@ -214,6 +231,8 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         api_keys=tuple(args.api_keys + env_keys(SECRET_ENV["api_keys"])),
         admin_keys=tuple(args.admin_keys + env_keys(SECRET_ENV["admin_keys"])),
         protect_health_and_metrics=args.protect_health_and_metrics,
+        min_priority_non_admin=args.min_priority_non_admin,
+        open_kv_event_sources=args.open_kv_event_sources,
         share_prefix_cache_across_keys=args.share_prefix_cache_across_keys,
         allowed_origins=tuple(args.allowed_origins),
         max_request_body_bytes=args.max_request_body_bytes,
@@ -222,6 +241,7 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         max_connections=args.max_connections,
         refusal_rate=args.refusal_rate,
         refusal_burst=args.refusal_burst,
+        trusted_proxies=tuple(args.trusted_proxies),
         prep_threads=args.prep_threads,
         compile_threads=args.compile_threads,
         max_waiting_requests=args.max_waiting_requests,

@@ -6,6 +6,7 @@ it whole, so a test, the CLI and a deployment build a server the same way.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ import socket
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from service.protocol.requests import PRIORITY_MAX, PRIORITY_MIN
 from service.tool_calls.registry import PARSERS
 
 
@@ -101,6 +103,15 @@ def resolved_replica_id(fleet: FleetConfig) -> str:
     return fleet.replica_id or f"{socket.gethostname()}-{os.getpid()}"
 
 
+def _proxy(value: str) -> str:
+    """A --trusted-proxy as uvicorn reads it: an address or a network, checked here
+    (uvicorn would take a typo for a literal that never matches)."""
+    try:
+        return str(ipaddress.ip_network(value.strip(), strict=False))
+    except ValueError:
+        raise ValueError(f"trusted_proxies: {value!r} is not an IP address or network") from None
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -113,6 +124,12 @@ class ServiceConfig:
     # Admin routes (/reset_prefix_cache) take only these once any key is set.
     admin_keys: tuple[str, ...] = ()
     protect_health_and_metrics: bool = False  # by default probes and scrapers need no key
+    # Once any key is set, a request without an admin key may ask for no priority
+    # more urgent (lower) than this: a tenant may yield, not jump the queue.
+    min_priority_non_admin: int = 0
+    # GET /kv_event_sources without a key once keys are set: for a router that
+    # discovers pods and holds no key (vllm-router in Kubernetes: the chart).
+    open_kv_event_sources: bool = False
     # Tenants (API keys) get separate prefix caches unless this is set: a shared
     # cache lets one tenant time another's prompts (CVE-2025-46570).
     share_prefix_cache_across_keys: bool = False
@@ -126,13 +143,16 @@ class ServiceConfig:
     # Open connections past this: an idle one is closed, or the new one gets 503.
     max_connections: int = 2048
     # Refusal pacing (service/guards/pacing.py): a client's 4xx answers past this burst
-    # go out at this rate a second, the rest wait; 0 turns it off.
+    # go out at this rate a second, up to a burst more wait, past that 429; 0 turns it off.
     refusal_rate: float = 20.0
     refusal_burst: int = 40
+    # Peers (addresses, CIDR networks) whose X-Forwarded-For names the client: a
+    # proxy that appends the address it saw. None by default: anyone can send the header.
+    trusted_proxies: tuple[str, ...] = ()
     # Request preparation (service/serving/lanes.py): threads for chat templates and
     # tokenizing, and, apart, for grammar compiles (lowest CPU priority past 1 s).
     prep_threads: int = 4
-    compile_threads: int = 1
+    compile_threads: int = 2  # one running compile per tenant: 2 let a second tenant in
     # Back-pressure: past this many waiting requests new ones get 429.
     max_waiting_requests: int = 1024
     retry_after_seconds: int = 1
@@ -162,6 +182,7 @@ class ServiceConfig:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         object.__setattr__(self, "admin_keys", tuple(self.admin_keys))
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        object.__setattr__(self, "trusted_proxies", tuple(map(_proxy, self.trusted_proxies)))
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
         self._check_pooling()
         self._check_loras()
@@ -176,6 +197,11 @@ class ServiceConfig:
                              f"{', '.join(REASONING_PARSERS)} (or None)")
         if any(not key for key in self.api_keys + self.admin_keys):
             raise ValueError("api_keys and admin_keys must not contain an empty key")
+        floor = self.min_priority_non_admin
+        if isinstance(floor, bool) or not isinstance(floor, int) or not (
+                PRIORITY_MIN <= floor <= PRIORITY_MAX):
+            raise ValueError(f"min_priority_non_admin={floor!r} must be an integer in "
+                             f"[{PRIORITY_MIN}, {PRIORITY_MAX}]")
         for name in ("max_request_body_bytes", "max_waiting_requests", "retry_after_seconds",
                      "max_connections", "prep_threads", "compile_threads", "refusal_burst"):
             _check_int(name, getattr(self, name), minimum=1)

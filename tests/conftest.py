@@ -25,6 +25,7 @@ from tiny_models import make_tiny_model
 
 SERIAL = frozenset({
     "tests/deploy/test_load_balancer.py",  # nginx spreads a burst: arrival times
+    "tests/deploy/test_router_front.py",  # another client's refusal within 0.15 s
     "tests/engine/test_kv_offload_redis.py",  # a dead Redis answers within 0.1 s
     "tests/engine/test_kv_offload_threads.py",  # a lookup returns within 50 ms
     "tests/engine/test_tensor_parallel.py",  # three ranks on two cores, a killed rank seen in 10 s

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common.replicas import stop_process
-from bench.fleet.routing_fronts import nginx_binary, nginx_command
+from bench.fleet.routing_fronts import NGINX_TEMPLATE, nginx_binary, nginx_command
 from live_server import accepts, free_port
 from need import need
 
@@ -52,11 +52,15 @@ class Nginx:
         stop_process(self.process, 10)
 
 
-def start_nginx(folder: Path, replicas: list[str]) -> Nginx:
+def start_nginx(folder: Path, replicas: list[str], template: Path = NGINX_TEMPLATE,
+                **values: str) -> Nginx:
+    """nginx running `template` (the load balancer's, or the router's front with its
+    PAGEDSERVE_ROUTER in `values`) in front of `replicas` (host:port)."""
     binary = nginx_binary()
     need(binary is not None, "nginx is not installed (apt-get install nginx)")
     port = free_port()
-    command = nginx_command(binary, folder, replicas, port, ACCESS_LOG.format(dir=folder))
+    command = nginx_command(binary, folder, replicas, port, ACCESS_LOG.format(dir=folder),
+                            template, **values)
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while not accepts(port):

@@ -159,9 +159,10 @@ def start_router(mode: str, replicas: list[EventReplica], model: str, log_dir: P
     return Front(mode, f"http://127.0.0.1:{port}", process, log)
 
 
-def render_nginx(template: str, replicas: list[str], listen: str) -> str:
+def render_nginx(template: str, replicas: list[str], listen: str, **values: str) -> str:
     """The template as the nginx image renders it, with one `server` line per replica
-    in each upstream where the template names PAGEDSERVE_REPLICA_1 and _2."""
+    in each upstream where the template names PAGEDSERVE_REPLICA_1 and _2; `values`
+    fill its other placeholders (the front's PAGEDSERVE_ROUTER)."""
     lines = []
     for line in template.splitlines():
         server = line.strip().startswith("server ")
@@ -170,16 +171,18 @@ def render_nginx(template: str, replicas: list[str], listen: str) -> str:
         elif not (server and "${PAGEDSERVE_REPLICA_2}" in line):
             lines.append(line)
     # envsubst replaces only the variables it is given: so does safe_substitute.
-    return string.Template("\n".join(lines) + "\n").safe_substitute(PAGEDSERVE_LISTEN=listen)
+    return string.Template("\n".join(lines) + "\n").safe_substitute(PAGEDSERVE_LISTEN=listen,
+                                                                   **values)
 
 
 def nginx_command(binary: str, folder: Path, hosts: list[str], port: int,
-                  access_log: str = "access_log off;") -> list[str]:
-    """Write the load balancer's configuration for `hosts` (host:port) into `folder`
-    and check it (`nginx -t`); the command that runs it in the foreground."""
+                  access_log: str = "access_log off;", template: Path = NGINX_TEMPLATE,
+                  **values: str) -> list[str]:
+    """Write the load balancer's configuration (`template`, for `hosts`, host:port)
+    into `folder` and check it (`nginx -t`); the command that runs it in the foreground."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pagedserve.conf").write_text(
-        render_nginx(NGINX_TEMPLATE.read_text(), hosts, f"127.0.0.1:{port}"))
+        render_nginx(template.read_text(), hosts, f"127.0.0.1:{port}", **values))
     user = "user root;" if os.geteuid() == 0 else ""  # workers must reach the temp dirs
     conf = folder / "nginx.conf"
     conf.write_text(NGINX_TOP_LEVEL.format(dir=folder, user=user, access_log=access_log))

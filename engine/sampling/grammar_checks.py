@@ -12,12 +12,14 @@ xgrammar's compile time depends on the constraint in ways a client controls
                                             ((.{1,10}){1,10}: 17 s, (.?){1,100}: minutes)
 
 So each is priced here before anything is compiled, and a constraint over
-budget is refused: `REPEAT_BUDGET` units of repeated character classes (a
-unit is one count, `min(bound, REPEAT_CAP)` per distinct repetition), and per
-pattern an expanded size of at most `MAX_PATTERN_SIZE` (all of a schema's at
-most `MAX_PATTERNS_SIZE`) with nested repetitions whose bounds multiply to at
-most `MAX_NESTED_REPEAT`. The grammar is read in xgrammar's own normalised
-EBNF (`str(Grammar)`), whatever the constraint's kind.
+budget is refused (a schema's properties, enum values and nesting, and any
+grammar's alternations, are priced in compile_price.py): `REPEAT_BUDGET`
+units of repeated character classes (a unit is one count, `min(bound,
+REPEAT_CAP)` per distinct repetition), and per pattern an expanded size of at
+most `MAX_PATTERN_SIZE` (all of a schema's at most `MAX_PATTERNS_SIZE`) with
+nested repetitions whose bounds multiply to at most `MAX_NESTED_REPEAT`. The
+grammar is read in xgrammar's own normalised EBNF (`str(Grammar)`), whatever
+the constraint's kind.
 
 A grammar whose root can never finish (`root ::= root`, a schema that is only a
 $ref to itself) accepts no output at all, and would run to max_tokens: refused
@@ -31,15 +33,13 @@ import re
 from collections import deque
 from urllib.parse import unquote
 
+from engine.sampling.compile_price import Refused, price_alternations, price_schema
+
 REPEAT_BUDGET = 1024
 REPEAT_CAP = 150
 MAX_PATTERN_SIZE = 1000
 MAX_PATTERNS_SIZE = 2000
 MAX_NESTED_REPEAT = 16
-
-
-class Refused(ValueError):
-    """The constraint is well-formed but refused here; the message says why."""
 
 
 # -- regular expressions (JSON-schema patterns) ------------------------------------------
@@ -156,7 +156,9 @@ MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
 
 
 def check_schema(schema) -> None:
-    """Every pattern priced; every $ref a pointer into this schema that resolves."""
+    """Its shape priced (compile_price.py), every pattern priced; every $ref a pointer
+    into this schema that resolves."""
+    price_schema(schema)
     total = 0
     stack = [(schema, "#", False)]
     while stack:
@@ -243,6 +245,7 @@ def check_grammar(text: str) -> None:
         if head is not None:
             rules[head.group(1)] = [m for m in _TOKEN.finditer(line, head.end())
                                     if m.lastgroup is not None]
+    price_alternations(rules)
     cost = _repeat_cost(rules)
     if cost > REPEAT_BUDGET:
         raise Refused(f"its repeated character classes (maxLength, minLength, {{m,n}}) cost "

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ValidationError
+from engine.sampling.compile_price import price_choices
 from engine.sampling.grammar_checks import Refused, check_grammar, check_schema
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,19 @@ class StructuredOutputs:
                     xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False))
             return self._compilers[0 if cached else 1]
 
+    def price(self, params: StructuredOutputsParams) -> None:
+        """The checks that need no xgrammar, alone (a ConstraintError when one fails):
+        a schema's or a choice list's price (compile_price.py), its patterns and
+        references. Cheap, so a server runs them before queueing the compile;
+        `compile` runs them again."""
+        try:
+            if params.kind == "json":
+                check_schema(json.loads(params.json))
+            elif params.kind == "choice":
+                price_choices(params.choice)
+        except Refused as exc:
+            raise ConstraintError(params.kind, str(exc)) from None
+
     def compile(self, params: StructuredOutputsParams):
         """The compiled constraint; a ConstraintError naming the field when it is invalid.
 
@@ -201,6 +215,8 @@ class StructuredOutputs:
             elif kind == "regex":
                 grammar = xgrammar.Grammar.from_regex(params.regex)
             else:
+                if kind == "choice":
+                    price_choices(params.choice)
                 grammar = xgrammar.Grammar.from_ebnf(
                     params.grammar if kind == "grammar" else choice_grammar(params.choice))
             check_grammar(str(grammar))

@@ -4,7 +4,8 @@ One pure ASGI middleware does the checks that come before any route runs,
 and holds back refusals of a client that keeps being refused
 (service/guards/pacing.py), whichever layer refuses:
 
-    request ──► body limit (Content-Length, then bytes as they arrive) ──► 413
+    request ──► its client's refusals past the most that may wait         ──► 429
+            ──► body limit (Content-Length, then bytes as they arrive) ──► 413
             ──► body not complete within --body-timeout-seconds          ──► 408
             ──► API key (Bearer, constant-time)                          ──► 401
             ──► the app
@@ -23,10 +24,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.config import ServiceConfig
 from service.errors import APIError, count_error, count_paced, error_response
 from service.guards.limits import limited, too_large
-from service.guards.pacing import RefusalPacer
+from service.guards.pacing import RefusalPacer, client_of, too_many_refusals
 
 # Probes and scrapers reach these without a key unless the config says otherwise.
-OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/get_server_info", "/kv_event_sources"})
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/get_server_info"})
+# Names the sockets that carry every tenant's prompt tokens: any key once keys
+# are set, unless --open-kv-event-sources (a discovering router holds no key).
+KV_EVENT_SOURCES = "/kv_event_sources"
 # The web page and the schema hold no secrets.
 PUBLIC_PATHS = frozenset({"/", "/openapi.json", "/favicon.ico"})
 PUBLIC_PREFIXES = ("/web/",)  # the chat page's own files
@@ -61,12 +65,26 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        send = self.pacer.paced_send(scope, send, lambda: count_paced(scope.get("app")))
         headers = Headers(scope=scope)
+        keys = self.config.api_keys + self.config.admin_keys
+        key = find_key(keys, headers) if keys else None
+        client = client_of(scope, key)
+        app = scope.get("app")
+        # A client refused past its debt is refused whole, before any work; not
+        # its probes: a router whose health checks shared a flooder's bucket
+        # would drop every replica.
+        retry_after = 0.0 if scope["path"] in OPEN_PATHS else self.pacer.retry_after(client)
+        if retry_after > 0:
+            error = too_many_refusals(retry_after)
+            count_error(app, error)
+            await error_response(error)(scope, receive, send)
+            return
+        send = self.pacer.paced_send(client, send, lambda: count_paced(app),
+                                     lambda error: count_error(app, error))
         limit = self.config.max_request_body_bytes
-        error = self._check_length(headers, limit) or self._check_key(scope, headers)
+        error = self._check_length(headers, limit) or self._check_key(scope, key)
         if error is not None:
-            count_error(scope.get("app"), error)
+            count_error(app, error)
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, limited(receive, limit, self.config.body_timeout_seconds), send)
@@ -78,7 +96,7 @@ class Guard:
             return too_large(limit)
         return None
 
-    def _check_key(self, scope: Scope, headers: Headers) -> APIError | None:
+    def _check_key(self, scope: Scope, key: str | None) -> APIError | None:
         """401 without a valid key; 403 for an admin route without an admin key.
 
         With no key configured at all the server is open (a laptop); an admin
@@ -88,9 +106,10 @@ class Guard:
         keys = config.api_keys + config.admin_keys
         if not keys or path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
             return None
-        if path in OPEN_PATHS and not config.protect_health_and_metrics:
+        is_open = path in OPEN_PATHS or (path == KV_EVENT_SOURCES
+                                         and config.open_kv_event_sources)
+        if is_open and not config.protect_health_and_metrics:
             return None
-        key = find_key(keys, headers)
         if key is None:
             return APIError(
                 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",

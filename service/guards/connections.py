@@ -18,8 +18,13 @@ guards added:
     headers complete ─► the app; the body must be complete within
                         --body-timeout-seconds (service/guards/limits.py), else 408
 
-`uvicorn_options(config)` gives uvicorn.Config these settings; the CLI and
-the tests' live servers use it alike.
+`uvicorn_options(config)` gives uvicorn.Config these settings, and who may
+name the client: uvicorn believes X-Forwarded-For (and -Proto) only from a
+--trusted-proxy peer, none by default (uvicorn's own default trusts
+loopback, or what FORWARDED_ALLOW_IPS says). From a trusted peer, the client
+is the right-most address in X-Forwarded-For that is not itself trusted: the
+one the last trusted proxy appended. The CLI and the tests' live servers use
+it alike.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from service.protocol.replies import encoder
 
 
 def uvicorn_options(config: ServiceConfig) -> dict:
-    """uvicorn.Config keywords for the server's connection guards."""
-    return {"http": protocol_class(config.header_timeout_seconds, config.max_connections)}
+    """uvicorn.Config keywords for the server's connection guards and trusted proxies."""
+    return {"http": protocol_class(config.header_timeout_seconds, config.max_connections),
+            "proxy_headers": bool(config.trusted_proxies),
+            "forwarded_allow_ips": list(config.trusted_proxies)}
 
 
 def protocol_class(header_timeout: float, max_connections: int) -> type[asyncio.Protocol]:

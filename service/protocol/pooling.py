@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
+from service.protocol.requests import Priority
+
 # A text, a list of texts, token ids, or a list of token-id lists (which of them
 # is told apart in service/serving/pooling.py: msgspec unions allow one array type).
 EmbedInput = str | Annotated[list[Any], Meta(min_length=1)]
@@ -32,7 +34,7 @@ class PoolingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     # vLLM's: keep only this many tokens of each input (-1: as many as the model
     # takes); None: an input that is too long is a 400.
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
-    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower runs first
+    priority: Priority = 0  # vLLM's: with --scheduling-policy priority, lower runs first
     # Mixed into the tenant's salt (service/guards/tenancy.py): a decoder embedder
     # shares cached prefixes only within it.
     cache_salt: str | None = None

@@ -39,6 +39,12 @@ StopStrings = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 # OpenAI's logit_bias: token ids as JSON object keys (strings), biases in [-100, 100].
 LogitBias = dict[str, Annotated[float, Meta(ge=-100, le=100)]]
+# vLLM bounds `priority` not at all; a server shared by tenants takes a signed
+# 32-bit value (what schedulers' priority fields hold): -1e18 or 2**63 is a
+# mistake or a probe, never a scheme. Keys that are not admin keys get a floor
+# on top (--min-priority-non-admin, service/guards/tenancy.py).
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+Priority = Annotated[int, Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)]
 
 
 # -- requests ------------------------------------------------------------------------
@@ -138,7 +144,7 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     # Mixed into the server's per-tenant salt, never used alone (see service/guards/tenancy.py).
     cache_salt: str | None = None
     # vLLM's: with --scheduling-policy priority, lower values run first.
-    priority: int = 0
+    priority: Priority = 0
     # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     # (service/serving/constraints.py).
     structured_outputs: dict[str, Any] | None = None

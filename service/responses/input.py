@@ -77,7 +77,8 @@ def to_chat(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str]]:
         messages=messages, model=body.model, stream=body.stream,
         max_completion_tokens=body.max_output_tokens, temperature=body.temperature,
         top_p=body.top_p, user=body.user, tools=to_tools(body),
-        tool_choice=to_tool_choice(body), parallel_tool_calls=body.parallel_tool_calls)
+        tool_choice=to_tool_choice(body), parallel_tool_calls=body.parallel_tool_calls,
+        priority=body.priority)
     return chat, sources
 
 

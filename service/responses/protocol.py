@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from service.protocol.requests import FunctionName, MaxTokens, Temperature, TopP
+from service.protocol.requests import FunctionName, MaxTokens, Priority, Temperature, TopP
 
 
 # -- the request ---------------------------------------------------------------------
@@ -112,6 +112,8 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     metadata: Metadata | None = None  # echoed, kept nowhere
     user: str | None = None
     safety_identifier: str | None = None
+    # vLLM's extra, as on chat: with --scheduling-policy priority, lower runs first.
+    priority: Priority = 0
 
 
 # -- the answer ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from service.responses.protocol import (
 from service.serving.admitted import Admission
 from service.serving.chat import PreparedChat, render_prompt
 from service.serving.chat_answer import assistant_message
-from service.serving.constraints import check_constraint
+from service.serving.constraints import check_constraint, compile_tenant
 from service.serving.lanes import unless_gone
 from service.serving.reasoning import ReasoningPlan
 from service.serving.state import ServiceState
@@ -46,16 +46,17 @@ async def prepare(request: Request, state: ServiceState,
                                   "formatted text", param="text.format")
             constraint, param = plan.constraint, plan.constraint_param
         messages, prompt, token_ids = await unless_gone(
-            request, _render(state, chat, plan, constraint, param, sources))
+            request, _render(state, chat, plan, constraint, param, sources,
+                             compile_tenant(request)))
     except APIError as exc:
         raise translated(exc, sources) from None
     return PreparedChat(chat, plan, constraint, messages, prompt, token_ids), sources
 
 
 async def _render(state: ServiceState, chat, plan, constraint, param: str,
-                  sources: list[str]) -> tuple[list[dict], str, list[int]]:
+                  sources: list[str], tenant: str) -> tuple[list[dict], str, list[int]]:
     rendered = await state.off_loop(render_prompt, state, chat, plan)
-    await check_constraint(state, constraint, responses_param(param, sources))
+    await check_constraint(state, constraint, responses_param(param, sources), tenant)
     return rendered
 
 

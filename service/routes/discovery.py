@@ -14,8 +14,13 @@ have addresses nobody knows in advance, so the router asks each pod instead
 
 keyed by data-parallel rank (one here). The router subscribes at the pod's own
 IP where the endpoint says `*`. A server that publishes no events names no
-source, and the router routes to it by load. Both are open like /health (a
-router has no tenant's key), and say nothing a port scan would not.
+source, and the router routes to it by load. /get_server_info is open like
+/health. /kv_event_sources names the sockets that carry every tenant's prompt
+tokens, so once keys are set it takes one (any key: a tenant's or an admin's;
+service/guards/auth.py), unless --open-kv-event-sources: vllm-router sends its
+own --api-key in place of the client's on render, /v1/responses and /tokenize,
+so a router in Kubernetes holds no key, and its pods find the sources open
+while a NetworkPolicy (the chart's) keeps the sockets to the router pods.
 """
 
 from __future__ import annotations

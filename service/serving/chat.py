@@ -14,7 +14,7 @@ from engine.frontend.chat_template import render_chat_text
 from service.errors import bad_request, from_engine_error
 from service.guards.limits import check_chat_body, check_chat_size
 from service.protocol.requests import ChatCompletionRequest
-from service.serving.constraints import check_constraint, constraint_of
+from service.serving.constraints import check_constraint, compile_tenant, constraint_of
 from service.serving.lanes import unless_gone
 from service.serving.state import ServiceState, parse
 from service.tool_calls.plan import ToolPlan, plan_tools, template_messages, template_tools
@@ -53,7 +53,8 @@ async def prepare(request: Request, state: ServiceState) -> PreparedChat:
     plan = plan_tools(body, state.tool_parser)
     constraint, constraint_param = _constraint(body, plan)
     messages, prompt, token_ids = await unless_gone(
-        request, _prepare(state, body, plan, constraint, constraint_param))
+        request, _prepare(state, body, plan, constraint, constraint_param,
+                          compile_tenant(request)))
     return PreparedChat(body, plan, constraint, messages, prompt, token_ids)
 
 
@@ -84,13 +85,14 @@ def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None):
 
 
 async def _prepare(state: ServiceState, body: ChatCompletionRequest, plan: ToolPlan | None,
-                   constraint, constraint_param: str) -> tuple[list[dict], str, list[int]]:
+                   constraint, constraint_param: str,
+                   tenant: str) -> tuple[list[dict], str, list[int]]:
     """The conversation through the model's chat template (on a prep thread): the
     messages as the template took them, the prompt's text and its token ids; then
     the constraint compiled (on the compile lane), once the prompt is known to fit.
     Oversized conversations were refused before (check_chat_size)."""
     rendered = await state.off_loop(render_prompt, state, body, plan)
-    await check_constraint(state, constraint, constraint_param)
+    await check_constraint(state, constraint, constraint_param, tenant)
     return rendered
 
 

@@ -16,7 +16,7 @@ from service.errors import bad_request
 from service.protocol.replies import CompletionChoice, CompletionResponse
 from service.protocol.requests import CompletionRequest
 from service.serving.admitted import Admission
-from service.serving.constraints import check_constraint, constraint_of
+from service.serving.constraints import check_constraint, compile_tenant, constraint_of
 from service.serving.echo import (
     Echo, echo_logprobs, echo_of, joined, prompt_texts, wire_prompt_logprobs,
 )
@@ -58,16 +58,17 @@ async def prepare(request: Request, state: ServiceState):
         raise bad_request(f"best_of={body.best_of} is not supported: only best_of=n "
                           f"(n={body.n})", param="best_of", code="unsupported_parameter")
     constraint, constraint_param = constraint_of(body)
-    prompts = await unless_gone(request, _prepare(state, body, constraint, constraint_param))
+    prompts = await unless_gone(request, _prepare(state, body, constraint, constraint_param,
+                                                  compile_tenant(request)))
     return body, prompts, constraint
 
 
 async def _prepare(state: ServiceState, body: CompletionRequest, constraint,
-                   constraint_param: str) -> list[list[int]]:
+                   constraint_param: str, tenant: str) -> list[list[int]]:
     """The prompts as token ids (on a prep thread), then the constraint compiled (on
     the compile lane) once they are known to fit (service/serving/lanes.py)."""
     prompts = await state.off_loop(_prompts, state, body.prompt)
-    await check_constraint(state, constraint, constraint_param)
+    await check_constraint(state, constraint, constraint_param, tenant)
     return prompts
 
 

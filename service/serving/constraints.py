@@ -11,11 +11,17 @@
 The result is the engine's StructuredOutputsParams. A malformed field, or a
 schema, regex or grammar that does not compile, is a 400 naming the field;
 compiling runs off the event loop, before the request reaches the engine.
+A schema is priced first (engine/sampling/schema_price.py: its properties,
+enum values, nesting), on a light prep thread, so one too costly to compile
+is refused without waiting for the compile lane; the compile then runs in its
+tenant's turn (service/serving/lanes.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from starlette.requests import Request
 
 from engine.errors import ValidationError
 from engine.sampling.structured_outputs import ConstraintError, StructuredOutputsParams
@@ -78,13 +84,27 @@ def _params(fields, param: str) -> StructuredOutputsParams:
         raise bad_request(f"{param}: {exc}", param=param) from None
 
 
-async def check_constraint(state, constraint: StructuredOutputsParams | None, param: str) -> None:
-    """Compile the constraint on the prep lane for compiles (service/serving/lanes.py; cached for
-    the engine); 400 if it is invalid."""
+def compile_tenant(request: Request) -> str:
+    """Whose turn a compile waits for on the compile lane: the API key's tenant,
+    else the client's address (as uvicorn reports it, behind a trusted proxy
+    the forwarded one)."""
+    key = getattr(request.state, "api_key", None)
+    if key is not None:
+        return "key " + key
+    return "peer " + (request.client.host if request.client is not None else "")
+
+
+async def check_constraint(state, constraint: StructuredOutputsParams | None, param: str,
+                           tenant: str = "") -> None:
+    """Price the constraint on a light prep thread, then compile it on the compile lane in
+    `tenant`'s turn (service/serving/lanes.py; cached for the engine); 400 if it is invalid
+    or too costly to compile."""
     if constraint is None:
         return
+    compiler = state.engine.engine.structured_outputs
     try:
-        await state.prep.heavy.run(state.engine.engine.structured_outputs.compile, constraint)
+        await state.off_loop(compiler.price, constraint)
+        await state.prep.heavy.run(compiler.compile, constraint, tenant=tenant)
     except ConstraintError as exc:
         raise bad_request(f"{param} is invalid: {exc.detail}", param=param) from None
     except ValidationError as exc:  # no tokenizer to compile against

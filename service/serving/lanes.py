@@ -7,12 +7,16 @@ request's preparation may hold up another's. So it runs in lanes of threads:
 
     lane    work                                      threads                priority
     light   chat templates, tokenizing                --prep-threads (4)     normal
-    heavy   grammar compiles (serving/constraints.py)  --compile-threads (1)  normal, then
+    heavy   grammar compiles (serving/constraints.py)  --compile-threads (2)  normal, then
                                                                              lowest after 1 s
 
-A compile can run for seconds, unpriced for minutes (a JSON schema whose
-string pattern repeats a class thousands of times), so compiles have their
-own lane and a plain request always finds a light thread. A compile still
+A compile can run for a second or two (a constraint priced past that is
+refused before it is queued: engine/sampling/schema_price.py), so compiles
+have their own lane and a plain request always finds a light thread. The
+heavy lane takes its jobs in turn by tenant (service/serving/fair_queue.py:
+the API key, else the client's address), one running compile per tenant: a
+tenant never waits behind another tenant's queue, and, while there are no
+more tenants compiling than threads, behind no other tenant's compile at all. A compile still
 running after a second (a schema or a tool list takes milliseconds to half
 a second) goes on at the lowest CPU priority (Linux: its thread's nice value
 19), so on a small CPU it gets what the engine's steps leave over and running
@@ -21,8 +25,10 @@ its priority back without a privilege, and a fresh one takes its place.
 
 A request is given up when its client disconnects while it is prepared
 (`unless_gone`, ClientGone: answered quietly). Its jobs still queued are
-dropped; a job already running, which Python cannot stop (xgrammar compiles
-in C++), runs to its end and its result is thrown away.
+taken out of the queue and never start; a job already running, which Python
+cannot stop (xgrammar compiles in C++, with no way to interrupt it), runs to
+its end, bounded by the price check, holding its tenant's place, and its
+result is thrown away.
 
 Refused before any of that, by size alone: service/guards/limits.py.
 
@@ -37,7 +43,6 @@ import asyncio
 import itertools
 import logging
 import os
-import queue
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -46,6 +51,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from service.errors import ClientGone
+from service.serving.fair_queue import FairQueue
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,8 @@ T = TypeVar("T")
 # A compile still running after this long goes on at the lowest CPU priority.
 DEMOTE_AFTER_SECONDS = 1.0
 LOWEST_PRIORITY = 19  # its nice value
+# Compiles of one tenant running at once: the rest of its compiles wait their turn.
+COMPILES_PER_TENANT = 1
 
 
 @dataclass(eq=False)
@@ -62,7 +70,6 @@ class _Job:
     args: tuple
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
-    abandoned: bool = False
 
     def settle(self, result: Any = None, error: BaseException | None = None) -> None:
         """Hand the outcome to the loop (from the worker thread)."""
@@ -82,50 +89,54 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 
 class Lane:
-    """`threads` worker threads taking jobs in order from one queue.
+    """`threads` worker threads taking jobs from a queue, in turn by tenant
+    (FairQueue: at most `per_tenant` of a tenant's jobs running at once).
 
     With `demote_after`, a job still running after that many seconds has its
     thread lowered to the lowest CPU priority; that thread retires after the
     job (raising a priority back takes a privilege) and a fresh one takes its place.
     """
 
-    def __init__(self, name: str, threads: int, demote_after: float | None = None) -> None:
+    def __init__(self, name: str, threads: int, demote_after: float | None = None,
+                 per_tenant: int | None = None) -> None:
         self.name = name
         self.demote_after = demote_after
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.jobs: FairQueue[_Job] = FairQueue(per_tenant)
         self._numbers = itertools.count()
         self._threads = threads
         for _ in range(threads):
             self._start_worker()
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) on one of the lane's threads; its errors re-raise here.
+    async def run(self, fn: Callable[..., T], *args: Any, tenant: str = "") -> T:
+        """fn(*args) on one of the lane's threads, in `tenant`'s turn; its errors re-raise here.
 
-        Cancelled while it waits (its client left), the job is dropped if it
-        has not started, and its result is thrown away if it has.
+        Cancelled while it waits (its client left), the job is taken out of the
+        queue if it has not started, and its result is thrown away if it has.
         """
         loop = asyncio.get_running_loop()
         job = _Job(fn, args, loop, loop.create_future())
-        self._jobs.put(job)
+        self.jobs.put(tenant, job)
         try:
             return await job.future
         finally:
-            job.abandoned = True  # done or given up: never started after this
+            self.jobs.discard(tenant, job)  # done or given up: never started after this
 
     def close(self) -> None:
-        """Stop the threads once the jobs queued before this are done."""
-        for _ in range(self._threads):
-            self._jobs.put(None)
+        """Stop the threads once the jobs queued before this have started."""
+        self.jobs.stop(self._threads)
 
     def _start_worker(self) -> None:
         threading.Thread(target=self._work, name=f"{self.name}-{next(self._numbers)}",
                          daemon=True).start()
 
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if job.abandoned:
-                continue
-            if self._run(job):
+        while (taken := self.jobs.take()) is not None:
+            tenant, job = taken
+            try:
+                demoted = self._run(job)
+            finally:
+                self.jobs.done(tenant)
+            if demoted:
                 # A thread starts at its creator's priority: the loop's thread
                 # starts the replacement, not this one.
                 try:
@@ -133,7 +144,7 @@ class Lane:
                 except RuntimeError:  # the loop has closed: the server is stopping
                     pass
                 return
-            job = None  # hold nothing while waiting for the next job
+            taken = job = None  # hold nothing while waiting for the next job
 
     def _run(self, job: _Job) -> bool:
         """Run one job and settle it; whether its thread was demoted meanwhile."""
@@ -170,16 +181,18 @@ def lower_priority(thread_id: int, nice: int) -> bool:
 
 @dataclass(eq=False)
 class Prep:
-    """The server's two lanes."""
+    """The server's two lanes: the light one first come, first served; the heavy
+    one in turn by tenant, one running compile per tenant."""
 
     light_threads: int = 4
-    heavy_threads: int = 1
+    heavy_threads: int = 2
     light: Lane = field(init=False)
     heavy: Lane = field(init=False)
 
     def __post_init__(self) -> None:
         self.light = Lane("prep", self.light_threads)
-        self.heavy = Lane("prep-compile", self.heavy_threads, demote_after=DEMOTE_AFTER_SECONDS)
+        self.heavy = Lane("prep-compile", self.heavy_threads, demote_after=DEMOTE_AFTER_SECONDS,
+                          per_tenant=COMPILES_PER_TENANT)
 
     def close(self) -> None:
         self.light.close()

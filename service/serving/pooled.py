@@ -55,7 +55,7 @@ async def run(request: Request, state: ServiceState, body, prepare, params, *,
 async def embed(request: Request, state: ServiceState, info,
                 body: EmbeddingRequest) -> EmbeddingResponse | None:
     """POST /v1/embeddings: one embedding per input."""
-    check_request(state, body)
+    check_request(state, request, body)
     params = _embed_params(state, info, body)
     request_id, outputs = await run(request, state, body, _preparer(state, info, body), params,
                                     id_prefix="embd", param="input")
@@ -90,7 +90,7 @@ def _preparer(state: ServiceState, info, body):
 async def pool(request: Request, state: ServiceState, info,
                body: PoolingRequest) -> PoolingResponse | None:
     """POST /pooling: the model's own output per input (an embedding, or class scores)."""
-    check_request(state, body)
+    check_request(state, request, body)
     task = body.task or info.task
     if task != info.task:
         raise bad_request(f"this model does {info.task!r}, not {task!r}", param="task")
@@ -120,7 +120,7 @@ def _refuse_set(body, name: str, task: str) -> None:
 async def classify(request: Request, state: ServiceState, info,
                    body: ClassificationRequest) -> ClassificationResponse | None:
     """POST /classify: each input's label probabilities and its likeliest label."""
-    check_request(state, body)
+    check_request(state, request, body)
     params = pooling_params(state, task="classify", use_activation=body.use_activation)
     request_id, outputs = await run(request, state, body, _preparer(state, info, body), params,
                                     id_prefix="classify", param="input")

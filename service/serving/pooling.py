@@ -246,13 +246,14 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def check_request(state: ServiceState, body: PoolingFields) -> None:
+def check_request(state: ServiceState, request: Request, body: PoolingFields) -> None:
     """What every pooling request must pass before its inputs are prepared: the
-    server takes requests, the model name is the served model (404), priority."""
+    server takes requests, the model name is the served model (404), priority
+    (as the request's key may ask for it)."""
     state.check_accepting()
     if state.check_model(body.model) is not None:
         raise bad_request("LoRA adapters are not served for pooling requests", param="model")
-    state.check_priority(body.priority)
+    state.check_priority(body.priority, getattr(request.state, "api_key", None))
 
 
 def submit(state: ServiceState, request: Request, body: PoolingFields, items: list[Item],

@@ -57,7 +57,7 @@ async def score_pairs(request: Request, state: ServiceState, info, body, firsts:
                       names: tuple[str, str], id_prefix: str) -> Scored | None:
     """Each pair's score; None if the client left. `names`: the request's fields of
     the first and second texts (an input refused is named by its field)."""
-    check_request(state, body)
+    check_request(state, request, body)
     check_count(state, len(pairs), names[1])
     truncate = truncation(info, body.truncate_prompt_tokens)
     if info.task == "classify":

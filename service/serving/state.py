@@ -37,7 +37,7 @@ from service.errors import (
     APIError, ClientGone, bad_request, from_decode_error, from_engine_error,
     from_validation_error,
 )
-from service.guards.tenancy import cache_salt
+from service.guards.tenancy import cache_salt, check_priority_floor
 from service.metrics import Metrics
 from service.protocol.requests import ChatCompletionRequest, SamplingFields, served_defaults
 from service.serving.admitted import Admission, TimedStream
@@ -145,13 +145,13 @@ class ServiceState:
         (404) and each prompt's SamplingParams (400); the tenant's cache salt and
         the LoRA adapter the model name selects (None: the base model)."""
         lora = self.check_model(body.model)
-        self.check_priority(body.priority)
+        api_key = getattr(request.state, "api_key", None)
+        self.check_priority(body.priority, api_key)
         all_params = [
             self._sampling_params(body, token_ids, prompt_param, max_tokens, logprobs, constraint)
             for token_ids in prompts
         ]
-        return all_params, cache_salt(self.config, getattr(request.state, "api_key", None),
-                                      body.cache_salt), lora
+        return all_params, cache_salt(self.config, api_key, body.cache_salt), lora
 
     async def drain(self, grace_seconds: float) -> None:
         """SIGTERM: admit nothing new, let open requests run up to `grace_seconds`,
@@ -201,10 +201,13 @@ class ServiceState:
             raise from_engine_error(exc, request_fields(body, prompt_param)) from None
         return params
 
-    def check_priority(self, priority: int) -> None:
+    def check_priority(self, priority: int, api_key: str | None) -> None:
+        """400 for a priority the scheduling policy ignores; 403 for one more urgent
+        than the request's key may ask for (service/guards/tenancy.py)."""
         if priority and self.engine.config.scheduling_policy != "priority":
             raise bad_request("priority needs a server started with --scheduling-policy "
                               "priority", param="priority")
+        check_priority_floor(self.config, api_key, priority)
 
     def _submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
                 salt: str | None, priority: int = 0,

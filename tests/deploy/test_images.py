@@ -81,7 +81,8 @@ def _compose_spec():
 def test_compose_file_parses_and_wires_the_fleet():
     services = compose()["services"]
     assert set(services) == {"redis", "replica-1", "replica-2", "gpu-replica-1",
-                             "gpu-replica-2", "router", "nginx"}  # router: test_router_deploy.py
+                             "gpu-replica-2", "router", "front", "nginx"}
+    # router and front: test_router_compose.py
     assert services["redis"]["command"] == ["redis-server", "--appendonly", "yes"]
     for name in ("replica-1", "replica-2", "gpu-replica-1", "gpu-replica-2"):
         replica = services[name]

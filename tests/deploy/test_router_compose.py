@@ -90,12 +90,23 @@ def test_router_image_pins_the_router_the_tests_run():
 
 # -- the compose file ------------------------------------------------------------------
 def test_the_router_is_the_default_load_balancer_and_nginx_a_profile():
-    router, nginx = services()["router"], services()["nginx"]
-    assert "profiles" not in router  # runs with every profile
-    assert router["ports"] == ["8000:8000"]
+    """The router behind the front on :8000 (deploy/nginx/front: the routes the
+    router passes keys on to it, the rest to the replicas; test_router_front.py
+    runs it), reached by nothing else; nginx alone a profile beside them."""
+    router, front, nginx = services()["router"], services()["front"], services()["nginx"]
+    assert "profiles" not in router and "profiles" not in front  # every profile
+    assert "ports" not in router and list(map(str, router["expose"])) == ["8000"]
+    assert front["ports"] == ["8000:8000"]
+    assert front["environment"]["PAGEDSERVE_ROUTER"] == "router:8000"
+    assert "./deploy/nginx/front:/etc/nginx/templates:ro" in str(front["volumes"])
+    placeholders = set(re.findall(r"\$\{(\w+)\}", (ROOT / "deploy" / "nginx" / "front" /
+                                                    "pagedserve-front.conf.template").read_text()))
+    assert placeholders == set(front["environment"])
     assert nginx["profiles"] == ["nginx"]
     (nginx_port,) = nginx["ports"]
     assert not nginx_port.startswith("8000:")  # beside the router, never instead
+    assert set(front["depends_on"]) == {"router", "replica-1", "replica-2", "gpu-replica-1",
+                                        "gpu-replica-2"}
     for balancer in (router, nginx):
         assert set(balancer["depends_on"]) == {"replica-1", "replica-2", "gpu-replica-1",
                                                "gpu-replica-2"}

@@ -88,3 +88,17 @@ def test_runner_pooling_flag():
     assert config_for(["--device", "cpu"]).engine.max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="--reasoning-parser shapes generation"):
         config_for(["--runner", "pooling", "--reasoning-parser", "qwen3"])
+
+
+def test_priority_floor_and_open_event_sources_flags(tmp_path):
+    """Defaults: a floor of 0 for keys that are not admin keys (it binds once keys
+    are set), /kv_event_sources keyed; both set from flags or a config file, and a
+    floor outside the 32-bit range the requests take is refused at start-up."""
+    defaults = config_for([])
+    assert (defaults.min_priority_non_admin, defaults.open_kv_event_sources) == (0, False)
+    config = config_for([], tmp_path, "min-priority-non-admin: -10\nopen-kv-event-sources: true\n")
+    assert (config.min_priority_non_admin, config.open_kv_event_sources) == (-10, True)
+    assert config_for(["--min-priority-non-admin", "-2147483648"]).min_priority_non_admin == \
+        -(2**31)
+    with pytest.raises(ValueError, match="min_priority_non_admin"):
+        config_for(["--min-priority-non-admin", str(2**31)])

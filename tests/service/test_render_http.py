@@ -189,20 +189,41 @@ def test_the_routers_added_fields_are_served_at_their_defaults_only(live):
 
 def test_a_pod_names_its_event_sources_as_the_router_asks(live, tiny_llama_path):
     """The shape vllm-router 0.1.17 reads in discovery mode (the fake pods of
-    tests/deploy/test_router_helm.py answer the same and get subscribed to):
-    no key needed, as the router has none."""
+    tests/deploy/test_router_helm.py answer the same and get subscribed to).
+    /get_server_info is open; /kv_event_sources names the sockets that carry
+    every tenant's prompt tokens, so once keys are set it takes one (a tenant's
+    or an admin's, 401 without), unless --open-kv-event-sources (the chart's,
+    for a router that holds no key)."""
     info = httpx.get(f"{live.url}/get_server_info")
     assert info.status_code == 200, info.text
     info = info.json()
     assert info["kv_block_size"] == 16 and info["instance_id"]
-    assert httpx.get(f"{live.url}/kv_event_sources").json() == {}  # publishes nothing
-    config = tiny_config(tiny_llama_path, api_keys=("k",), engine={
-        "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
-        "kv_events_replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})
-    with run_server(config) as server:
-        engine = config.engine
-        sources = httpx.get(f"{server.url}/kv_event_sources").json()
-        assert sources == {"0": {"endpoint": engine.kv_events_endpoint,
-                                 "replay_endpoint": engine.kv_events_replay_endpoint,
-                                 "topic": "", "publisher": "zmq", "encoding": "msgpack",
-                                 "schema_version": 1}}
+    assert httpx.get(f"{live.url}/kv_event_sources").status_code == 401
+    assert get_key(live, "/kv_event_sources", "key-b").json() == {}  # publishes nothing
+    for open_sources in (False, True):
+        config = tiny_config(tiny_llama_path, api_keys=("k",), admin_keys=("adm",),
+                             open_kv_event_sources=open_sources, engine={
+                                 "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                                 "kv_events_replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})
+        with run_server(config) as server:
+            engine = config.engine
+            expected = {"0": {"endpoint": engine.kv_events_endpoint,
+                              "replay_endpoint": engine.kv_events_replay_endpoint,
+                              "topic": "", "publisher": "zmq", "encoding": "msgpack",
+                              "schema_version": 1}}
+            keyless = httpx.get(f"{server.url}/kv_event_sources")
+            wrong = get_key(server, "/kv_event_sources", "not-a-key")
+            if open_sources:
+                assert keyless.json() == wrong.json() == expected
+            else:
+                for refused in (keyless, wrong):
+                    assert refused.status_code == 401, refused.text
+                    assert refused.json()["error"]["code"] == "invalid_api_key"
+                    assert "tcp://" not in refused.text
+            for key in ("k", "adm"):
+                assert get_key(server, "/kv_event_sources", key).json() == expected
+
+
+def get_key(live, path, key):
+    return httpx.get(f"{live.url}{path}", headers={"Authorization": f"Bearer {key}"},
+                     timeout=30)

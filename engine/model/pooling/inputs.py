@@ -32,7 +32,7 @@ def embed_input(tokenizer, info: PoolingInfo, text: str, prompt_name: str | None
         system = [{"role": "system", "content": prefix}] if prefix else []
         ids = _chat_ids(tokenizer, [*system, {"role": "user", "content": text}])
         return truncated_ids(ids, info, truncate, param), None
-    encoded = tokenizer(prefix + text, **_truncation(info, truncate))
+    encoded = tokenizer(prefix + text, verbose=False, **_truncation(info, truncate))
     return check_length(encoded["input_ids"], info, param), None
 
 
@@ -44,7 +44,7 @@ def pair_input(tokenizer, info: PoolingInfo, text_1: str, text_2: str,
         ids = _chat_ids(tokenizer, [{"role": "query", "content": text_1},
                                     {"role": "document", "content": text_2}])
         return truncated_ids(ids, info, truncate, param), None
-    encoded = tokenizer(text_1, text_2, **_truncation(info, truncate))
+    encoded = tokenizer(text_1, text_2, verbose=False, **_truncation(info, truncate))
     ids = check_length(encoded["input_ids"], info, param)
     types = encoded.get("token_type_ids") if info.token_types else None
     return ids, (list(types) if types is not None else None)

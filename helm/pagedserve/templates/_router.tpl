@@ -18,7 +18,11 @@ app.kubernetes.io/component: router
 {{/*
 "true" when the replicas publish KV cache events: the router is on with the
 kv_aware policy. The endpoints are bound on every interface (the router
-connects); vllm-router 0.1.17 reads only the empty topic, so none is set.
+connects; networkpolicy.yaml admits only the router pods to them);
+vllm-router 0.1.17 reads only the empty topic, so none is set. The router
+finds them through each pod's GET /kv_event_sources, which needs a key once
+keys are set unless open-kv-event-sources: the router holds none (it would
+send it in place of the clients' keys on some routes, docs/deployment.md).
 */}}
 {{- define "pagedserve.router.kvEvents" -}}
 {{- if and .Values.router.enabled (eq .Values.router.policy "kv_aware") }}true{{ end }}
@@ -34,11 +38,30 @@ connects); vllm-router 0.1.17 reads only the empty topic, so none is set.
 {{- if not (hasKey $config "kv-events-replay-endpoint") }}
 {{- $_ := set $flags "kv-events-replay-endpoint" "tcp://*:5558" }}
 {{- end }}
+{{- if not (hasKey $config "open-kv-event-sources") }}
+{{- $_ := set $flags "open-kv-event-sources" true }}
+{{- end }}
 {{- if get $config "kv-events-topic" }}
 {{- fail "server.config.kv-events-topic must be empty with router.policy=kv_aware: vllm-router 0.1.17 reads only the empty topic" }}
 {{- end }}
 {{- end }}
 {{- toYaml $flags }}
+{{- end }}
+
+{{/*
+The TCP ports the replicas publish KV events and their replay on, as a YAML
+list (empty: no events): from server.config, else the chart's endpoints.
+*/}}
+{{- define "pagedserve.kvEventPorts" -}}
+{{- $flags := merge (deepCopy .Values.server.config) (include "pagedserve.router.kvEventFlags" . | fromYaml) }}
+{{- $ports := list }}
+{{- range $flag := list "kv-events-endpoint" "kv-events-replay-endpoint" }}
+{{- $endpoint := get $flags $flag | default "" | toString }}
+{{- if hasPrefix "tcp://" $endpoint }}
+{{- $ports = append $ports (regexFind "[0-9]+$" $endpoint | int) }}
+{{- end }}
+{{- end }}
+{{- toYaml $ports }}
 {{- end }}
 
 {{/*
