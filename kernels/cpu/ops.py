@@ -16,7 +16,10 @@ Each build is its own extension *and* op namespace
     $XDG_CACHE_HOME/pagedserve/cpu_kernels/py311-torch2.13.0+cpu/pagedserve_cpu_avx2/
 
 so builds for different ISAs, Pythons or torch versions never overwrite each
-other, and torch's own lock file serialises processes building at once.
+other.  Processes building at once queue on an ``flock`` beside the build
+(the kernel drops it when its holder dies), not on torch's own lock file
+alone: a build killed half-way leaves torch's file behind, and every later
+build would wait on it for ever.
 Nothing is compiled at import; ``python -m kernels.cpu.ops`` compiles ahead
 of time (``make install`` runs it), else the first call of an op does
 (about half a minute on two cores, then 0.01 s to load from the cache).
@@ -28,6 +31,8 @@ no ninja) the PyTorch path serves, after one warning.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -126,17 +131,34 @@ def build(isa: str, verbose: bool = False):
     directory = cache_root() / name
     directory.mkdir(parents=True, exist_ok=True)
     flags = COMMON_FLAGS + ISA_FLAGS[isa]
-    cpp_extension.load(
-        name=name,
-        sources=[str(SOURCE_DIR / "ops.cpp")],
-        extra_cflags=flags + [f"-DPAGEDSERVE_OPS_NS={name}"],
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(SOURCE_DIR)],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    with build_lock(directory):
+        cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE_DIR / "ops.cpp")],
+            extra_cflags=flags + [f"-DPAGEDSERVE_OPS_NS={name}"],
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(SOURCE_DIR)],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=verbose,
+        )
     return getattr(torch.ops, name)
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Hold the build directory's flock; clear a dead builder's torch lock file.
+
+    Every build goes through here, so once we hold the flock no live process
+    is inside torch's build: a ``lock`` file still there was left by one that
+    was killed (torch's baton would wait on it with no end)."""
+    with open(directory / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # Cached per process: torch.ops registrations are process-wide anyway, and a

@@ -11,7 +11,7 @@
 The result is the engine's StructuredOutputsParams. A malformed field, or a
 schema, regex or grammar that does not compile, is a 400 naming the field;
 compiling runs off the event loop, before the request reaches the engine.
-A schema is priced first (engine/sampling/schema_price.py: its properties,
+A schema is priced first (engine/sampling/compile_price.py: its properties,
 enum values, nesting), on a light prep thread, so one too costly to compile
 is refused without waiting for the compile lane; the compile then runs in its
 tenant's turn (service/serving/lanes.py).

@@ -7,7 +7,7 @@ tenant just served goes to the back), and at most `per_tenant` jobs of one
 tenant run at once. So with `threads` workers and a cap of one, up to
 `threads` tenants compile side by side, and a further tenant waits for one
 compile at most (each is bounded by the price check,
-engine/sampling/schema_price.py), never behind a tenant's whole queue.
+engine/sampling/compile_price.py), never behind a tenant's whole queue.
 
 A job given up before it starts (its client left) is taken out of its queue
 (`discard`); one already running holds its tenant's place until it ends, so

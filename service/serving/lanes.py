@@ -10,14 +10,14 @@ request's preparation may hold up another's. So it runs in lanes of threads:
     heavy   grammar compiles (serving/constraints.py)  --compile-threads (2)  normal, then
                                                                              lowest after 1 s
 
-A compile can run for a second or two (a constraint priced past that is
-refused before it is queued: engine/sampling/schema_price.py), so compiles
-have their own lane and a plain request always finds a light thread. The
-heavy lane takes its jobs in turn by tenant (service/serving/fair_queue.py:
-the API key, else the client's address), one running compile per tenant: a
-tenant never waits behind another tenant's queue, and, while there are no
-more tenants compiling than threads, behind no other tenant's compile at all. A compile still
-running after a second (a schema or a tool list takes milliseconds to half
+A compile can run for a second or so (a constraint priced past that is
+refused before it is queued: engine/sampling/compile_price.py,
+grammar_checks.py), so compiles have their own lane and a plain request
+always finds a light thread. The heavy lane takes its jobs in turn by tenant
+(service/serving/fair_queue.py: the API key, else the client's address), one
+running compile per tenant: a tenant never waits behind another tenant's
+queue, and, while no more tenants compile than there are threads, behind no
+other tenant's compile at all. A compile still running after a second (a schema or a tool list takes milliseconds to half
 a second) goes on at the lowest CPU priority (Linux: its thread's nice value
 19), so on a small CPU it gets what the engine's steps leave over and running
 streams keep their pace; its thread then retires, as a thread cannot raise
