@@ -177,7 +177,7 @@ def test_no_hit_without_a_full_block():
     never fill a block, so nothing is hashed and nothing is ever reused."""
     config = SimpleNamespace(block_size=256, max_num_seqs=8, max_num_batched_tokens=1024,
                              max_model_len=0, schedule_conservativeness=1.0,
-                             scheduling_policy="fcfs", max_loras=1)
+                             scheduling_policy="fcfs", max_loras=1, runner="generate")
     sched = make_scheduler(num_blocks=8, config=config)
     bm = sched.block_manager
     seqs = [make_seq(0, shared(240)), make_seq(1, shared(240)), make_seq(2, shared(240) + [5] * 10)]
