@@ -38,6 +38,9 @@ def test_ngram_prefers_the_longest_match_and_respects_the_minimum():
     assert NgramIndex(1, 3).propose(tokens, 1) == [9]  # (6, 7): latest is followed by 9
     assert NgramIndex(3, 3).propose(tokens, 1) == []  # (4, 6, 7) never occurred before
     assert NgramIndex(1, 1).propose([1, 2, 3], 2) == []
+    # a match only at n = min_n still drafts (min_n itself is tried)
+    assert NgramIndex(2, 3).propose([1, 2, 3, 9, 2, 3], 1) == [9]
+    assert NgramIndex(1, 1).propose([4, 5, 4], 1) == [5]
 
 
 def test_ngram_index_grows_with_the_text_as_it_arrives():
@@ -253,6 +256,17 @@ def test_a_draft_is_cut_to_the_budget_and_the_free_blocks_never_preempting():
     assert out.sequences[0].draft_token_ids == [1, 2]  # the budget of 3 tokens
 
 
+def test_a_steps_drafts_are_charged_to_its_token_budget():
+    """Every query row counts: the first sequence's draft spends the budget its
+    neighbour would have had, and no step computes more rows than the budget."""
+    sched = scheduler(num_blocks=32, block_size=4, budget=5)
+    first, second = decoding(sched, [1, 2, 3], [4, 5, 6])
+    first.draft_token_ids = second.draft_token_ids = [7, 8, 9]
+    out = sched.schedule()
+    assert [len(s.token_ids) for s in out.sequences] == [4, 1]  # 1 + 3 drafts, then 1
+    assert sum(len(s.token_ids) for s in out.sequences) <= 5
+
+
 # -- verification ------------------------------------------------------------------------
 def logits_rows(*rows):
     return torch.tensor(rows, dtype=torch.float32)
@@ -272,6 +286,19 @@ def test_greedy_verification_keeps_the_agreeing_prefix_then_corrects():
     owners, out = verify(sampler, logits, drafted)
     # A: 1 == 1, 2 == 2, then 3 != 0 (3 replaces 0); B: 2 != 1
     assert list(zip(owners, out.token_ids)) == [(0, 1), (1, 2), (0, 2), (0, 3)]
+
+
+def test_min_tokens_is_counted_with_the_drafts_accepted_before():
+    """min_tokens=2 from no outputs: EOS (3) is banned for the first two tokens,
+    then allowed; after two accepted drafts it wins position 2, where a ban
+    counted from the outputs before the step would have drawn draft token 0."""
+    sampler = Sampler(4)
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    request = SamplingRequest(params, None, [0], [], banned_token_ids=frozenset({3}))
+    logits = logits_rows([0.0, 10.0, 0.0, 0.0], [0.0, 0.0, 10.0, 0.0],
+                         [5.0, 0.0, 0.0, 10.0], [0.0, 10.0, 0.0, 0.0])
+    owners, out = verify(sampler, logits, [Drafted(request, [1, 2, 0], 0, frozenset({3}))])
+    assert out.token_ids == [1, 2, 3]
 
 
 def test_verification_stops_at_a_token_that_may_end_the_sequence():
