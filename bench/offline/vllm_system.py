@@ -7,7 +7,11 @@
 The worker (bench/offline/vllm_embed_worker.py) runs in vLLM's interpreter;
 this side sends it "texts" or "query" and reads back the seconds, so vLLM takes
 its turn in the same A B C rounds as the two in-process systems and a burst of
-other work on the machine lands on all three. vLLM pins its OpenMP threads to
+other work on the machine lands on all three. Between its turns the worker's
+process group is stopped (SIGSTOP, SIGCONT before its next call): left
+running, the idle worker kept both cores busy, and the two systems in this
+process measured ~5x slower in float32 (1.5 embeddings/s each, where alone
+they give 6-7). vLLM pins its OpenMP threads to
 the first `threads` cores (VLLM_CPU_OMP_THREADS_BIND). Start-up (load, compile,
 warm-up) and every call get `timeout_s`; a failure, at start or later, leaves
 `error` set (the worker's last error line) and the system out of the results.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import tempfile
 import threading
@@ -51,6 +56,7 @@ class VllmSystem:
         try:
             self._start(python, scratch / "job.json", threads)
             ready = self._answer()
+            self._signal(signal.SIGSTOP)
             self.version = ready["version"]
             self.saved_vectors = torch.from_numpy(np.load(job["vectors"]))  # of the texts
         except (VllmFailed, OSError) as exc:
@@ -62,7 +68,8 @@ class VllmSystem:
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [str(python), str(WORKER), str(job_file)], env=env, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            start_new_session=True)  # its own group: vLLM's engine process stops with it
         self._answers: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -94,12 +101,20 @@ class VllmSystem:
         if what is None:
             raise ValueError("vLLM's worker embeds only the texts and query it started with")
         try:
+            self._signal(signal.SIGCONT)
             self.process.stdin.write(what + "\n")
             self.process.stdin.flush()
-            return float(self._answer()["seconds"])
+            seconds = float(self._answer()["seconds"])
+            self._signal(signal.SIGSTOP)
+            return seconds
         except (VllmFailed, OSError) as exc:
             self._fail(str(exc))
             return float("nan")
+
+    def _signal(self, signum: int) -> None:
+        """Stop or continue the worker's whole process group (ProcessLookupError
+        is an OSError: a worker gone is a failure, as on any call)."""
+        os.killpg(self.process.pid, signum)
 
     def _fail(self, error: str) -> None:
         self.error = error
@@ -117,6 +132,7 @@ class VllmSystem:
         """End the worker (ours, by its handle) and drop its files; again is a no-op."""
         if self.process is not None and self.process.poll() is None:
             try:
+                self._signal(signal.SIGCONT)
                 self.process.stdin.write("quit\n")
                 self.process.stdin.flush()
                 self.process.wait(timeout=60)
