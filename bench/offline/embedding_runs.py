@@ -53,11 +53,11 @@ class Pagedserve:
 
     name = "pagedserve"
 
-    def __init__(self, folder: Path, dtype: str, threads: int) -> None:
+    def __init__(self, folder: Path, dtype: str, threads: int, max_model_len: int = 0) -> None:
         from engine import LLM
 
         self.llm = LLM(str(folder), runner="pooling", dtype=dtype, num_threads=threads,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, max_model_len=max_model_len)
 
     def embed(self, texts: list[str]):
         return self.llm.embed(texts, use_tqdm=False)

@@ -95,7 +95,11 @@ def run_case(args, shape: str, folder: Path, dtype: str):
     tokenizer = st.model.tokenizer
     texts = sized_texts(tokenizer, args.num_texts, args.text_len, args.seed, TEXT_WORDS)
     query = sized_text(tokenizer, random.Random(args.seed + 1), args.query_len, TEXT_WORDS)
-    ours = Pagedserve(folder, dtype, args.threads)
+    # The texts' length, not the model's: Qwen3's 32,768 positions would need
+    # more KV blocks than the default budget holds for one whole sequence.
+    longest = min(4 * max(args.text_len[1], args.query_len),
+                  shape_settings(shape, args.layers)["max_position_embeddings"])
+    ours = Pagedserve(folder, dtype, args.threads, max_model_len=longest)
     systems = [ours, st]
     vllm = _start_vllm(args, shape, folder, dtype, texts, query)
     if vllm is not None and vllm.error is None:
