@@ -12,19 +12,10 @@ from pathlib import Path
 
 import torch
 
+from bench.offline import embedding_models
 from tiny_models import build_tiny
 
 PROMPTS = {"query": "query: "}
-
-# A small WordPiece vocabulary: BERT's specials, every character of plain
-# English text (whole and as a ## continuation), and a handful of whole words,
-# so that ordinary sentences tokenise into a mix of words and pieces.
-_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-_CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789") + list(".,;:!?'\"()-_/&%$#@*+=<>[]{}")
-_WORDS = ("the a an of to in is it and or on for with as at by from this that what who "
-          "how why when where which cat dog fox quick brown lazy jumps over query passage "
-          "document hello world capital city paris france berlin germany weather today "
-          "sun rain question answer good bad yes no").split()
 
 _BERT_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    intermediate_size=128, max_position_embeddings=128, hidden_act="gelu",
@@ -36,21 +27,10 @@ _QWEN3_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
-def write_wordpiece_vocab(folder: Path) -> Path:
-    """vocab.txt of the small WordPiece vocabulary, one token a line."""
-    tokens = _SPECIALS + _CHARS + ["##" + c for c in _CHARS] + _WORDS
-    path = Path(folder) / "vocab.txt"
-    path.write_text("\n".join(dict.fromkeys(tokens)) + "\n", encoding="utf-8")
-    return path
-
-
 def bert_tokenizer(folder: Path, **settings):
-    """A lower-casing BertTokenizerFast over the small vocabulary, built in `folder`."""
-    from transformers import BertTokenizerFast
-
-    vocab = write_wordpiece_vocab(folder)
-    return BertTokenizerFast(vocab=str(vocab), do_lower_case=True, model_max_length=128,
-                             **settings)
+    """A lower-casing BertTokenizerFast over the benchmark's small WordPiece
+    vocabulary (bench/offline/embedding_models.py), 128 tokens at most."""
+    return embedding_models.bert_tokenizer(folder, max_length=128, **settings)
 
 
 def save_sentence_transformer(folder: Path, hf_model, tokenizer, pooling_mode: str) -> Path:

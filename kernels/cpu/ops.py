@@ -79,7 +79,7 @@ def cache_root() -> Path:
     return Path(base) / "pagedserve" / "cpu_kernels" / tag
 
 
-def _cpuinfo_flags() -> set[str]:
+def cpuinfo_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -102,7 +102,7 @@ def isa_for_this_cpu() -> str:
     """The best build this CPU runs: avx512bf16, avx2 or portable."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "portable"
-    flags = _cpuinfo_flags()  # empty where /proc is missing: trust torch's probes
+    flags = cpuinfo_flags()  # empty where /proc is missing: trust torch's probes
     if _torch_probe("_is_avx512_bf16_supported") and (
             not flags or {"avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"} <= flags):
         return "avx512bf16"
