@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 WARM_BLOCKS_SHARE = 0.2  # default warm-up budget: a fifth of the KV pool
 SYSTEM_TOKENS_CACHED = 256  # distinct system turns whose tokens are kept
 READY_BEAT_SECONDS = 1.0  # the most readiness waits to announce itself in Redis
+STOP_SECONDS = 5.0  # the most shutdown waits for the fleet's tasks to end
 
 
 class Fleet:
@@ -69,14 +70,25 @@ class Fleet:
             self._spawn(work)
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
+        """Cancel the fleet's tasks and leave Redis, each step bounded: the server's
+        shutdown waits on this, and one task that outlives its cancel (a CI run
+        once saw a shutdown stuck here past 60 s) must not hold the engine up."""
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_SECONDS)
+            if stuck:
+                logger.warning("fleet: %d task(s) still running %.0f s after their cancel: %s",
+                               len(stuck), STOP_SECONDS, ", ".join(sorted(_name(t) for t in stuck)))
         try:
             await asyncio.wait_for(leave(self.client, self.replica_id), 1.0)
         except REDIS_ERRORS:
             pass  # the key expires on its own
-        await self.client.aclose()
+        try:
+            await asyncio.wait_for(self.client.aclose(), 1.0)
+        except REDIS_ERRORS:
+            pass  # its sockets close with the process
 
     def _spawn(self, work) -> None:
         task = asyncio.create_task(work)
@@ -253,3 +265,9 @@ def _default_url(host: str, port: int) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
     return f"http://{host}:{port}"
+
+
+def _name(task: asyncio.Task) -> str:
+    """A task's coroutine name, for a log line."""
+    coro = task.get_coro()
+    return getattr(coro, "__qualname__", None) or task.get_name()
