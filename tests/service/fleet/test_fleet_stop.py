@@ -34,7 +34,7 @@ def test_stop_gives_up_on_a_task_that_outlives_its_cancel(monkeypatch, caplog):
         # A client of a port nobody listens on: leave() fails at once, as a dead Redis does.
         fleet.client = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
         begun = time.monotonic()
-        await fleet.stop()
+        await asyncio.wait_for(fleet.stop(), 20)  # an unbounded stop fails here, not hangs
         took = time.monotonic() - begun
         stubborn.cancel()
         return took
