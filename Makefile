@@ -42,6 +42,9 @@ serve: $(STAMP)
 # a time with one OpenMP thread each; then the serial ones with both cores.
 # Both phases run even when the first fails; make fails if either did.
 test: $(STAMP)
+	# Every CPU build the kernel tests load, compiled side by side first (else
+	# one test worker compiles them one after the other while the other waits).
+	timeout 1200 $(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops --runnable || echo "a compiled CPU build failed: its kernel tests will say which"
 	status=0; \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=15 || status=$$?; \
 	$(PY) -m pytest -q -m serial --durations=10 || status=$$?; \

@@ -111,6 +111,12 @@ def isa_for_this_cpu() -> str:
     return "portable"
 
 
+def runnable_isas() -> tuple[str, ...]:
+    """This CPU's best build and every build below it (ISAS is best first): the
+    builds the kernel tests compare against the reference here."""
+    return ISAS[ISAS.index(isa_for_this_cpu()):]
+
+
 def requested_isa() -> str | None:
     """The build to use: PAGEDSERVE_CPU_KERNELS, else this CPU's best; None = off."""
     choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
@@ -212,20 +218,37 @@ def unavailable_reason(width: int, what: str = "head_dim") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Compile ahead of time: ``python -m kernels.cpu.ops [--isa NAME] [--verbose]``."""
+    """Compile ahead of time: ``python -m kernels.cpu.ops [--isa NAME | --runnable] [--verbose]``."""
     import argparse
     import time
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--isa", choices=ISAS, default=None, help="default: this CPU's best")
+    parser.add_argument("--runnable", action="store_true",
+                        help="every build this CPU runs, side by side (what the tests load)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    if args.runnable:
+        return build_side_by_side(runnable_isas(), args.verbose)
     isa = args.isa or isa_for_this_cpu()
     start = time.perf_counter()
     ops = build(isa, verbose=args.verbose)
     print(f"compiled CPU ops: {isa} ({ops.isa()}) in {time.perf_counter() - start:.1f} s, "
           f"cached under {cache_root()}")
     return 0
+
+
+def build_side_by_side(isas, verbose: bool) -> int:
+    """Each build in its own process, all at once: one translation unit each, so
+    one compiler per build is what uses the cores (a cached build loads at once)."""
+    import subprocess
+
+    command = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "kernels.cpu.ops"] + (["--verbose"] if verbose else [])
+    children = [subprocess.Popen(command + ["--isa", isa]) for isa in isas]
+    failed = [isa for isa, child in zip(isas, children) if child.wait() != 0]
+    if failed:
+        print(f"compiled CPU ops: the {', '.join(failed)} build(s) failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -82,15 +82,10 @@ def triton_results(request, kernel_test_device, session_seed) -> dict:
     return run_in_children(batches, kernel_test_device)
 
 
-def _runnable_isas() -> tuple:
-    """This CPU's best build and every build below it (ISAS is best first)."""
-    return cpu_ops.ISAS[cpu_ops.ISAS.index(cpu_ops.isa_for_this_cpu()):]
-
-
 @pytest.fixture(scope="session")
 def builds() -> dict:
     """{isa: op namespace} of every build this CPU runs, compiled or loaded here."""
-    loaded = {isa: cpu_ops.load(isa) for isa in _runnable_isas()}
+    loaded = {isa: cpu_ops.load(isa) for isa in cpu_ops.runnable_isas()}
     missing = sorted(isa for isa, ops in loaded.items() if ops is None)
     if missing:
         message = f"the {', '.join(missing)} build(s) are unavailable (see the warning)"

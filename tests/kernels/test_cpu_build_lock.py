@@ -61,3 +61,20 @@ def test_a_killed_builders_lock_is_released(tmp_path):
 def _enter(directory, entered: threading.Event) -> None:
     with build_lock(directory):
         entered.set()
+
+
+def test_the_runnable_builds_are_this_cpus_best_and_every_one_below_it():
+    from kernels.cpu.ops import ISAS, isa_for_this_cpu, runnable_isas
+
+    isas = runnable_isas()
+    assert isas[0] == isa_for_this_cpu() and isas == ISAS[len(ISAS) - len(isas):]
+    assert isas[-1] == "portable"
+
+
+def test_side_by_side_builds_report_a_failed_one():
+    """`make test` compiles the runnable builds this way first; a build that fails
+    (here: one that does not exist) fails the command, the others still run."""
+    from kernels.cpu.ops import build_side_by_side, isa_for_this_cpu
+
+    assert build_side_by_side((isa_for_this_cpu(),), verbose=False) == 0  # built by the install
+    assert build_side_by_side((isa_for_this_cpu(), "no-such-isa"), verbose=False) == 1
