@@ -18,6 +18,7 @@ import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message, Send
 
 from engine.errors import ValidationError
 from service.protocol.replies import ErrorInfo, ErrorResponse, encoder
@@ -144,9 +145,36 @@ def count_paced(app) -> None:
         metrics.refusals_paced.inc()
 
 
+# Where the guard keeps a request's error answer until it is sent (scope state):
+# pacing may send a 429 in its place, and an answer is counted once, as sent.
+ERROR_TO_COUNT = "error_to_count"
+
+
 def counted_response(request: Request, error: APIError) -> Response:
-    count_error(request.app, error)
+    """The error's answer, counted when it goes out: by the guard's send when the
+    request passed it (only what is sent counts: a refusal pacing replaced by a
+    429 is not counted too), else now."""
+    state = request.scope.get("state")
+    if state is not None and ERROR_TO_COUNT in state:
+        state[ERROR_TO_COUNT] = error
+    else:
+        count_error(request.app, error)
     return error_response(error)
+
+
+def counting_send(app, state: dict, send: Send) -> Send:
+    """`send` that counts the request's error answer (state[ERROR_TO_COUNT]) as
+    its status goes out, if that status is the error's own."""
+    state[ERROR_TO_COUNT] = None
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            error, state[ERROR_TO_COUNT] = state[ERROR_TO_COUNT], None
+            if error is not None and error.status == message["status"]:
+                count_error(app, error)
+        await send(message)
+
+    return wrapped
 
 
 async def handle_api_error(request: Request, exc: APIError) -> Response:
@@ -175,7 +203,9 @@ async def handle_client_gone(request: Request, exc: ClientGone) -> Response:
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return counted_response(request, APIError(500, f"internal error: {type(exc).__name__}"))
+    error = APIError(500, f"internal error: {type(exc).__name__}")
+    count_error(request.app, error)  # answered outside the guard, which would count it
+    return error_response(error)
 
 
 EXCEPTION_HANDLERS = {

@@ -11,8 +11,9 @@ Two sources feed one registry (per app, so two servers in one process never mix)
   by its reason, `pagedserve:request_success_total{finished_reason}` as vLLM's
   (stop, length, abort, error), and every error answer by status and code,
   `pagedserve:http_errors_total{status="400",code="unknown_parameter"}` (code
-  "" when the error has none), and the error answers that refusal pacing held
-  back, `pagedserve:refusals_paced_total`.
+  "" when the error has none), once, as it is sent (a refusal that pacing
+  answers 429 in its place counts as the 429), and the error answers that
+  refusal pacing held back, `pagedserve:refusals_paced_total`.
 
 `pagedserve:kv_cache_usage_perc` is a fraction in [0, 1], as vLLM's is.
 Cached blocks that no request holds count as free: they are evictable.

@@ -22,7 +22,8 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.config import ServiceConfig
-from service.errors import APIError, count_error, count_paced, error_response
+from service.errors import (ERROR_TO_COUNT, APIError, count_error, count_paced, counting_send,
+                            error_response)
 from service.guards.limits import limited, too_large
 from service.guards.pacing import RefusalPacer, client_of, too_many_refusals
 
@@ -79,12 +80,16 @@ class Guard:
             count_error(app, error)
             await error_response(error)(scope, receive, send)
             return
-        send = self.pacer.paced_send(client, send, lambda: count_paced(app),
+        # Error answers are counted as they are sent, after pacing: a refusal it
+        # replaces with a 429 counts as the 429 alone.
+        state = scope.setdefault("state", {})
+        send = self.pacer.paced_send(client, counting_send(app, state, send),
+                                     lambda: count_paced(app),
                                      lambda error: count_error(app, error))
         limit = self.config.max_request_body_bytes
         error = self._check_length(headers, limit) or self._check_key(scope, key)
         if error is not None:
-            count_error(app, error)
+            state[ERROR_TO_COUNT] = error
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, limited(receive, limit, self.config.body_timeout_seconds), send)
