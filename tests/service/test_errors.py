@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from collections import Counter
 
 import httpx
 import pytest
@@ -452,3 +453,23 @@ def test_cors_headers_on_real_requests(keyed_server):
 def test_no_cors_headers_without_an_allow_list(shared_server):
     response = preflight(shared_server, ORIGIN)
     assert "access-control-allow-origin" not in response.headers
+
+
+def test_the_guards_own_refusals_are_counted_once_as_sent(keyed_server):
+    """A missing key (401) and a body past the limit (413, by its length) are answered by
+    the guard before any route: /metrics counts each answer the client got, once
+    (from an address of its own, so no earlier refusal's pacing debt applies)."""
+    def counts() -> Counter:
+        text = httpx.get(f"{keyed_server.url}/metrics", timeout=30).text
+        return Counter({(int(s.labels["status"]), s.labels["code"]): s.value
+                        for family in text_string_to_metric_families(text)
+                        for s in family.samples if s.name == "pagedserve:http_errors_total"})
+
+    before = counts()
+    transport = httpx.HTTPTransport(local_address="127.0.0.4")
+    with httpx.Client(base_url=keyed_server.url, timeout=30, transport=transport) as http:
+        answers = [http.post(COMPLETIONS, json={"prompt": "hi"}),
+                   http.post(COMPLETIONS, content=b"x" * (10 << 20), headers=bearer("k1"))]
+    seen = Counter((a.status_code, a.json()["error"]["code"]) for a in answers)
+    assert [a.status_code for a in answers] == [401, 413], seen
+    assert counts() - before == seen
