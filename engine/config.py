@@ -101,9 +101,11 @@ class EngineConfig:
                 "de-quantized); fp8 (= fp8_e4m3), fp8_e5m2: each value in 8 bits, "
                 "per-tensor scale 1.0 (vLLM's formats): the same tokens as int8, less precise",
         "choices": KV_CACHE_DTYPES})
-    # Tests: an exact number of KV blocks, to force preemption on a tiny cache.
+    kv_cache_prefault: bool = field(default=True, metadata={
+        "help": "CPU: back the KV cache's pages at start, so no request pays their faults; "
+                "off: as its blocks are first written (a faster start; LLM's default offline)"})
+    # Tests: exact KV block counts (main pool, hybrid sliding pool) to force preemption.
     num_gpu_blocks_override: int | None = field(default=None, metadata={"cli": False})
-    # Tests: the same for the sliding layers' own pool of a hybrid model.
     num_window_blocks_override: int | None = field(default=None, metadata={"cli": False})
     disable_hybrid_kv_cache_manager: bool = field(default=False, metadata={
         "help": "give the sliding layers of a model that mixes sliding and global layers "

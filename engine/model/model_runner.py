@@ -33,7 +33,8 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ValidationError
 from engine.model.lora.request import LoRARequest
-from engine.model.cpu_allocator import advise_huge_pages, keep_freed_memory, weights_on_huge_pages
+from engine.model.cpu_allocator import (advise_huge_pages, keep_freed_memory, weights_on_huge_pages,
+                                        zero_lazily)
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.distributed.partition import Partition
 from engine.model.kv_cache import KVLayout, as_bytes, check_cache_on_device, resolve_kv_cache_dtype
@@ -148,9 +149,14 @@ class ModelRunner:
     def _new_cache(self, num_layers: int, num_blocks: int) -> torch.Tensor:
         cache = torch.empty(self.kv_layout.shape(num_layers, num_blocks),
                             dtype=self.kv_cache_dtype, device=self.device)
-        if self.device.type == "cpu":
-            advise_huge_pages(cache)  # before zero_() touches the pages
-        return cache.zero_()
+        if self.device.type != "cpu":
+            return cache.zero_()
+        advise_huge_pages(cache)  # before anything touches the pages
+        # Touched now (a server: no page faults in its first requests) or as
+        # blocks are first written (config.kv_cache_prefault says which).
+        if self.config.kv_cache_prefault or not zero_lazily(cache):
+            cache.zero_()
+        return cache
 
     def layer_block_bytes(self) -> int:
         """One block's K and V of one layer, on this rank, in the cache's own bytes."""

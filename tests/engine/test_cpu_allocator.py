@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.model import cpu_allocator
 from engine.model.cpu_allocator import (advise_huge_pages, huge_pages_offered, keep_freed_memory,
-                                      weights_on_huge_pages)
+                                      weights_on_huge_pages, zero_lazily)
 
 
 def test_tuning_applies_on_glibc_and_tensors_still_work():
@@ -134,3 +134,43 @@ def test_moving_weights_leaves_no_second_copy_resident(monkeypatch):
     if peak_known:
         peak = _peak_resident_bytes() - before
         assert peak < (96 << 20), f"moving 256 MiB of weights peaked {peak >> 20} MiB above the start"
+
+
+def test_zero_lazily_zeroes_exactly_the_tensor_and_backs_no_pages():
+    """A slice of dirty memory that starts and ends mid-page reads as zeros,
+    its neighbours keep their bytes, and the whole pages inside it are given
+    back (the resident set shrinks by about their size)."""
+    if platform.system() != "Linux" or ctypes.util.find_library("c") is None:
+        pytest.skip("madvise(MADV_DONTNEED) is Linux's")
+    buffer = torch.full((64 << 20,), 7, dtype=torch.uint8)  # every page backed and dirty
+    inner = buffer[1234:-4321].view(-1)
+    before = _resident_bytes()
+    assert zero_lazily(inner) is True
+    assert before - _resident_bytes() > (48 << 20)
+    assert int(inner.count_nonzero()) == 0
+    assert bool((buffer[:1234] == 7).all()) and bool((buffer[-4321:] == 7).all())
+    inner.fill_(3)  # the dropped pages take writes again
+    assert int(inner.sum()) == 3 * inner.numel()
+    small = torch.full((100,), 5, dtype=torch.bfloat16)  # inside one page: zeroed by hand
+    assert zero_lazily(small) is True and not bool(small.any())
+
+
+def test_the_offline_llm_backs_its_kv_cache_lazily_and_a_server_at_start(tiny_llama_path):
+    """LLM() defaults to kv_cache_prefault=False: its 256 MiB cache costs no
+    resident memory until blocks are written, and it still generates; with
+    the server's default (True) the whole cache is resident at start."""
+    if platform.system() != "Linux" or ctypes.util.find_library("c") is None:
+        pytest.skip("madvise(MADV_DONTNEED) is Linux's")
+    from engine import LLM, SamplingParams
+
+    grown = {}
+    for prefault in (False, True):
+        before = _resident_bytes()
+        llm = LLM(str(tiny_llama_path), kv_cache_memory_bytes=256 << 20,
+                  **({"kv_cache_prefault": True} if prefault else {}))
+        grown[prefault] = _resident_bytes() - before
+        assert llm.config.kv_cache_prefault is prefault
+        out = llm.generate(["The sea is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        del llm, out
+    assert grown[True] - grown[False] > (200 << 20), grown
