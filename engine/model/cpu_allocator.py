@@ -79,17 +79,24 @@ def keep_freed_memory() -> bool:
 def advise_huge_pages(tensor) -> bool:
     """Ask Linux to back the whole 2 MiB pages inside `tensor` with huge pages
     (before anything touches them); False where it cannot or will not."""
+    first, last = _whole_pages(tensor, HUGE_PAGE_BYTES)
+    return last > first and _madvise(first, last, MADV_HUGEPAGE)
+
+
+def _whole_pages(tensor, page: int) -> tuple[int, int]:
+    """The addresses [first, last) of the whole `page`-sized pages inside `tensor`."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    return -(-start // page) * page, end // page * page
+
+
+def _madvise(first: int, last: int, advice: int) -> bool:
+    """madvise(first, last - first, advice); False where there is none or it refuses."""
     libc = _libc_with("madvise")
     if libc is None:
         return False
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if last <= first:
-        return False
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(first, last - first, MADV_HUGEPAGE) == 0
+    return libc.madvise(first, last - first, advice) == 0
 
 
 def zero_lazily(tensor) -> bool:
@@ -104,17 +111,13 @@ def zero_lazily(tensor) -> bool:
     kernel's own zeroing (SmolLM2 float32: 0.4-0.7 s a start, most of it in
     the kernel). Left lazy, a page is paid for when a block on it is first
     written, and only then counts in the resident set."""
-    libc = _libc_with("madvise")
-    if libc is None:
+    if _libc_with("madvise") is None:
         return False
     start = tensor.data_ptr()
-    nbytes = tensor.numel() * tensor.element_size()
-    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-    last = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    first, last = _whole_pages(tensor, mmap.PAGESIZE)
     flat = tensor.view(-1).view(torch.uint8)
     if last > first:
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if libc.madvise(first, last - first, MADV_DONTNEED) != 0:
+        if not _madvise(first, last, MADV_DONTNEED):
             return False
         flat[:first - start].zero_()
         flat[last - start:].zero_()
