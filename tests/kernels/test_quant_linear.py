@@ -20,7 +20,11 @@ from kernels.quant import (QUANT_TYPES, dequantize_reference, pack_quant_weight,
                            quant_linear_reference, random_quant_blocks)
 
 TYPES = tuple(QUANT_TYPES)
-ROWS = (1, 3, 16, 128)
+# 1, 3, 6 and 42 end a row's passes with 1, 3, 2 and 2 tokens (quant_gemv.h);
+# 16 takes the integer path on both AVX builds, 42 the de-quantized strips on
+# AVX512-BF16 (from 32 tokens) and the integer path on AVX2 (up to 47); 128 is
+# a prefill chunk.
+ROWS = (1, 3, 6, 16, 42, 128)
 
 
 def _width(type_name: str, blocks: int) -> int:

@@ -25,6 +25,7 @@
 
 #include "quant_act.h"
 #include "quant_blocks.h"
+#include "prefetch.h"
 
 namespace pagedserve {
 namespace quant {
@@ -43,6 +44,22 @@ struct XScales {
       }
   }
 };
+
+// How far ahead of the group being decoded a row's loop asks for weights
+// (into L2).  Why: at one token this loop is a single stream through the
+// weights with little work per byte, and on the 2-vCPU Xeon the hardware
+// prefetchers alone left it waiting on loads, at 25-30 % of the read rate
+// (`python -m bench.kernels.quant_linear --rows 1`); 4 KiB ahead measured
+// best of 1, 2, 4 and 8 KiB (docs/performance.md).
+constexpr int64_t kAhead = 4096;
+
+// The lines of the `bytes` at g + kAhead: a later group of this row or of the
+// rows after it (a part's rows are contiguous).  Prefetches never fault, so
+// the last rows may ask past the blob.
+inline void prefetch_ahead(const uint8_t* g, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(g) + kAhead;
+  for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(p + o);
+}
 
 #if defined(__AVX2__)
 // Lane j of the result: the sum of v[j]'s 8 lanes.
@@ -164,7 +181,10 @@ inline void split_row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, con
                           float (&out)[R][1]) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) split_step<R>(w + b * Q6_K::kBytes, x, xs, m0, b * Q6_K::kSubs, acc);
+  for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_ahead(w + b * Q6_K::kBytes, Q6_K::kBytes);
+    split_step<R>(w + b * Q6_K::kBytes, x, xs, m0, b * Q6_K::kSubs, acc);
+  }
   for (int r = 0; r < R; ++r) out[r][0] = hsum(acc[r]);
 }
 
@@ -179,8 +199,10 @@ inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XSc
     __m256 acc[R], mins[R];
     for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
     int64_t b = 0;
-    for (; b + kPer <= blocks; b += kPer)
+    for (; b + kPer <= blocks; b += kPer) {
+      prefetch_ahead(w + b * Q::kBytes, kPer * Q::kBytes);
       group_step<Q, true, R>(w + b * Q::kBytes, 8, x, xs, m0, b * Q::kSubs, acc, mins);
+    }
     if (b < blocks)  // a legacy row of 8 k + 1 .. 8 k + 7 blocks
       group_step<Q, false, R>(w + b * Q::kBytes, int(blocks - b), x, xs, m0, b, acc, mins);
     for (int r = 0; r < R; ++r) out[r][0] = hsum(_mm256_add_ps(acc[r], mins[r]));

@@ -22,12 +22,13 @@
 // price is the activations' 8-bit rounding, which the tests bound
 // (tests/kernels/test_quant_linear.py).
 //
-// Up to 7 tokens, the AVX2 and AVX512 builds take quant_gemv.h's row path
-// (every type).  The portable build takes tiles: R tokens x C weight rows; a
-// weight sub-block is decoded once per tile and meets the R tokens.  One
+// Below kManyRows tokens (31 on AVX512-BF16, 47 on AVX2), the AVX2 and
+// AVX512 builds take quant_gemv.h's row path (every type), up to 4 tokens a
+// pass over a row.  The portable build takes tiles: R tokens x C weight rows;
+// a weight sub-block is decoded once per tile and meets the R tokens.  One
 // token takes C = 4 rows (four independent chains), several take R = 4 x
-// C = 2.  Either way threads split the rows in strips; from 8 tokens,
-// quant_strips.h.
+// C = 2.  Either way threads split the rows in strips; from kManyRows tokens
+// (8 in the portable build), quant_strips.h.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -49,8 +50,19 @@ namespace pagedserve {
 namespace quant {
 
 // From this many tokens a call de-quantizes strips to bf16 (run_many) instead
-// of quantizing the tokens (measured: docs/performance.md).
+// of quantizing the tokens.  Measured per build (docs/performance.md, "The
+// one-token path prefetched"): with the weights prefetched and the last 1-3
+// tokens of a row in one pass, the integer path beats the strips up to ~24
+// tokens where the strips have the bf16 dot product, and up to ~48 where
+// they convert to fp32 (AVX2: the strips lost 2-4x at 8-16 tokens).  The
+// portable build keeps its tiles' old crossover.
+#if defined(PAGEDSERVE_ISA_AVX512BF16)
+constexpr int64_t kManyRows = 32;
+#elif defined(__AVX2__)
+constexpr int64_t kManyRows = 48;
+#else
 constexpr int64_t kManyRows = 8;
+#endif
 
 // ---- one tile -----------------------------------------------------------------------------
 
@@ -121,11 +133,17 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
       row_dot<Q, 4>(w, rows.blocks, x, scales, m, sums);
       sink.template put<4, 1>(sums, m, n);
     }
-    for (; m < M; ++m) {
-      float sums[1][1];
-      row_dot<Q, 1>(w, rows.blocks, x, scales, m, sums);
-      sink.template put<1, 1>(sums, m, n);
-    }
+    // The last 1-3 tokens in one pass too: the row is decoded once for them
+    // (a pass per token made 2 tokens cost ~1.8 one token's time).
+    auto last = [&](auto r_tag) {
+      constexpr int R = decltype(r_tag)::value;
+      float sums[R][1];
+      row_dot<Q, R>(w, rows.blocks, x, scales, m, sums);
+      sink.template put<R, 1>(sums, m, n);
+    };
+    if (M - m == 3) last(std::integral_constant<int, 3>{});
+    if (M - m == 2) last(std::integral_constant<int, 2>{});
+    if (M - m == 1) last(std::integral_constant<int, 1>{});
   }
 #else
   // The portable build: tiles (quant_linear.h's header).
