@@ -68,6 +68,12 @@ def _generate(llm, mode: str, monkeypatch, prompts=PROMPTS, lora=None) -> tuple[
     monkeypatch.setattr(fused_layer, "run", counting)
     monkeypatch.setattr(fused_layer, "run_stacked", counting_stack)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
+    # Every run from an empty prefix cache, so that all schedule the same
+    # steps: a cached prefix shortens a prefill, and a quantized linear
+    # multiplies a call's tokens with 8-bit activations up to a size
+    # (quant_linear.h's kManyRows: 31 on AVX512-BF16, 47 on AVX2), with bf16
+    # strips past it.
+    assert llm.reset_prefix_cache()
     outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     monkeypatch.setattr(fused_layer, "run", run)
     monkeypatch.setattr(fused_layer, "run_stacked", run_stacked)

@@ -22,7 +22,7 @@
 // price is the activations' 8-bit rounding, which the tests bound
 // (tests/kernels/test_quant_linear.py).
 //
-// Below kManyRows tokens (31 on AVX512-BF16, 47 on AVX2), the AVX2 and
+// Up to kManyRows - 1 tokens (31 on AVX512-BF16, 47 on AVX2), the AVX2 and
 // AVX512 builds take quant_gemv.h's row path (every type), up to 4 tokens a
 // pass over a row.  The portable build takes tiles: R tokens x C weight rows;
 // a weight sub-block is decoded once per tile and meets the R tokens.  One
@@ -52,10 +52,11 @@ namespace quant {
 // From this many tokens a call de-quantizes strips to bf16 (run_many) instead
 // of quantizing the tokens.  Measured per build (docs/performance.md, "The
 // one-token path prefetched"): with the weights prefetched and the last 1-3
-// tokens of a row in one pass, the integer path beats the strips up to ~24
-// tokens where the strips have the bf16 dot product, and up to ~48 where
-// they convert to fp32 (AVX2: the strips lost 2-4x at 8-16 tokens).  The
-// portable build keeps its tiles' old crossover.
+// tokens of a row in one pass, the integer path beat the strips at up to 24
+// tokens (and split the shapes at 32) where the strips have the bf16 dot
+// product, and at up to 32 (5 shapes of 7 at 64) where they convert to fp32
+// (AVX2: the strips lost 2-4x at 8-16 tokens).  The portable build keeps its
+// tiles' old crossover.
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
 constexpr int64_t kManyRows = 32;
 #elif defined(__AVX2__)
