@@ -100,6 +100,22 @@ def _resident_bytes() -> int:
     return kib << 10
 
 
+def _resident_fraction(tensor: torch.Tensor) -> float:
+    """The share of the pages under `tensor` that are backed now (mincore):
+    the tensor's own pages, whatever the rest of the process frees or takes
+    meanwhile (a test worker's resident set moves by tens of MB between
+    calls)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+    page = 4096
+    start = tensor.data_ptr() // page * page
+    end = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page) * page
+    pages = (end - start) // page
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(start, end - start, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / pages
+
+
 def _reset_peak_resident() -> bool:
     """Start /proc/self/status's VmHWM again from the current resident size."""
     try:
@@ -160,17 +176,18 @@ def test_the_offline_llm_backs_its_kv_cache_lazily_and_a_server_at_start(tiny_ll
     resident memory until blocks are written, and it still generates; with
     the server's default (True) the whole cache is resident at start."""
     if platform.system() != "Linux" or ctypes.util.find_library("c") is None:
-        pytest.skip("madvise(MADV_DONTNEED) is Linux's")
+        pytest.skip("madvise(MADV_DONTNEED) and mincore are Linux's")
     from engine import LLM, SamplingParams
 
-    grown = {}
+    resident = {}
     for prefault in (False, True):
-        before = _resident_bytes()
         llm = LLM(str(tiny_llama_path), kv_cache_memory_bytes=256 << 20,
                   **({"kv_cache_prefault": True} if prefault else {}))
-        grown[prefault] = _resident_bytes() - before
+        cache = llm.engine.runner.kv_cache
+        assert cache.numel() * cache.element_size() > (200 << 20)
+        resident[prefault] = _resident_fraction(cache)
         assert llm.config.kv_cache_prefault is prefault
         out = llm.generate(["The sea is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
-        del llm, out
-    assert grown[True] - grown[False] > (200 << 20), grown
+        del llm, out, cache
+    assert resident[False] < 0.05 and resident[True] > 0.95, resident
