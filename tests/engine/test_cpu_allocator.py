@@ -1,6 +1,7 @@
 """The glibc malloc tuning the CPU runner applies at start (engine/model/cpu_allocator.py)."""
 
 import ctypes.util
+import mmap
 import platform
 
 import pytest
@@ -107,7 +108,7 @@ def _resident_fraction(tensor: torch.Tensor) -> float:
     calls)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
-    page = 4096
+    page = mmap.PAGESIZE
     start = tensor.data_ptr() // page * page
     end = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page) * page
     pages = (end - start) // page

@@ -39,8 +39,8 @@ def checkpoint_elements(folder) -> int:
 
 def test_floor_report_fields(floor_report):
     report = floor_report
-    for key in ("model", "dtype", "device", "isa", "torch_threads", "loadavg", "read", "decode",
-                "weights_bytes", "weights_mb", "read_gbps", "floor_ms_per_token",
+    for key in ("model", "dtype", "device", "isa", "torch_threads", "loadavg", "read", "chunked_read",
+                "decode", "chunked_ratio", "weights_bytes", "weights_mb", "read_gbps", "floor_ms_per_token",
                 "measured_ms_per_token", "ratio", "target_ratio", "meets_target"):
         assert key in report, key
     assert report["isa"]["cpu"] in ("avx512_bf16", "avx2", "other")
@@ -89,6 +89,8 @@ def test_rounds_pair_reads_with_decodes(floor_report):
         assert one["ms_per_token"] == pytest.approx(ms)
         floor_ms = report["weights_bytes"] / one["read_gbps"] / 1e6
         assert one["ratio"] == pytest.approx(ms / floor_ms)
+        chunked = report["chunked_read"]["seconds"][3 * i: 3 * i + 3]
+        assert one["chunked_ms"] == pytest.approx(min(chunked) * 1e3)
     assert max(r["read_gbps"] for r in report["rounds"]) == pytest.approx(report["read_gbps"])
 
 
@@ -106,3 +108,33 @@ def test_read_bandwidth_reads_the_whole_buffer():
     read = floor.read_bandwidth(1 << 20, 2, torch.device("cpu"))
     assert read["bytes"] == 1 << 20 and read["gbps_best"] > 0
     assert read["threads"] == torch.get_num_threads()
+
+
+def test_chunked_read_arithmetic(floor_report):
+    """The same bytes as the weights, a reduction per tensor of >= 64 KiB
+    plus one for the rest, best of each run (3 a round, 2 rounds)."""
+    chunked, report = floor_report["chunked_read"], floor_report
+    assert chunked["runs"] == 6 and len(chunked["seconds"]) == 6
+    assert abs(chunked["bytes"] - report["weights_bytes"]) <= 4 * chunked["chunks"]
+    assert chunked["ms_best"] == pytest.approx(min(chunked["seconds"]) * 1e3)
+    assert chunked["gbps_best"] == pytest.approx(chunked["bytes"] / min(chunked["seconds"]) / 1e9)
+    assert report["chunked_ratio"] == pytest.approx(report["measured_ms_per_token"] / chunked["ms_best"])
+
+
+def test_step_chunks_by_hand():
+    """Each tensor of >= 64 KiB its own chunk in the model's order (parameters,
+    then buffers), the small ones summed into one more."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 8))
+    model.register_buffer("table", torch.zeros(32, 1024))
+    chunks = floor.step_chunks(model)
+    # 128 KiB weight; 1 KiB bias; 8 KiB weight; 32 B bias; 128 KiB buffer.
+    assert chunks == [128 * 1024, 128 * 1024, 1024 + 8 * 1024 + 32]
+    assert floor.step_chunks(torch.nn.Linear(128, 256, bias=False)) == [128 * 1024]
+
+
+def test_chunk_views_are_consecutive():
+    buffer = torch.arange(100, dtype=torch.float32)
+    views = floor.chunk_views(buffer, [40, 2, 200])  # 10 floats, at least 1, 50
+    assert [v.numel() for v in views] == [10, 1, 50]
+    assert [int(v[0]) for v in views] == [0, 10, 11]
+    assert floor.time_chunked_reads(views, 2)[0] > 0
