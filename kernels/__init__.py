@@ -120,7 +120,7 @@ class KernelBackend:
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul_reference
     # a weight in GGUF blocks (kernels/quant.py): its product, its exact floats
     quant_linear: Callable[..., torch.Tensor] = quant_linear_reference
-    quant_dequantize: Callable[[torch.Tensor], torch.Tensor] = dequantize_reference
+    quant_dequantize: Callable[..., torch.Tensor] = dequantize_reference
     # widths -> a whole Llama layer in one op, or None (the layer runs op by op)
     llama_layer_op: Callable[..., Callable | None] = no_layer_op
     # widths -> a stack of such layers in one op, or None (a call per layer)
@@ -246,13 +246,13 @@ def quant_linear(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None 
     return quant_linear_reference(x, blob, bias, float_out)
 
 
-def quant_dequantize(blob: torch.Tensor) -> torch.Tensor:
-    """A blob's weights as float32 [N, K]: the file's numbers, bit for bit
-    (Triton's decoder on CUDA, the compiled one on the CPU, else gguf's)."""
+def quant_dequantize(blob: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A blob's weights as float32 [N, K], or its `rows` (an embedding lookup), bit for bit
+    gguf's (Triton's decoder on CUDA, the compiled one on the CPU, else gguf's)."""
     if blob.is_cuda:
-        return importlib.import_module("kernels.quant_triton").quant_dequantize(blob)
+        return importlib.import_module("kernels.quant_triton").quant_dequantize(blob, rows)
     ops = cpu_ops.current_ops()
-    return ops.quant_dequantize(blob) if ops is not None else dequantize_reference(blob)
+    return ops.quant_dequantize(blob, rows) if ops is not None else dequantize_reference(blob, rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -130,9 +130,33 @@ def dequantize_part(type_name: str, data: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
-def dequantize_reference(blob: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K]: every part de-quantized by gguf's own code."""
-    return torch.cat([dequantize_part(name, data) for name, data in quant_parts(blob)])
+def select_rows(blob: torch.Tensor, rows: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """`rows` (int64 [n] indices into the blob's N rows, repeats allowed) by
+    part: (type name, uint8 [n_i, row_bytes] of the part's wanted rows, their
+    positions in `rows`) for each part that holds any."""
+    if rows.dim() != 1 or rows.dtype != torch.int64:
+        raise ValueError(f"rows must be int64 [n], got {rows.dtype} {tuple(rows.shape)}")
+    count = quant_shape(blob)[0]
+    if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < count):
+        raise IndexError(f"rows {rows.tolist()[:8]}... index a blob of {count} rows")
+    selected, start = [], 0
+    for name, data in quant_parts(blob):
+        where = ((rows >= start) & (rows < start + data.shape[0])).nonzero().flatten()
+        if where.numel():
+            selected.append((name, data[rows[where] - start], where))
+        start += data.shape[0]
+    return selected
+
+
+def dequantize_reference(blob: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [N, K]: every part de-quantized by gguf's own code; with
+    `rows`, those rows only, in their order ([len(rows), K])."""
+    if rows is None:
+        return torch.cat([dequantize_part(name, data) for name, data in quant_parts(blob)])
+    out = torch.empty(rows.numel(), quant_shape(blob)[1], dtype=torch.float32)
+    for name, data, where in select_rows(blob, rows):
+        out[where] = dequantize_part(name, data)
+    return out
 
 
 def quant_linear_reference(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None = None,

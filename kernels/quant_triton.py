@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import QUANT_TYPES, quant_parts, quant_shape
+from kernels.quant import QUANT_TYPES, quant_parts, quant_shape, select_rows
 
 # Inputs that share one scale (d, or a K-quant's sub-block scale and min).
 _GROUP = {"Q6_K": 16}
@@ -202,18 +202,31 @@ def quant_linear(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None 
     return out.view(*x.shape[:-1], N)
 
 
-def quant_dequantize(blob: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K]: the blob's weights, gguf's numbers bit for bit."""
+def _dequantize_into(type_name: str, data: torch.Tensor, out: torch.Tensor, row0: int) -> None:
+    """out[row0 : row0 + rows] = the part's rows (uint8 [rows, row_bytes]) as float32."""
+    rows, K = data.shape[0], out.shape[1]
+    if rows == 0:
+        return
+    tiles = _tiles(K)
+    grid = (triton.cdiv(rows, tiles["BLOCK_N"]), triton.cdiv(K, tiles["BLOCK_K"]))
+    _dequantize_kernel[grid](data, out, rows, K, data.shape[1], row0,
+                             **_type_constants(type_name), **tiles)
+
+
+def quant_dequantize(blob: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [N, K]: the blob's weights, gguf's numbers bit for bit; with
+    `rows` (int64 indices into N), those rows only, in their order."""
     N, K = quant_shape(blob)
+    if rows is not None:
+        out = torch.empty(rows.numel(), K, dtype=torch.float32, device=blob.device)
+        for type_name, data, where in select_rows(blob, rows):
+            part = torch.empty(data.shape[0], K, dtype=torch.float32, device=blob.device)
+            _dequantize_into(type_name, data.contiguous(), part, 0)
+            out[where] = part
+        return out
     out = torch.empty(N, K, dtype=torch.float32, device=blob.device)
     row0 = 0
     for type_name, data in quant_parts(blob):
-        tiles = _tiles(K)
-        rows = data.shape[0]
-        if rows == 0:
-            continue
-        grid = (triton.cdiv(rows, tiles["BLOCK_N"]), triton.cdiv(K, tiles["BLOCK_K"]))
-        _dequantize_kernel[grid](data, out, rows, K, data.shape[1], row0,
-                                 **_type_constants(type_name), **tiles)
-        row0 += rows
+        _dequantize_into(type_name, data, out, row0)
+        row0 += data.shape[0]
     return out

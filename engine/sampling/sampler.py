@@ -27,6 +27,7 @@ from itertools import chain
 import torch
 
 from engine.sampling_params import SamplingParams
+from kernels.argmax import row_argmax
 from engine.sampling.structured_outputs import GrammarMatcher, apply_grammar_masks
 from engine.sampling.top_k_top_p import apply_top_k_top_p
 
@@ -107,9 +108,9 @@ class Sampler:
         self, logits: torch.Tensor, requests: Sequence[SamplingRequest]
     ) -> torch.Tensor:
         sampled_rows = [i for i, request in enumerate(requests) if not request.params.greedy]
-        # torch.argmax breaks ties towards the lowest id, which is what makes
-        # greedy decoding deterministic.
-        token_ids = logits.argmax(dim=-1)
+        # argmax breaks ties towards the lowest id, which is what makes greedy
+        # decoding deterministic (row_argmax: torch.argmax's answer, compiled on the CPU).
+        token_ids = row_argmax(logits)
         if not sampled_rows:
             return token_ids
         index = torch.tensor(sampled_rows, device=logits.device)
@@ -143,7 +144,7 @@ class Sampler:
         # A zero draw would turn p / q into inf (or NaN for p == 0) and break
         # the argmax; the smallest normal float keeps the race well defined.
         noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return row_argmax(probs / noise)
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         generator = self._default_generators.get(device)

@@ -122,6 +122,10 @@ def _run_mixed(case: dict, device: str) -> str | None:
     bias = torch.randn(weight.shape[0], generator=generator)
     if not qt.quant_dequantize(blob.to(device)).cpu().view(torch.int32).equal(weight.view(torch.int32)):
         return "dequantize: the parts' values are not gguf's bits"
+    rows = torch.tensor([110, 0, 40, 40, 73, 5])  # the last row, the first, a repeat, all three parts
+    got = qt.quant_dequantize(blob.to(device), rows.to(device)).cpu()
+    if not got.view(torch.int32).equal(weight[rows].view(torch.int32)):
+        return "dequantize with rows: not those rows of the whole"
     dev = lambda t: t.to(device)  # noqa: E731
     x = torch.randn(2, 3, 512, generator=generator).half()
     runs = {

@@ -73,6 +73,25 @@ def test_mixed_parts_come_back_in_order(builds, session_seed):
         assert ops.quant_dequantize(blob).view(torch.int32).equal(expected.view(torch.int32))
 
 
+def test_chosen_rows_are_those_rows_of_the_whole(builds, session_seed):
+    """rows= (an embedding lookup): the whole table's rows, in the order asked,
+    repeats and every part included, in the op and in the reference."""
+    generator = torch.Generator().manual_seed(session_seed)
+    blob = _blob(generator, ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_0"], 9, 512)
+    whole = dequantize_reference(blob)
+    rows = torch.randint(0, whole.shape[0], (23,), generator=generator)
+    rows[:3] = torch.tensor([44, 0, 44])  # the last row, the first, a repeat
+    expected = whole[rows]
+    assert dequantize_reference(blob, rows).view(torch.int32).equal(expected.view(torch.int32))
+    for isa, ops in builds.items():
+        assert ops.quant_dequantize(blob, rows).view(torch.int32).equal(expected.view(torch.int32)), isa
+        assert ops.quant_dequantize(blob, rows[:0]).shape == (0, 512)
+        with pytest.raises(IndexError, match="45 rows"):
+            ops.quant_dequantize(blob, torch.tensor([3, 45]))
+    with pytest.raises(IndexError, match="45 rows"):
+        dequantize_reference(blob, torch.tensor([-1]))
+
+
 def _inputs(generator, type_names, rows, out_features, in_features, dtype):
     blob = _blob(generator, type_names, out_features, in_features)
     weight = dequantize_reference(blob)

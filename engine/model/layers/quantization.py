@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.quant import (QUANT_TYPES, is_quant_weight, pack_quant_weight, quant_parts,
-                           quant_shape, quantize_weight)
+from kernels.quant import QUANT_TYPES, is_quant_weight, quant_parts, quant_shape, quantize_weight
 
 # What --quantization can quantize a float checkpoint into at load.
 LOAD_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
@@ -68,10 +67,8 @@ def quant_embedding(kernels, input_ids: torch.Tensor, blob: torch.Tensor,
     """The rows of a quantized embedding table for `input_ids`, de-quantized
     (exactly: the file's values) and rounded to the model's dtype. Only the
     looked-up rows are decoded: a step touches a few of the 49152."""
-    (type_name, data), = quant_parts(blob)  # an embedding is one part
-    rows = pack_quant_weight([(type_name, data.index_select(0, input_ids.reshape(-1)))],
-                             quant_shape(blob)[1])
-    return kernels.quant_dequantize(rows).to(dtype).view(*input_ids.shape, -1)
+    rows = kernels.quant_dequantize(blob, input_ids.reshape(-1).long())  # one op: a step's glue runs cold
+    return rows.to(dtype).view(*input_ids.shape, -1)
 
 
 def check_load_quantization(name: str) -> str:

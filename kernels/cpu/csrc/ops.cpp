@@ -7,8 +7,8 @@
 // (rms_norm.h), RoPE (rope.h), SiLU(gate) * up (activation.h); and a whole
 // Llama layer over a step's tokens, those ops chained in C++, and a stack of
 // such layers in one call (llama_layer.h); a Gemma 2 / 3 layer alike, a call
-// a layer (gemma_layer.h); and multi-LoRA's shrink and expand, each row
-// through its own adapter (lora.h).
+// a layer (gemma_layer.h); multi-LoRA's shrink and expand, each row
+// through its own adapter (lora.h); and greedy decoding's argmax (argmax.h).
 //
 // Both attention ops take two optional features: sliding_window W (a query
 // sees only its last W tokens; blocks before the window are never read) and
@@ -33,6 +33,7 @@
 #endif
 
 #include "activation.h"
+#include "argmax.h"
 #include "decode.h"
 #include "gemma_layer.h"
 #include "kv_store.h"
@@ -102,12 +103,13 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         &pagedserve::gemma_layer);
   m.def("quant_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor",
         &pagedserve::quant_linear);
-  m.def("quant_dequantize(Tensor weight) -> Tensor", &pagedserve::quant_dequantize);
+  m.def("quant_dequantize(Tensor weight, Tensor? rows=None) -> Tensor", &pagedserve::quant_dequantize);
   m.def("lora_shrink(Tensor x, Tensor lora_a_stack, Tensor row_lora_ids, float scale) -> Tensor",
         &pagedserve::lora_shrink);
   m.def("lora_expand(Tensor(a!) y, Tensor h, Tensor lora_b_stack, Tensor row_lora_ids, int[]? slices=None) "
         "-> Tensor(a!)",
         &pagedserve::lora_expand);
+  m.def("row_argmax(Tensor logits) -> Tensor", &pagedserve::row_argmax);
   m.def("isa() -> str", &pagedserve::isa_name);
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
   // AVX512-BF16 and AVX2 builds: kernels.pack_linear asks for it by name and

@@ -246,35 +246,65 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// The blob's weights as float32 [N, K], exactly gguf.quants.dequantize's numbers.
-inline at::Tensor quant_dequantize(const at::Tensor& weight) {
-  const quant::Blob blob = quant::parse(weight);
-  at::Tensor out = at::empty({blob.N, blob.K}, weight.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  for (const quant::Part& p : blob.parts) {
-    const bool known = quant::with_type(p.type, [&](auto q) {
-      using Q = decltype(q);
-      at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r)
-          for (int64_t b = 0; b < blob.K / Q::kElems; ++b) {
-            const uint8_t* block = p.data + r * p.row_bytes + b * Q::kBytes;
-            float wd[2 * Q::kSubs], wm[Q::kSubs] = {};
-            int8_t qs[32];
-            Q::scales(block, wd, wm);
-            for (int j = 0; j < Q::kSubs; ++j) {
-              Q::q(block, j, qs);
-              float* dst = o + r * blob.K + b * Q::kElems + 32 * j;
-              for (int i = 0; i < 32; ++i) {
-                const float v = wd[2 * j + i / 16] * float(qs[i]);
-                dst[i] = Q::kMin ? v + wm[j] : v;
-              }
-            }
-          }
-      });
-    });
-    TORCH_CHECK(known, "quant_dequantize: unsupported ggml type ", p.type);
-    o += p.rows * blob.K;
+namespace quant {
+
+// Row r of the blob (r < N) as float32 into dst [K]: gguf.quants.dequantize's numbers.
+template <typename Q>
+inline void dequantize_row(const Part& p, int64_t r, int64_t K, float* dst) {
+  for (int64_t b = 0; b < K / Q::kElems; ++b) {
+    const uint8_t* block = p.data + r * p.row_bytes + b * Q::kBytes;
+    float wd[2 * Q::kSubs], wm[Q::kSubs] = {};
+    int8_t qs[32];
+    Q::scales(block, wd, wm);
+    for (int j = 0; j < Q::kSubs; ++j) {
+      Q::q(block, j, qs);
+      float* o = dst + b * Q::kElems + 32 * j;
+      for (int i = 0; i < 32; ++i) {
+        const float v = wd[2 * j + i / 16] * float(qs[i]);
+        o[i] = Q::kMin ? v + wm[j] : v;
+      }
+    }
   }
+}
+
+}  // namespace quant
+
+// The blob's weights as float32: every row [N, K], or with `rows` (int64
+// indices into N, repeats allowed) those rows in that order [len(rows), K]
+// (an embedding lookup decodes only the rows it reads).  Exactly
+// gguf.quants.dequantize's numbers.
+inline at::Tensor quant_dequantize(const at::Tensor& weight, const std::optional<at::Tensor>& rows) {
+  const quant::Blob blob = quant::parse(weight);
+  for (const quant::Part& p : blob.parts)
+    TORCH_CHECK(quant::with_type(p.type, [](auto) {}), "quant_dequantize: unsupported ggml type ", p.type);
+  std::vector<int64_t> wanted;
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == at::kLong && rows->device().is_cpu(),
+                "quant_dequantize: rows must be a CPU int64 [n] tensor");
+    const at::Tensor r = rows->contiguous();
+    wanted.assign(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel());
+    for (const int64_t w : wanted)
+      TORCH_CHECK_INDEX(w >= 0 && w < blob.N, "quant_dequantize: row ", w, " of a blob of ", blob.N, " rows");
+  } else {
+    wanted.resize(size_t(blob.N));
+    for (int64_t r = 0; r < blob.N; ++r) wanted[size_t(r)] = r;
+  }
+  const int64_t n = int64_t(wanted.size());
+  at::Tensor out = at::empty({n, blob.K}, weight.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t r = wanted[size_t(i)];
+      for (const quant::Part& p : blob.parts) {
+        if (r >= p.rows) {
+          r -= p.rows;
+          continue;
+        }
+        quant::with_type(p.type, [&](auto q) { quant::dequantize_row<decltype(q)>(p, r, blob.K, o + i * blob.K); });
+        break;
+      }
+    }
+  });
   return out;
 }
 
