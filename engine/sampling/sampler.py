@@ -27,9 +27,9 @@ from itertools import chain
 import torch
 
 from engine.sampling_params import SamplingParams
-from kernels.argmax import row_argmax
 from engine.sampling.structured_outputs import GrammarMatcher, apply_grammar_masks
 from engine.sampling.top_k_top_p import apply_top_k_top_p
+from kernels.argmax import row_argmax
 
 
 @dataclass
