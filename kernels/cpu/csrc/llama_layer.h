@@ -73,24 +73,29 @@ struct Lora {
 // than B has columns holds a rank block per slice of the projection (qkv: q
 // | k | v rows, of q_size, kv_size, kv_size; gate_up: gate | up, halves) and
 // only each slice's own block of B (engine/model/lora/stacks.py), so expand
-// takes the slices' bounds; one whose A and B agree has a single slice.
+// takes the slices' bounds; one whose A and B agree has a single slice.  A
+// quantized weight takes the update inside its own call (quant_linear folds
+// it into its region at a few tokens).
 inline at::Tensor adapted_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
                                  const Lora& lora, int which, int64_t q_size = 0, int64_t kv_size = 0) {
-  at::Tensor y = layer_parts::linear(x, w, b);
-  if (!lora.on()) return y;
+  if (!lora.on()) return layer_parts::linear(x, w, b);
   const std::optional<at::Tensor>& a_stack = lora.stacks[2 * which];
   const std::optional<at::Tensor>& b_stack = lora.stacks[2 * which + 1];
   TORCH_CHECK_VALUE(a_stack.has_value() && b_stack.has_value(), "llama_layer: LoRA stack ", which, " is None");
-  const at::Tensor h = lora_shrink(x.contiguous(), *a_stack, *lora.ids, 1.0);
-  if (a_stack->size(1) == b_stack->size(2)) return lora_expand(y, h, *b_stack, *lora.ids);
-  const int64_t out = y.size(1);
-  const std::vector<int64_t> bounds = which == 0 ? std::vector<int64_t>{0, q_size, q_size + kv_size, out}
-                                                 : std::vector<int64_t>{0, out / 2, out};
-  const int64_t slices = int64_t(bounds.size()) - 1;
-  TORCH_CHECK_VALUE((which == 0 || which == 2) && a_stack->size(1) == slices * b_stack->size(2),
-                    "llama_layer: LoRA stack ", which, " has ", a_stack->size(1), " rank rows and ",
-                    b_stack->size(2), " B columns; expected one B block or ", slices, " A blocks");
-  return lora_expand(y, h, *b_stack, *lora.ids, bounds);
+  std::optional<std::vector<int64_t>> bounds;
+  if (a_stack->size(1) != b_stack->size(2)) {
+    const int64_t out = b_stack->size(1);
+    bounds = which == 0 ? std::vector<int64_t>{0, q_size, q_size + kv_size, out}
+                        : std::vector<int64_t>{0, out / 2, out};
+    const int64_t slices = int64_t(bounds->size()) - 1;
+    TORCH_CHECK_VALUE((which == 0 || which == 2) && a_stack->size(1) == slices * b_stack->size(2),
+                      "llama_layer: LoRA stack ", which, " has ", a_stack->size(1), " rank rows and ",
+                      b_stack->size(2), " B columns; expected one B block or ", slices, " A blocks");
+  }
+  const at::OptionalIntArrayRef slices = bounds ? at::OptionalIntArrayRef(*bounds) : std::nullopt;
+  if (w.scalar_type() == at::kByte) return quant_linear(x, w, b, false, lora.ids, a_stack, b_stack, slices);
+  at::Tensor y = layer_parts::linear(x, w, b);
+  return lora_expand(y, lora_shrink(x.contiguous(), *a_stack, *lora.ids, 1.0), *b_stack, *lora.ids, slices);
 }
 
 // q, k and v are column ranges of qkv's rows ([q heads | k heads | v heads]).

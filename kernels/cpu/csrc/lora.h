@@ -20,6 +20,9 @@
 // takes the same FMAs in the same order whatever tile, item or batch it
 // lands in, so a row's numbers never depend on its neighbours.
 //
+// At a few tokens over a quantized weight, quant_linear runs the same work
+// inside its own region instead (lora_folded.h).
+//
 // Any width: whole pairs go through vec::load_pair (fp32, bf16, fp16 to
 // fp32), then one vector of W if that many remain, the rest in scalar code.
 // Products are of fp32 values, sums fp32, as the contract asks; y is
@@ -185,25 +188,28 @@ void for_items(int64_t items, int64_t work, const Body& body) {
 // h as expand multiplies it with B of type T: h itself, or for bf16 a copy
 // whose pairs are in the order load_pair(bf16) delivers B's lanes (AVX
 // builds split even and odd elements), so lane i of h meets lane i of B.
+// (`rows` rows of R floats, src to dst.)
+inline void to_bf16_loader_layout(const float* src, float* dst, int64_t rows, int64_t R) {
+  const int64_t whole = R - R % kPair;
+  for (int64_t t = 0; t < rows; ++t) {
+    int64_t k = 0;
+    for (; k < whole; k += kPair) {
+      vec::F a, b;
+      vec::load_pair(src + t * R + k, a, b);
+      vec::to_bf16_layout(a, b);
+      vec::store_pair(dst + t * R + k, a, b);
+    }
+    for (; k < R; ++k) dst[t * R + k] = src[t * R + k];  // the rest is read in natural order
+  }
+}
+
 template <typename T>
 at::Tensor in_loader_layout(const at::Tensor& h) {
   if constexpr (!std::is_same_v<T, bf16_t>) {
     return h;
   } else {
     at::Tensor out = at::empty_like(h);
-    const int64_t R = h.size(1), whole = R - R % kPair;
-    const float* src = h.data_ptr<float>();
-    float* dst = out.data_ptr<float>();
-    for (int64_t t = 0; t < h.size(0); ++t) {
-      int64_t k = 0;
-      for (; k < whole; k += kPair) {
-        vec::F a, b;
-        vec::load_pair(src + t * R + k, a, b);
-        vec::to_bf16_layout(a, b);
-        vec::store_pair(dst + t * R + k, a, b);
-      }
-      for (; k < R; ++k) dst[t * R + k] = src[t * R + k];  // the rest is read in natural order
-    }
+    to_bf16_loader_layout(h.data_ptr<float>(), out.data_ptr<float>(), h.size(0), h.size(1));
     return out;
   }
 }
@@ -214,9 +220,9 @@ struct Strip {
   int64_t o0, cols, h0;
 };
 
-// The strips of each slice in turn: an item never straddles two slices, so
-// its outputs share one block of h.  No slices: one slice of every output.
-inline std::vector<Strip> strips_of(at::OptionalIntArrayRef slices, int64_t N, int64_t H, int64_t R) {
+// The slices' row bounds (n + 1 of them, rising from 0 to N), checked
+// against h's width: n slices of rank R.  No slices: one slice of every output.
+inline std::vector<int64_t> slice_bounds(at::OptionalIntArrayRef slices, int64_t N, int64_t H, int64_t R) {
   std::vector<int64_t> bounds{0, N};
   if (slices.has_value()) bounds.assign(slices->begin(), slices->end());
   const int64_t n = int64_t(bounds.size()) - 1;
@@ -224,14 +230,44 @@ inline std::vector<Strip> strips_of(at::OptionalIntArrayRef slices, int64_t N, i
                     c10::IntArrayRef(bounds), " must rise from 0 to out = ", N);
   TORCH_CHECK_VALUE(H == n * R, "lora_expand: h is ", H, " wide; ", n, " slices of rank ", R, " need ",
                     n * R);
-  std::vector<Strip> out;
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK_VALUE(bounds[i] < bounds[i + 1], "lora_expand: slices ", c10::IntArrayRef(bounds),
                       " must rise from 0 to out = ", N);
-    for (int64_t o = bounds[i]; o < bounds[i + 1]; o += kExpandCols)
-      out.push_back({o, std::min(kExpandCols, bounds[i + 1] - o), i * R});
+  return bounds;
+}
+
+// The strips of outputs [n0, n1), slice by slice: a strip never straddles two
+// slices, so its outputs share one block of h.
+inline std::vector<Strip> strips_in(const std::vector<int64_t>& bounds, int64_t R, int64_t n0, int64_t n1) {
+  std::vector<Strip> out;
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    const int64_t hi = std::min(n1, bounds[i + 1]);
+    for (int64_t o = std::max(n0, bounds[i]); o < hi; o += kExpandCols)
+      out.push_back({o, std::min(kExpandCols, hi - o), int64_t(i) * R});
   }
   return out;
+}
+
+// Shrink's rank rows [c0, c0 + cols) of `run`'s adapter (A [S, R, K]) for
+// the run's rows of x [T, K]: h [T, R] fp32.
+template <typename Elem>
+inline void shrink_cols(const Elem* x, int64_t K, const Elem* a, int64_t R, const Run& run, int64_t c0,
+                        int64_t cols, float scale, float* h) {
+  float* out = h + run.row0 * R + c0;
+  product(x + run.row0 * K, K, run.rows, a + (run.slot * R + c0) * K, K, cols, K,
+          [&](int64_t r, const float* dots) {
+            for (int64_t c = 0; c < cols; ++c) out[r * R + c] = scale * dots[c];
+          });
+}
+
+// Expand's strip of outputs for `run`'s rows: y [T, N] += B [S, N, R] @ the
+// strip's rank block of h [T, H] (in B's loader layout).
+template <typename Elem>
+inline void expand_cols(Elem* y, int64_t N, const float* h, int64_t H, const Elem* b, int64_t R, const Run& run,
+                        const Strip& strip) {
+  Elem* out = y + run.row0 * N + strip.o0;
+  product(h + run.row0 * H + strip.h0, H, run.rows, b + (run.slot * N + strip.o0) * R, R, strip.cols, R,
+          [&](int64_t r, const float* dots) { add_row(out + r * N, dots, strip.cols); });
 }
 
 template <typename F>
@@ -273,13 +309,8 @@ inline at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, con
     const Elem* xp = reinterpret_cast<const Elem*>(x.data_ptr());
     const Elem* ap = reinterpret_cast<const Elem*>(lora_a.data_ptr());
     lora::for_items(int64_t(work.size()) * blocks, per_item, [&](int64_t i) {
-      const lora::Run& run = work[i / blocks];
-      const int64_t c0 = (i % blocks) * lora::kShrinkCols, cols = std::min(lora::kShrinkCols, R - c0);
-      float* out = hp + run.row0 * R + c0;
-      lora::product(xp + run.row0 * K, K, run.rows, ap + (run.slot * R + c0) * K, K, cols, K,
-                    [&](int64_t r, const float* dots) {
-                      for (int64_t c = 0; c < cols; ++c) out[r * R + c] = s * dots[c];
-                    });
+      const int64_t c0 = (i % blocks) * lora::kShrinkCols;
+      lora::shrink_cols(xp, K, ap, R, work[i / blocks], c0, std::min(lora::kShrinkCols, R - c0), s, hp);
     });
   });
   return h;
@@ -301,7 +332,7 @@ inline at::Tensor lora_expand(const at::Tensor& y, const at::Tensor& h, const at
   TORCH_CHECK(lora_b.size(1) == y.size(1), "lora_expand: lora_b_stack has ", lora_b.size(1),
               " outputs, y ", y.size(1));
   const int64_t T = y.size(0), N = y.size(1), H = h.size(1), R = lora_b.size(2);
-  const std::vector<lora::Strip> strips = lora::strips_of(slices, N, H, R);
+  const std::vector<lora::Strip> strips = lora::strips_in(lora::slice_bounds(slices, N, H, R), R, 0, N);
   const std::vector<lora::Run> work = lora::runs_of(ids, T, lora_b.size(0));
   const int64_t count = int64_t(strips.size());
   if (work.empty() || count == 0 || R == 0) return y;  // rank 0 adds nothing
@@ -315,12 +346,8 @@ inline at::Tensor lora_expand(const at::Tensor& y, const at::Tensor& h, const at
     Elem* yp = reinterpret_cast<Elem*>(y.data_ptr());
     const Elem* bp = reinterpret_cast<const Elem*>(lora_b.data_ptr());
     lora::for_items(int64_t(work.size()) * count, per_item, [&](int64_t i) {
-      const lora::Run& run = work[i / count];
       const lora::Strip& strip = strips[i % count];
-      Elem* out = yp + run.row0 * N + strip.o0;
-      lora::product(hp + run.row0 * H + strip.h0, H, run.rows, bp + (run.slot * N + strip.o0) * R, R,
-                    strip.cols, R,
-                    [&](int64_t r, const float* dots) { lora::add_row(out + r * N, dots, strip.cols); });
+      lora::expand_cols(yp, N, hp, H, bp, R, work[i / count], strip);
     });
   });
   return y;

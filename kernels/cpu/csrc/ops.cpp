@@ -101,7 +101,8 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         "Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, int num_heads, int num_kv_heads, "
         "float eps, float scale, int sliding_window=0, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
         &pagedserve::gemma_layer);
-  m.def("quant_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor",
+  m.def("quant_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False, Tensor? lora_ids=None, "
+        "Tensor? lora_a=None, Tensor? lora_b=None, int[]? lora_slices=None) -> Tensor",
         &pagedserve::quant_linear);
   m.def("quant_dequantize(Tensor weight, Tensor? rows=None) -> Tensor", &pagedserve::quant_dequantize);
   m.def("lora_shrink(Tensor x, Tensor lora_a_stack, Tensor row_lora_ids, float scale) -> Tensor",

@@ -34,11 +34,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <omp.h>
 
 #include <cmath>
 #include <optional>
 #include <vector>
 
+#include "lora_folded.h"
 #include "quant_act.h"
 #include "quant_blob.h"
 #include "quant_gemv.h"
@@ -119,14 +121,20 @@ struct Sink {
 };
 
 // Tokens [0, M) against rows [n0, n1) of one part (its rows start at global row `first`).
-template <typename Q, typename TOut>
+// `step()` runs once per weight row (a folded adapter's prefetches, lora.h).
+struct NoStep {
+  void operator()() const {}
+};
+
+template <typename Q, typename TOut, typename Step = NoStep>
 inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, const XBlock* x,
-                      int64_t M, const Sink<TOut>& sink) {
+                      int64_t M, const Sink<TOut>& sink, const Step& step = Step{}) {
   const int64_t xs = rows.blocks * Q::kSubs;  // XBlocks per token
 #if defined(__AVX2__)
   // Every type, a row at a time, 8 sub-blocks a step: quant_gemv.h.
   const XScales scales(x, xs, M);
   for (int64_t n = n0; n < n1; ++n) {
+    step();
     const uint8_t* w = rows.data + (n - first) * rows.row_bytes;
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) {
@@ -157,6 +165,7 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
   using I4 = std::integral_constant<int, 4>;
+  for (int64_t n = n0; n < n1; ++n) step();  // the portable build: its prefetches first
   if (M == 1) {
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) run(I1{}, I4{}, 0, n);
@@ -174,9 +183,22 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
 #endif
 }
 
-template <typename TX, typename TOut>
-inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
-  if (M >= kManyRows && blob.K % linear::kPairLen == 0) return run_many(blob, x, M, bias, out);
+// Many tokens: bf16 strips (quant_strips.h) instead of quantized tokens.
+inline bool takes_strips(const Blob& blob, int64_t M) { return M >= kManyRows && blob.K % linear::kPairLen == 0; }
+
+// Nothing folded around a call's rows: the plain linear.
+struct NoFold {};
+
+// With `fold` (lora.h's Folded: fewer than kManyRows tokens), every thread of
+// the region writes its rows while fold->ahead's prefetches run, runs
+// fold->before (its share of the shrink), meets the others at a barrier,
+// and runs fold->after over each range of output rows it wrote.
+template <typename TX, typename TOut, typename Fold = NoFold>
+inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out, Fold* fold = nullptr) {
+  if (takes_strips(blob, M)) {
+    TORCH_CHECK((std::is_same_v<Fold, NoFold>), "quant_linear: nothing folds into ", M, " tokens");
+    return run_many(blob, x, M, bias, out);
+  }
   const int64_t K = blob.K, xs = K / 32;
   std::vector<XBlock> xq(size_t(M * xs));
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -197,26 +219,75 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
   // blob is 2-3 parts: SmolLM2's layer made 7 regions of its 4 linears.
   std::vector<int64_t> tiles{0};  // tiles[i]: the first tile of part i
   for (const Part& p : blob.parts) tiles.push_back(tiles.back() + (p.rows + 3) / 4);
-  at::parallel_for(0, tiles.back(), 4, [&](int64_t t0, int64_t t1) {
+  // visit(part, its first output row, n0, n1) for each part's rows in tiles [t0, t1).
+  auto tiles_rows = [&](int64_t t0, int64_t t1, const auto& visit) {
     int64_t first = 0;  // the part's first row in the output
     for (size_t i = 0; i < blob.parts.size(); ++i) {
-      const Part& p = blob.parts[i];
       const int64_t a = std::max(t0, tiles[i]) - tiles[i], b = std::min(t1, tiles[i + 1]) - tiles[i];
-      if (a < b)
-        with_type(p.type, [&](auto q) {
-          using Q = decltype(q);
-          const Rows rows{p.data, p.row_bytes, K / Q::kElems};
-          part_rows<Q>(rows, first, first + 4 * a, first + std::min(4 * b, p.rows), xq.data(), M, sink);
-        });
-      first += p.rows;
+      if (a < b) visit(blob.parts[i], first, first + 4 * a, first + std::min(4 * b, blob.parts[i].rows));
+      first += blob.parts[i].rows;
     }
-  });
+  };
+  auto base_rows = [&](const auto& step) {
+    return [&, step](const Part& p, int64_t first, int64_t n0, int64_t n1) {
+      with_type(p.type, [&](auto q) {
+        using Q = decltype(q);
+        part_rows<Q>(Rows{p.data, p.row_bytes, K / Q::kElems}, first, n0, n1, xq.data(), M, sink, step);
+      });
+    };
+  };
+  if constexpr (std::is_same_v<Fold, NoFold>) {
+    at::parallel_for(0, tiles.back(), 4, [&](int64_t t0, int64_t t1) { tiles_rows(t0, t1, base_rows(NoStep{})); });
+  } else {
+    TORCH_CHECK(fold != nullptr, "quant_linear: no adapter to fold");
+  // Each thread: its base rows (fetching its share of the adapter's bytes as
+  // it goes), its share of the shrink, the barrier (h whole), the update of
+  // its rows.  The barrier needs every thread of the region at it, which
+  // at::parallel_for cannot promise: OpenMP directly, the tiles split as
+  // at::parallel_for splits them (grain 4).
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t total = tiles.back();
+    const int64_t used = std::min(threads, (total + 3) / 4), chunk = (total + used - 1) / used;
+    const int64_t t0 = std::min(total, tid * chunk), t1 = std::min(total, (tid + 1) * chunk);
+    std::vector<std::pair<int64_t, int64_t>> mine;
+    tiles_rows(t0, t1, [&](const Part&, int64_t, int64_t n0, int64_t n1) { mine.push_back({n0, n1}); });
+    auto fetch = fold->ahead(tid, threads, mine);
+    tiles_rows(t0, t1, base_rows([&] { fetch.step(); }));
+    fold->before(tid, threads);
+#pragma omp barrier
+    for (const auto& [n0, n1] : mine) fold->after(out, n0, n1);
+  }
+  }
+}
+
+// The LoRA stacks quant_linear takes beside x [T, K] and N outputs: A [S, R',
+// K] and B [S, N, R] of x's dtype, y in x's dtype.
+inline void check_adapters(const at::Tensor& x, int64_t N, bool float_out, const std::optional<at::Tensor>& a,
+                           const std::optional<at::Tensor>& b) {
+  TORCH_CHECK_VALUE(a.has_value() && a->defined() && b.has_value() && b->defined(),
+                    "quant_linear: lora_ids needs lora_a and lora_b");
+  TORCH_CHECK_VALUE(!float_out, "quant_linear: rows under adapters give y in x's dtype (float_out=False)");
+  lora::check_stack(*a, x.scalar_type(), x.size(1), "quant_linear: lora_a");
+  TORCH_CHECK_VALUE(b->dim() == 3, "quant_linear: lora_b must be [S, out, R]");
+  lora::check_stack(*b, x.scalar_type(), b->size(2), "quant_linear: lora_b");
+  TORCH_CHECK_VALUE(b->size(1) == N, "quant_linear: lora_b has ", b->size(1), " outputs, the weight ", N);
 }
 
 }  // namespace quant
 
-inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
-                               const std::optional<at::Tensor>& bias, bool float_out) {
+// With `lora_ids`, each row also takes its adapter's update (lora.h's
+// contract, scale 1: the stacks carry their scaling, engine/model/lora/):
+// y += B[id] (A[id] x) for rows whose id is not -1, `lora_slices` as
+// lora_expand takes them; the numbers of quant_linear, lora_shrink and
+// lora_expand called in turn.  Fewer than kManyRows tokens fold the adapter
+// into the linear's region (lora::Folded); more call the two ops after it.
+inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               bool float_out, const std::optional<at::Tensor>& lora_ids = std::nullopt,
+                               const std::optional<at::Tensor>& lora_a = std::nullopt,
+                               const std::optional<at::Tensor>& lora_b = std::nullopt,
+                               at::OptionalIntArrayRef lora_slices = std::nullopt) {
   const quant::Blob blob = quant::parse(weight);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == blob.K, "quant_linear: x must be [tokens, ",
               blob.K, "] on the CPU, got ", x.sizes());
@@ -228,22 +299,28 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quant_linear: bias must be [out]");
     b = bias->to(at::kFloat).contiguous();
   }
+  const bool adapted = lora_ids.has_value() && lora_ids->defined();
+  if (adapted) quant::check_adapters(x, N, float_out, lora_a, lora_b);
   const at::Tensor xc = x.contiguous();
   const bool bf16_out = x.scalar_type() == at::kBFloat16 && !float_out;
   at::Tensor out = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0 || N == 0) return out;
   const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
-  auto go = [&](auto* xp) {
-    if (bf16_out)
-      quant::run(blob, xp, M, bias_ptr, reinterpret_cast<bf16_t*>(out.data_ptr()));
-    else
-      quant::run(blob, xp, M, bias_ptr, out.data_ptr<float>());
+  const bool fold = adapted && !quant::takes_strips(blob, M);
+  auto go = [&](auto* xp, auto* outp) {
+    using Elem = std::remove_pointer_t<decltype(outp)>;
+    if (!fold) return quant::run(blob, xp, M, bias_ptr, outp);
+    lora::Folded<Elem> folded(xc, *lora_a, *lora_b, *lora_ids, lora_slices, 1.0);
+    quant::run(blob, xp, M, bias_ptr, outp, &folded);
   };
   if (x.scalar_type() == at::kFloat)
-    go(xc.data_ptr<float>());
+    go(xc.data_ptr<float>(), out.data_ptr<float>());
+  else if (bf16_out)
+    go(reinterpret_cast<const bf16_t*>(xc.data_ptr()), reinterpret_cast<bf16_t*>(out.data_ptr()));
   else
-    go(reinterpret_cast<const bf16_t*>(xc.data_ptr()));
-  return out;
+    quant::run(blob, reinterpret_cast<const bf16_t*>(xc.data_ptr()), M, bias_ptr, out.data_ptr<float>());
+  if (!adapted || fold) return out;
+  return lora_expand(out, lora_shrink(xc, *lora_a, *lora_ids, 1.0), *lora_b, *lora_ids, lora_slices);
 }
 
 namespace quant {
