@@ -53,12 +53,9 @@ class Folded {
 
   // This thread's share of the shrink, items as lora_shrink's but smaller.
   void before(int64_t tid, int64_t threads) {
-    const int64_t blocks = (H_ + kFoldCols - 1) / kFoldCols, items = int64_t(work_.size()) * blocks;
-    const int64_t chunk = (items + threads - 1) / threads;
-    for (int64_t i = tid * chunk; i < std::min(items, (tid + 1) * chunk); ++i) {
-      const int64_t c0 = (i % blocks) * kFoldCols;
-      shrink_cols(x_, K_, a_, H_, work_[i / blocks], c0, std::min(kFoldCols, H_ - c0), scale_, h_.data());
-    }
+    share(tid, threads, [&](const Run& run, int64_t c0, int64_t cols) {
+      shrink_cols(x_, K_, a_, H_, run, c0, cols, scale_, h_.data());
+    });
   }
 
   // A thread's share of the adapter's bytes (its shrink's A rows, then B's
@@ -88,13 +85,10 @@ class Folded {
 
   Fetch ahead(int64_t tid, int64_t threads, const std::vector<std::pair<int64_t, int64_t>>& mine) const {
     std::vector<std::pair<const char*, int64_t>> spans;
-    const int64_t blocks = (H_ + kFoldCols - 1) / kFoldCols, items = int64_t(work_.size()) * blocks;
-    const int64_t chunk = (items + threads - 1) / threads, size = int64_t(sizeof(Elem));
-    for (int64_t i = tid * chunk; i < std::min(items, (tid + 1) * chunk); ++i) {
-      const int64_t c0 = (i % blocks) * kFoldCols, slot = work_[i / blocks].slot;
-      spans.push_back({reinterpret_cast<const char*>(a_ + (slot * H_ + c0) * K_),
-                       std::min(kFoldCols, H_ - c0) * K_ * size});
-    }
+    const int64_t size = int64_t(sizeof(Elem));
+    share(tid, threads, [&](const Run& run, int64_t c0, int64_t cols) {
+      spans.push_back({reinterpret_cast<const char*>(a_ + (run.slot * H_ + c0) * K_), cols * K_ * size});
+    });
     int64_t rows = 0;
     for (const auto& [n0, n1] : mine) {
       rows += n1 - n0;
@@ -104,8 +98,9 @@ class Folded {
     return Fetch(std::move(spans), rows);
   }
 
-  // The update of y's outputs [n0, n1) (y [T, N], its base rows written).
-  void after(Elem* y, int64_t n0, int64_t n1) const {
+  // The update of y's outputs in `mine` (ranges [n0, n1); y [T, N], its
+  // base rows written).
+  void after(Elem* y, const std::vector<std::pair<int64_t, int64_t>>& mine) const {
     if (work_.empty() || R_ == 0) return;  // rank 0 adds nothing
     std::vector<float> loader;
     const float* h = h_.data();
@@ -114,12 +109,26 @@ class Folded {
       to_bf16_loader_layout(h_.data(), loader.data(), int64_t(h_.size()) / R_, R_);
       h = loader.data();
     }
-    const std::vector<Strip> strips = strips_in(bounds_, R_, n0, n1);
-    for (const Run& run : work_)
-      for (const Strip& strip : strips) expand_cols(y, N_, h, H_, b_, R_, run, strip);
+    for (const auto& [n0, n1] : mine) {
+      const std::vector<Strip> strips = strips_in(bounds_, R_, n0, n1);
+      for (const Run& run : work_)
+        for (const Strip& strip : strips) expand_cols(y, N_, h, H_, b_, R_, run, strip);
+    }
   }
 
  private:
+  // visit(run, c0, cols) for this thread's items of the shrink: rank rows
+  // [c0, c0 + cols) of a run's adapter, kFoldCols at a time.
+  template <typename Visit>
+  void share(int64_t tid, int64_t threads, const Visit& visit) const {
+    const int64_t blocks = (H_ + kFoldCols - 1) / kFoldCols, items = int64_t(work_.size()) * blocks;
+    const int64_t chunk = (items + threads - 1) / threads;
+    for (int64_t i = tid * chunk; i < std::min(items, (tid + 1) * chunk); ++i) {
+      const int64_t c0 = (i % blocks) * kFoldCols;
+      visit(work_[i / blocks], c0, std::min(kFoldCols, H_ - c0));
+    }
+  }
+
   const Elem *x_, *a_, *b_;
   int64_t K_, H_, N_, R_;
   float scale_;

@@ -120,12 +120,13 @@ struct Sink {
   }
 };
 
-// Tokens [0, M) against rows [n0, n1) of one part (its rows start at global row `first`).
-// `step()` runs once per weight row (a folded adapter's prefetches, lora.h).
+// Nothing to do per weight row (a folded adapter's prefetches: lora_folded.h).
 struct NoStep {
   void operator()() const {}
 };
 
+// Tokens [0, M) against rows [n0, n1) of one part (its rows start at global
+// row `first`); `step()` runs once per weight row.
 template <typename Q, typename TOut, typename Step = NoStep>
 inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, const XBlock* x,
                       int64_t M, const Sink<TOut>& sink, const Step& step = Step{}) {
@@ -192,7 +193,7 @@ struct NoFold {};
 // With `fold` (lora.h's Folded: fewer than kManyRows tokens), every thread of
 // the region writes its rows while fold->ahead's prefetches run, runs
 // fold->before (its share of the shrink), meets the others at a barrier,
-// and runs fold->after over each range of output rows it wrote.
+// and runs fold->after over the ranges of output rows it wrote.
 template <typename TX, typename TOut, typename Fold = NoFold>
 inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out, Fold* fold = nullptr) {
   if (takes_strips(blob, M)) {
@@ -257,7 +258,7 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
     tiles_rows(t0, t1, base_rows([&] { fetch.step(); }));
     fold->before(tid, threads);
 #pragma omp barrier
-    for (const auto& [n0, n1] : mine) fold->after(out, n0, n1);
+    fold->after(out, mine);
   }
   }
 }
