@@ -78,30 +78,42 @@ constexpr int row_elements(int head_dim) {
 struct Prefetcher {
   const char* rows[2 * kTile];  // each token's K run, then its V run
   int64_t bytes = 0;            // bytes per run
-  int count = 0, next = 0;      // runs, and the one being fetched
-  int64_t offset = 0;           // next line within it
+  int count = 0;                // runs
+
+  // Where fetching has got to: the run being fetched and the next line in it.
+  // P.V copies it into locals (cursor()) and hands it back after (resume()):
+  // stepped through a reference, its fields went to memory and back around
+  // every prefetch, a sixth of P.V's samples on cache-warm rows.
+  struct Cursor {
+    const char* const* rows;
+    int64_t bytes, offset;
+    int count, next;
+    inline void step() {
+      if (next == count) return;
+      prefetch_l2(rows[next] + offset);
+      offset += 64;
+      if (offset >= bytes) {
+        offset = 0;
+        ++next;
+      }
+    }
+  };
+  Cursor at{rows, 0, 0, 0, 0};
 
   template <typename T>
   void reset(const KvView<T>& kv, const int64_t* slots, int n) {
     bytes = int64_t(sizeof(T)) * kv.heads * kv.row;
-    count = next = 0;
-    offset = 0;
+    count = 0;
     for (int i = 0; i < n; ++i) {
       rows[count++] = reinterpret_cast<const char*>(kv.k + slots[i]);
       rows[count++] = reinterpret_cast<const char*>(kv.v + slots[i]);
     }
+    at = Cursor{rows, bytes, 0, count, 0};
   }
-  inline void step() {
-    if (next == count) return;
-    prefetch_l2(rows[next] + offset);
-    offset += 64;
-    if (offset >= bytes) {
-      offset = 0;
-      ++next;
-    }
-  }
+  Cursor cursor() const { return at; }
+  void resume(const Cursor& c) { at = c; }
   void finish() {
-    while (next < count) step();
+    while (at.next < at.count) at.step();
   }
 };
 
@@ -292,7 +304,9 @@ inline void softmax_row(float* s, float& m, float& l, float* acc, int head_dim) 
   vec::F top = vec::load(s);
   for (int i = vec::W; i < kTile; i += vec::W) top = vec::max(top, vec::load(s + i));
   float m_new = std::max(m, vec::reduce_max(top));
-  float alpha = std::exp2(m - m_new);  // 0 at a partition's first tile (m = -inf)
+  // 0 at a partition's first tile (m = -inf); exactly 1 where the max held,
+  // as over most of a long context: no libm call there (~4 % of a decode call).
+  float alpha = m_new == m ? 1.0f : std::exp2(m - m_new);
   vec::F shift = vec::set1(m_new), sum = vec::zero();
   for (int i = 0; i < kTile; i += vec::W) {
     vec::F p = vec::exp2(vec::sub(vec::load(s + i), shift));
@@ -313,12 +327,13 @@ inline void softmax_row(float* s, float& m, float& l, float* acc, int head_dim) 
 template <int R, typename VT>
 void pv_rows(const float* p, const VT* const* v, int n, float* acc, int head_dim,
              Prefetcher& ahead) {
+  Prefetcher::Cursor fetch = ahead.cursor();
   for (int d = 0; d < head_dim; d += kPair) {
     vec::F a[R], b[R];
     for (int r = 0; r < R; ++r) vec::load_pair(acc + r * head_dim + d, a[r], b[r]);
     for (int t = 0; t < n; ++t) {
-      ahead.step();
-      ahead.step();
+      fetch.step();
+      fetch.step();
       vec::F va, vb;
       vec::load_pair(v[t] + d, va, vb);
       for (int r = 0; r < R; ++r) {
@@ -329,6 +344,7 @@ void pv_rows(const float* p, const VT* const* v, int n, float* acc, int head_dim
     }
     for (int r = 0; r < R; ++r) vec::store_pair(acc + r * head_dim + d, a[r], b[r]);
   }
+  ahead.resume(fetch);
 }
 
 // Rows [first, rows) over V; n_for(r) = tokens row r sees in this tile.
