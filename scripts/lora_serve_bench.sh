@@ -13,8 +13,9 @@
 # minutes apart, let it into the ratio.
 #   one stream   PAIRS pairs (default 12) of 8 requests, 128 in / 64 out, one
 #                at a time, base then adapters: the ratio of median ITLs, pair by pair
-#   32 streams   ROUNDS rounds of scripts/serve_workloads.sh's 32-streams run,
-#                base then adapters: the ratio of output tok/s, round by round
+#   32 streams   ROUNDS rounds (default 2) of serve_workloads.sh's 32-streams load
+#                (64 requests, 128 in / 64 out), base then adapters: the ratio
+#                of output tok/s, round by round
 # On the adapters' server the requests take the 8 adapters in turn. Writes
 # OUT_DIR/{base,lora}-*.json and prints each ratio, then their medians.
 set -euo pipefail
