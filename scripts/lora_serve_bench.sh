@@ -17,7 +17,8 @@
 #                (64 requests, 128 in / 64 out), base then adapters: the ratio
 #                of output tok/s, round by round
 # On the adapters' server the requests take the 8 adapters in turn. Writes
-# OUT_DIR/{base,lora}-*.json and prints each ratio, then their medians.
+# OUT_DIR/{base,lora}-one-<pair>.json and {base,lora}-32-<round>/, prints each
+# ratio, then their medians.
 set -euo pipefail
 OUT="${1:?usage: $0 OUT_DIR [ROUNDS] [SERVE FLAGS ...]}"
 ROUNDS="${2:-2}"
@@ -46,40 +47,46 @@ start() {  # kind, port
     echo "server not ready: $OUT/$1.log" >&2; exit 1
 }
 
-bench() {  # kind, port, output file, then bench serve's workload flags
-    local kind=$1 port=$2 out=$3 bench=()
-    shift 3
-    [ "$kind" = lora ] && bench=(--lora-modules $NAMES)
-    (cd "$REPO" && "$PY" -m pagedserve bench serve --base-url "http://127.0.0.1:$port" --seed 0 \
-        --timeout 1800 --quiet "$@" ${bench[@]+"${bench[@]}"} --output "$out") >/dev/null
+adapters() {  # kind: the bench's flags that spread the requests over the adapters
+    [ "$1" = lora ] && echo "--lora-modules $NAMES" || true
+}
+
+one_stream() {  # kind, port, output file: serve_workloads.sh's one-stream load, 8 requests
+    # shellcheck disable=SC2046
+    (cd "$REPO" && "$PY" -m pagedserve bench serve --base-url "http://127.0.0.1:$2" --seed 0 \
+        --timeout 1800 --quiet --dataset random --random-input-len 128 --random-output-len 64 \
+        --num-prompts 8 --max-concurrency 1 $(adapters "$1") --output "$3") >/dev/null
+}
+
+many_streams() {  # kind, port, output folder: serve_workloads.sh's own 32-streams run
+    BENCH_FLAGS="$(adapters "$1")" bash "$REPO/scripts/serve_workloads.sh" "http://127.0.0.1:$2" "$3" \
+        32-streams >/dev/null
 }
 
 start base "$PORT"
 start lora "$((PORT + 1))"
-ONE=(--dataset random --random-input-len 128 --random-output-len 64 --num-prompts 8 --max-concurrency 1)
-MANY=(--dataset random --random-input-len 128 --random-output-len 64 --num-prompts 64 --max-concurrency 32)
 for i in $(seq "$PAIRS"); do
-    bench base "$PORT" "$OUT/base-one-$i.json" "${ONE[@]}"
-    bench lora "$((PORT + 1))" "$OUT/lora-one-$i.json" "${ONE[@]}"
+    one_stream base "$PORT" "$OUT/base-one-$i.json"
+    one_stream lora "$((PORT + 1))" "$OUT/lora-one-$i.json"
 done
 for i in $(seq "$ROUNDS"); do
-    bench base "$PORT" "$OUT/base-32-$i.json" "${MANY[@]}"
-    bench lora "$((PORT + 1))" "$OUT/lora-32-$i.json" "${MANY[@]}"
+    many_streams base "$PORT" "$OUT/base-32-$i"
+    many_streams lora "$((PORT + 1))" "$OUT/lora-32-$i"
 done
 
 "$PY" - "$OUT" "$PAIRS" "$ROUNDS" <<'PYEOF'
 import json, statistics, sys
 from pathlib import Path
 out, pairs, rounds = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-def summary(name):
-    return json.loads((out / f"{name}.json").read_text())["summary"]
-def line(title, tag, by, key, count, fmt):
-    base = [key(summary(f"base-{tag}-{i}")) for i in range(1, count + 1)]
-    lora = [key(summary(f"lora-{tag}-{i}")) for i in range(1, count + 1)]
+def summary(path):
+    return json.loads((out / path).read_text())["summary"]
+def line(title, path, by, key, count, fmt):
+    base = [key(summary(path.format(kind="base", i=i))) for i in range(1, count + 1)]
+    lora = [key(summary(path.format(kind="lora", i=i))) for i in range(1, count + 1)]
     ratios = [a / b for a, b in zip(lora, base)]
     print(f"{title}: base {fmt(statistics.median(base))}, adapters {fmt(statistics.median(lora))}; "
           f"adapters / base by {by}: "
           + " ".join(f"{x:.3f}" for x in ratios) + f"; median {statistics.median(ratios):.3f}")
-line("one stream, median ITL", "one", "pair", lambda s: s["itl_s"]["median"], pairs, lambda v: f"{v * 1e3:.2f} ms")
-line("32 streams, output tok/s", "32", "round", lambda s: s["output_throughput"], rounds, lambda v: f"{v:.1f}")
+line("one stream, median ITL", "{kind}-one-{i}.json", "pair", lambda s: s["itl_s"]["median"], pairs, lambda v: f"{v * 1e3:.2f} ms")
+line("32 streams, output tok/s", "{kind}-32-{i}/32-streams.json", "round", lambda s: s["output_throughput"], rounds, lambda v: f"{v:.1f}")
 PYEOF

@@ -77,13 +77,12 @@ constexpr int row_elements(int head_dim) {
 // of SmolLM2 K/V: 9.7 GB/s with no prefetch, 17.5 with this.
 struct Prefetcher {
   const char* rows[2 * kTile];  // each token's K run, then its V run
-  int64_t bytes = 0;            // bytes per run
-  int count = 0;                // runs
 
-  // Where fetching has got to: the run being fetched and the next line in it.
-  // P.V copies it into locals (cursor()) and hands it back after (resume()):
-  // stepped through a reference, its fields went to memory and back around
-  // every prefetch, a sixth of P.V's samples on cache-warm rows.
+  // Where fetching has got to: the runs, their length, the run being fetched
+  // and the next line in it.  P.V copies it into locals (cursor()) and hands
+  // it back after (resume()): stepped through a reference, its fields went to
+  // memory and back around every prefetch, a sixth of P.V's samples on
+  // cache-warm rows.
   struct Cursor {
     const char* const* rows;
     int64_t bytes, offset;
@@ -102,13 +101,11 @@ struct Prefetcher {
 
   template <typename T>
   void reset(const KvView<T>& kv, const int64_t* slots, int n) {
-    bytes = int64_t(sizeof(T)) * kv.heads * kv.row;
-    count = 0;
     for (int i = 0; i < n; ++i) {
-      rows[count++] = reinterpret_cast<const char*>(kv.k + slots[i]);
-      rows[count++] = reinterpret_cast<const char*>(kv.v + slots[i]);
+      rows[2 * i] = reinterpret_cast<const char*>(kv.k + slots[i]);
+      rows[2 * i + 1] = reinterpret_cast<const char*>(kv.v + slots[i]);
     }
-    at = Cursor{rows, bytes, 0, count, 0};
+    at = Cursor{rows, int64_t(sizeof(T)) * kv.heads * kv.row, 0, 2 * n, 0};
   }
   Cursor cursor() const { return at; }
   void resume(const Cursor& c) { at = c; }
