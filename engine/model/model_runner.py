@@ -33,8 +33,8 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ValidationError
 from engine.model.lora.request import LoRARequest
-from engine.model.cpu_allocator import (advise_huge_pages, keep_freed_memory, weights_on_huge_pages,
-                                        zero_lazily)
+from engine.model.cpu_allocator import (activations_from_heap, advise_huge_pages, keep_freed_memory,
+                                        weights_on_huge_pages, zero_lazily)
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.distributed.partition import Partition
 from engine.model.kv_cache import KVLayout, as_bytes, check_cache_on_device, resolve_kv_cache_dtype
@@ -103,6 +103,8 @@ class ModelRunner:
                                              self.num_window_blocks)
                              if self.kv_groups.hybrid else None)
         self.layer_caches = self.kv_groups.layer_caches(self.kv_cache, self.window_cache)
+        if self.device.type == "cpu":
+            activations_from_heap()  # the weights and the cache are in place (cpu_allocator says why)
         if self.graphs is not None:  # after the KV cache: the graphs hold its addresses
             self.graphs.capture(self.layer_caches)
         self.pooling = (read_pooling_info(model_path, self.model, min(
@@ -187,8 +189,7 @@ class ModelRunner:
         """Nothing to stop in one process (the tensor-parallel runner stops its workers)."""
 
     def _num_kv_blocks(self) -> tuple[int, int]:
-        """(main pool blocks, window pool blocks) that fit in the memory budget;
-        refuse if one long sequence doesn't fit."""
+        """(main pool, window pool) blocks in the memory budget; refuse if one long sequence doesn't fit."""
         config, groups = self.config, self.kv_groups
         if config.num_gpu_blocks_override is not None:
             num_blocks, budget = config.num_gpu_blocks_override, "num_gpu_blocks_override"
@@ -212,8 +213,7 @@ class ModelRunner:
                 f"KV cache too small: {budget} gives {num_blocks} blocks of "
                 f"{self.block_size} tokens ({self.bytes_per_block()} bytes each), but one "
                 f"max_model_len={config.max_model_len} sequence needs {needed} blocks. "
-                f"Raise the KV budget or lower max_model_len."
-            )
+                f"Raise the KV budget or lower max_model_len.")
         return num_blocks, num_window
 
     @torch.inference_mode()

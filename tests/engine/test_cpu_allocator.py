@@ -3,6 +3,7 @@
 import ctypes.util
 import mmap
 import platform
+import threading
 
 import pytest
 import torch
@@ -10,8 +11,8 @@ import torch
 from torch import nn
 
 from engine.model import cpu_allocator
-from engine.model.cpu_allocator import (advise_huge_pages, huge_pages_offered, keep_freed_memory,
-                                      weights_on_huge_pages, zero_lazily)
+from engine.model.cpu_allocator import (activations_from_heap, advise_huge_pages, huge_pages_offered,
+                                      keep_freed_memory, weights_on_huge_pages, zero_lazily)
 
 
 def test_tuning_applies_on_glibc_and_tensors_still_work():
@@ -25,6 +26,31 @@ def test_tuning_applies_on_glibc_and_tensors_still_work():
     del a
     b = torch.ones(8 << 20, dtype=torch.float32)
     assert float(b.sum()) == 8 << 20 and total == (8 << 20) * ((8 << 20) - 1) // 2
+
+
+def test_blocks_past_the_mmap_threshold_from_the_heap_stay_correct():
+    """Once activations_from_heap ran, blocks over glibc's 32 MiB threshold
+    (and over a thread arena's 64 MiB heaps) are freed into the heap and
+    taken again: from the main thread and another, each still holds exactly
+    what was written into it, independent of the block freed before it."""
+    if platform.system() != "Linux" or ctypes.util.find_library("c") is None:
+        pytest.skip("glibc's mallopt exists only on Linux")
+    assert keep_freed_memory() is True and activations_from_heap() is True
+    results = []
+
+    def cycle():
+        held = []
+        for n, value in ((40 << 20, 3), (100 << 20, 5), (40 << 20, 7)):  # bytes
+            block = torch.full((n // 8,), value, dtype=torch.int64)
+            held.append(bool((block == value).all()) and int(block.sum()) == value * (n // 8))
+            del block
+        results.append(all(held))
+
+    cycle()
+    worker = threading.Thread(target=cycle)
+    worker.start()
+    worker.join()
+    assert results == [True, True]
 
 
 def _vm_flags_at(address: int) -> list[str]:

@@ -17,6 +17,7 @@ struct Work {
   const int64_t* lo = nullptr;  // sliding window: row r sees tokens [lo[r], visible[r]);
                                 // lo non-decreasing in r too.  nullptr: no window
   float cap_scale = 0.0f, cap2 = 0.0f;  // soft cap: scale / c and c * log2(e); 0: none
+  bool full = false;  // non-causal (an encoder's rows): every row sees every token
 };
 
 // One tile of the loop: tokens [t0, t0 + n), which rows [first, last) see
@@ -28,6 +29,65 @@ struct Tile {
   int64_t t0;
   int first, last, begin;
 };
+
+#ifdef PAGEDSERVE_HAS_DPBF16
+// Q.K of an encoder's rows (Work::full), on the dpbf16 build: the tile's K
+// as pairs of inputs, 16 tokens a vector, so Q.K is the packed linear's
+// product (linear_packed.h) with the tokens as its output features:
+//
+//   kt[p * kTile + t] = (k[t][2p], k[t][2p + 1])     one 32-bit word
+//   lane t of scores += q[2p] * k[t][2p] + q[2p + 1] * k[t][2p + 1]
+//
+// Each K vector serves four rows, and the scores leave in token lanes with
+// no horizontal sums (dot8's reduce8 and its stores were a third of a BERT
+// prefill call's samples). Its sums run in another order than dot8's, so
+// only rows that never meet another path take it: an encoder's are never
+// chunked, cached or decoded.
+inline void pack_k_pairs(const bf16_t* const* k, int head_dim, uint32_t* kt) {
+  for (int t = 0; t < kTile; ++t) {  // tokens past the tile's end read the zero row
+    const auto* row = reinterpret_cast<const uint32_t*>(k[t]);
+    for (int p = 0; p < head_dim / 2; ++p) kt[p * kTile + t] = row[p];
+  }
+}
+
+// Scores of R rows (q: R rows of head_dim) over the tile: log2 domain,
+// tokens from n on -inf.
+template <int R>
+inline void full_scores(const bf16_t* q, const uint32_t* kt, int head_dim, int n, float scale2,
+                        float* s) {
+  static_assert(kTile == 2 * vec::W, "a tile is two vectors of tokens");
+  vec::F acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec::zero();
+  for (int p = 0; p < head_dim / 2; ++p) {
+    const auto* pair = reinterpret_cast<const bf16_t*>(kt + p * kTile);
+    const vec::BH k0 = vec::load_bf16(pair), k1 = vec::load_bf16(pair + kTile);
+    for (int r = 0; r < R; ++r) {
+      const vec::BH qp = vec::broadcast_pair(q + r * head_dim + 2 * p);
+      acc[r][0] = vec::dot_acc(acc[r][0], qp, k0);
+      acc[r][1] = vec::dot_acc(acc[r][1], qp, k1);
+    }
+  }
+  const vec::F scale = vec::set1(scale2);
+  for (int r = 0; r < R; ++r) {
+    vec::store(s + r * kTile, vec::mul(acc[r][0], scale));
+    vec::store(s + r * kTile + vec::W, vec::mul(acc[r][1], scale));
+    for (int i = n; i < kTile; ++i) s[r * kTile + i] = kNegInf;
+  }
+}
+
+// Rows [first, last) of one head: K packed once, then four rows at a time.
+template <typename T, typename QT>
+void full_tile_scores(Scratch<T, QT>& s, size_t base, const bf16_t* const* k, const Tile& t,
+                      int head_dim, float scale2) {
+  auto* kt = reinterpret_cast<uint32_t*>(s.kf.data());  // a tile of fp32 rows holds a tile of pairs
+  pack_k_pairs(k, head_dim, kt);
+  int r = t.first;
+  for (; r + 4 <= t.last; r += 4)
+    full_scores<4>(&s.q[(base + r) * head_dim], kt, head_dim, t.n, scale2, &s.scores[(base + r) * kTile]);
+  for (; r < t.last; ++r)
+    full_scores<1>(&s.q[(base + r) * head_dim], kt, head_dim, t.n, scale2, &s.scores[(base + r) * kTile]);
+}
+#endif
 
 // Q.K, softmax and P.V of rows [first, rows) of one head over a tile of n tokens.
 // KT / VT: what Q.K and P.V read, the raw cache rows or their fp32 copies;
@@ -43,12 +103,21 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
   const size_t base = size_t(head) * w.rows;
   const bool plain = w.lo == nullptr && w.cap2 == 0.0f;
   auto n_for = [&](int r) { return int(std::min<int64_t>(t.n, w.visible[r] - t.t0)); };
+  bool scored = false;  // by full_tile_scores, for every row at once
+#ifdef PAGEDSERVE_HAS_DPBF16
+  if constexpr (std::is_same_v<QT, bf16_t> && std::is_same_v<KT, bf16_t>) {
+    if (w.full && plain && ks == nullptr && s.kf.data() != nullptr) {
+      full_tile_scores(s, base, k, t, head_dim, w.scale2);
+      scored = true;
+    }
+  }
+#endif
   for (int r = t.first; r < t.last; ++r) {
     float* scores = &s.scores[(base + r) * kTile];
     const QT* q = &s.q[(base + r) * head_dim];
-    if (plain) {
+    if (plain && !scored) {
       score_row(q, k, n_for(r), head_dim, w.scale2, scores, ks);
-    } else {
+    } else if (!scored) {
       const int lo = w.lo ? int(std::max<int64_t>(0, w.lo[r] - t.t0)) : 0;
       score_row_features(q, k, lo, n_for(r), head_dim, w.scale2, w.cap_scale, w.cap2, scores, ks);
     }

@@ -80,9 +80,9 @@ void prefill_item(Scratch<C, QT>& s, const PrefillArgs<T>& a, const PrefillItem&
       s.lo[r] = window_lo(s.visible[r], a.window);
     }
   }
-  const Work<C> w = make_work(a, kv_view<C>(a.l, a.k_cache, a.v_cache, a.tables, it.seq,
-                                            int(it.head), 1),
-                              rows, s.visible.data(), s.lo.data());
+  Work<C> w = make_work(a, kv_view<C>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, int(it.head), 1),
+                        rows, s.visible.data(), s.lo.data());
+  w.full = !a.causal;
   attend(s, w, s.lo[0] / kTile * kTile, s.visible[rows - 1], a.convert);
   for (int64_t j = it.j0; j < it.j1; ++j) {
     const int64_t row0 = (a.cu[it.seq] + j) * a.l.heads + it.head * group;
