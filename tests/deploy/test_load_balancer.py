@@ -118,9 +118,10 @@ def test_c_events_stream_through_unbuffered(fleet):
             arrivals.append(time.perf_counter() - start)
     assert len(arrivals) >= 50 and stream.done
     # Buffered, every event would land at the end at once; streamed, they spread
-    # over the generation (64 decode steps of a 2-core CPU: seconds).
+    # over the generation (64 decode steps: 0.3 s on a Zen 5 core, seconds on
+    # slower ones), so most arrive in a millisecond of their own.
     assert arrivals[0] < 0.5 * arrivals[-1], (arrivals[0], arrivals[-1])
-    assert len({round(t, 2) for t in arrivals}) > 30
+    assert len({round(t, 3) for t in arrivals}) > 30
 
 
 def test_e_a_warming_replica_serves_nothing(fleet):

@@ -25,23 +25,35 @@ def test_priority_needs_the_priority_policy(tiny_llama_path):
 
 
 def test_a_high_priority_request_overtakes_a_full_engine(tiny_llama_path):
+    # A long context, so the batch is still decoding whatever this CPU's speed
+    # (200 tokens of the tiny model took under half a second on a Zen 5 core).
     config = tiny_config(tiny_llama_path, engine={"scheduling_policy": "priority",
-                                                  "max_num_seqs": 2})
+                                                  "max_num_seqs": 2, "max_model_len": 1024})
     urgent = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     with run_server(config) as live:
         url = f"{live.url}/v1/completions"
         alone = httpx.post(url, json={**urgent, "priority": -1}, timeout=60).json()
 
+        async def running(client) -> float:
+            text = (await client.get(f"{live.url}/metrics")).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("pagedserve:num_requests_running "))
+
         async def scenario():
             async with httpx.AsyncClient(timeout=120) as client:
                 batch = [asyncio.create_task(client.post(url, json={
-                    "prompt": [100 + i] * 8, "max_tokens": 200, "ignore_eos": True,
+                    "prompt": [100 + i] * 8, "max_tokens": 1000, "ignore_eos": True,
                     "priority": 10})) for i in range(2)]
-                await asyncio.sleep(0.5)  # both seats taken by the batch
+                for _ in range(500):  # until both seats are the batch's (10 s at most)
+                    if await running(client) >= 2:
+                        break
+                    await asyncio.sleep(0.02)
                 first = await client.post(url, json={**urgent, "priority": -1})
                 done_before = sum(task.done() for task in batch)
                 metrics = (await client.get(f"{live.url}/metrics")).text
-                await asyncio.gather(*batch)
+                for task in batch:  # not waited for: closing the streams aborts them
+                    task.cancel()
+                await asyncio.gather(*batch, return_exceptions=True)
                 return first.json(), done_before, metrics
 
         first, done_before, metrics = asyncio.run(scenario())

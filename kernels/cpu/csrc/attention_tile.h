@@ -1,6 +1,7 @@
 // The tile loop of one work item (see attention.h for the pieces it uses).
 #pragma once
 
+#include <cstring>
 #include <type_traits>
 
 namespace pagedserve {
@@ -44,10 +45,8 @@ struct Tile {
 // only rows that never meet another path take it: an encoder's are never
 // chunked, cached or decoded.
 inline void pack_k_pairs(const bf16_t* const* k, int head_dim, uint32_t* kt) {
-  for (int t = 0; t < kTile; ++t) {  // tokens past the tile's end read the zero row
-    const auto* row = reinterpret_cast<const uint32_t*>(k[t]);
-    for (int p = 0; p < head_dim / 2; ++p) kt[p * kTile + t] = row[p];
-  }
+  for (int t = 0; t < kTile; ++t)  // tokens past the tile's end read the zero row
+    for (int p = 0; p < head_dim / 2; ++p) std::memcpy(&kt[p * kTile + t], k[t] + 2 * p, sizeof(uint32_t));
 }
 
 // Scores of R rows (q: R rows of head_dim) over the tile: log2 domain,
