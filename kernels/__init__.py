@@ -13,35 +13,30 @@ Three implementations share one contract (see ``kernels/reference.py``):
   place, the K/V store, the bf16-weight linear, and a layer's element-wise
   ops (RMSNorm, RoPE, SiLU(gate) * up), one pass each.
 
-``auto`` is Triton on CUDA. On the CPU its attention is the compiled op when
-it builds and takes the head_dim; otherwise ``kernels/cpu_attention.py``
-(bf16/fp16: prefill in the cache dtype, a block-gathering decode) or the
-reference (float32, bit for bit HF's arithmetic), after one logged warning.
-Its ``linear`` multiplies bf16 weights with the compiled op (fp32 FMAs over
-bf16 reads: half of fp32's bytes where torch's bf16 matmul is slow); every
-other case, and every other backend, is the reference (``F.linear``).  The
+``auto`` is Triton on CUDA (and a runner's linear takes decode rows through
+``kernels/gemv_triton.py`` where it beats cuBLAS). On the CPU its attention is
+the compiled op when it builds and takes the head_dim; otherwise
+``kernels/cpu_attention.py`` (bf16/fp16: prefill in the cache dtype) or the
+reference (float32, HF's arithmetic), after one logged warning. Its
+``linear`` multiplies bf16 weights with the compiled op; every other case is
+the reference (``F.linear``).  The
 element-wise ops and the store take the compiled op on the CPU where it
 rounds as torch does (each function below says when).
 
-The store module is *not* called ``kernels/store_kvcache.py``: importing it
-would make Python bind the submodule to ``kernels.store_kvcache``, replacing
-the function below.
+The store module is not ``kernels/store_kvcache.py``: Python would bind that
+submodule to ``kernels.store_kvcache``, replacing the function below.
 
 The module-level functions are the ``auto`` backend: Triton for CUDA tensors,
-the compiled ops or the torch paths otherwise.  To force one, ask for it explicitly::
-
-    backend = get_backend("torch")
-    out = backend.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
-
-Triton is imported lazily (first CUDA call or ``get_backend("triton")``) so the
-CPU engine works on machines without triton installed.
+the compiled ops or the torch paths otherwise; ``get_backend("torch")`` forces
+one.  Triton is imported lazily (first CUDA call or ``get_backend("triton")``)
+so the CPU engine works on machines without triton installed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -102,7 +97,7 @@ TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
 TRITON_MAX_BLOCK_SIZE = 256
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KernelBackend:
     """The kernel entry points of one implementation."""
 
@@ -311,8 +306,12 @@ def _compiled(name: str) -> Callable[..., torch.Tensor]:
     return op
 
 
-def get_backend(name: str) -> KernelBackend:
-    """Return the ``auto``, ``torch`` or ``triton`` backend (a new frozen object)."""
+def get_backend(name: str, device=None) -> KernelBackend:
+    """The named backend (a new frozen object); on a CUDA ``device`` auto's and triton's
+    linear take decode rows through the GEMV where it measures faster (one tuner each)."""
+    if name in ("auto", "triton") and device is not None and torch.device(device).type == "cuda":
+        gemv = importlib.import_module("kernels.gemv_triton").DecodeGemv()
+        return dataclasses.replace(get_backend(name), linear=gemv.linear)
     if name == "auto":
         return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
                              linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe,

@@ -78,7 +78,7 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         check_cache_on_device(self.kv_cache_dtype, torch.cuda.get_device_capability(self.device)
                               if self.device.type == "cuda" else None)
-        self.kernels = get_backend(config.kernel_backend)
+        self.kernels = get_backend(config.kernel_backend, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         size = group.size if group is not None else 1
