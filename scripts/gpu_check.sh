@@ -70,9 +70,14 @@ import importlib, sys
 print("python", sys.version)
 for name in ("torch", "triton", "transformers", "pytest", "tqdm", "msgspec", "jinja2", "gguf", "numpy"):
     try:
-        print(name, importlib.import_module(name).__version__)
+        print(name, getattr(importlib.import_module(name), "__version__", "(no __version__)"))
     except ImportError:
         print(name, "not installed")
+try:  # every step imports it; since GGUF serving it needs gguf (pure Python: carry it in)
+    import kernels
+    print("kernels: imports")
+except Exception as exc:
+    print(f"kernels: DOES NOT IMPORT: {type(exc).__name__}: {exc}")
 import torch
 print("cuda available:", torch.cuda.is_available())
 if torch.cuda.is_available():
