@@ -3,19 +3,31 @@
 #
 # For a CUDA machine with torch, triton and transformers but none of our other
 # packages and no internet: nothing is installed, the repo is used in place
-# (PYTHONPATH=.).  Steps, each logged to OUTDIR/<step>.log:
+# (PYTHONPATH=.; a package the box lacks, e.g. gguf, can be carried in on PYTHONPATH,
+# which is kept).  Steps, each logged to OUTDIR/<step>.log:
 #   1. env           versions and nvidia-smi
-#   2. kernel-tests  tests/kernels on CUDA (native Triton, not the interpreter);
+#   2. new-kernels   the Triton kernels that have only run under the interpreter (GGUF GEMM,
+#                    multi-LoRA, int8 / fp8 KV caches; the Triton GEMV once it exists): their
+#                    test files only, on CUDA, under `timeout` ${NEW_KERNELS_TIMEOUT:-240} s
+#                    -> OUTDIR/new-kernels.xml
+#   3. new-kernels-bench  python -m bench.gpu.gpu_kernels: their GB/s at Llama-3.1-8B's sizes,
+#                    each row checked against the reference -> OUTDIR/new-kernels.json
+#                    (under `timeout` ${NEW_KERNELS_BENCH_TIMEOUT:-180} s)
+#   4. kernel-tests  tests/kernels on CUDA (native Triton, not the interpreter);
 #                    without pytest, the same cases through the standalone runner
-#   3. kernel-bench  bench/kernels/kernels.py sweep -> OUTDIR/kernels.json
-#   4. e2e           python -m bench.gpu.gpu_check --output OUTDIR/e2e.json (if present)
-#   5. graphs-tests  tests/engine/test_cuda_graphs.py (its CUDA test replays real graphs)
-#   6. graphs-parity python -m bench.gpu.gpu_graphs --parts parity: CUDA graphs for the decode
+#                    (all of it: >140 s on an H100, and its CPU-only compiled-op tests
+#                    need a compiler build)
+#   5. kernel-bench  bench/kernels/kernels.py sweep -> OUTDIR/kernels.json
+#   6. e2e           python -m bench.gpu.gpu_check --output OUTDIR/e2e.json (if present)
+#   7. graphs-tests  tests/engine/test_cuda_graphs.py (its CUDA test replays real graphs)
+#   8. graphs-parity python -m bench.gpu.gpu_graphs --parts parity: CUDA graphs for the decode
 #                    step, eager vs graphs greedy tokens in float32 -> OUTDIR/graphs-parity.json
-#   7. graphs-speed  python -m bench.gpu.gpu_graphs --parts speed: one-stream ITL at Llama-3.1-8B's
+#   9. graphs-speed  python -m bench.gpu.gpu_graphs --parts speed: one-stream ITL at Llama-3.1-8B's
 #                    shape against the HBM floor, 64/256-stream throughput, eager vs graphs
 #                    -> OUTDIR/graphs-speed.json (a process of its own: a fault in one part
 #                    cannot take the other with it)
+# The new kernels come first: with little device time,
+#   GPU_CHECK_STEPS="env new-kernels new-kernels-bench" bash scripts/gpu_check.sh OUTDIR
 # Every step runs even if an earlier one fails; OUTDIR/summary.txt lists the
 # exit codes and the script exits non-zero if any step failed.
 # GPU_CHECK_STEPS="env kernel-tests graphs-parity" runs only the steps named (default: all).
@@ -56,11 +68,16 @@ env_report() {
     "$PY" - <<'PYEOF'
 import importlib, sys
 print("python", sys.version)
-for name in ("torch", "triton", "transformers", "pytest", "tqdm", "msgspec", "jinja2"):
+for name in ("torch", "triton", "transformers", "pytest", "tqdm", "msgspec", "jinja2", "gguf", "numpy"):
     try:
-        print(name, importlib.import_module(name).__version__)
+        print(name, getattr(importlib.import_module(name), "__version__", "(no __version__)"))
     except ImportError:
         print(name, "not installed")
+try:  # every step imports it; since GGUF serving it needs gguf (pure Python: carry it in)
+    import kernels
+    print("kernels: imports")
+except Exception as exc:
+    print(f"kernels: DOES NOT IMPORT: {type(exc).__name__}: {exc}")
 import torch
 print("cuda available:", torch.cuda.is_available())
 if torch.cuda.is_available():
@@ -73,12 +90,34 @@ kernel_tests() {
     if "$PY" -c "import pytest" 2>/dev/null; then
         # --confcutdir: only tests/kernels/conftest.py, not the engine fixtures
         # (which want model files this machine may not have).
-        PAGEDSERVE_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -rf \
+        # tests/ on the path: with --confcutdir, tests/conftest.py (which puts it
+        # there) is not loaded, and the kernel tests import tests/need.py.
+        PAGEDSERVE_TEST_DEVICE=cuda PYTHONPATH="tests:$PYTHONPATH" "$PY" -m pytest tests/kernels -q -rf \
             --confcutdir=tests/kernels -p no:cacheprovider --junitxml="$OUT/kernel-tests.xml"
     else
         echo "pytest not installed: running the Triton cases through the standalone runner"
         "$PY" tests/kernels/kernel_subprocess.py --device cuda --output "$OUT/kernel-cases.json"
     fi
+}
+
+# The new Triton kernels' test files, and nothing else of tests/kernels: no CPU-only
+# compiled-op test (they build the C++ ops), none of the Triton cases a GPU already passed.
+NEW_KERNEL_TESTS="tests/kernels/test_quant_linear_triton.py tests/kernels/test_lora_triton.py
+    tests/kernels/test_kv_int8_triton.py tests/kernels/test_kv_fp8_triton.py"
+
+new_kernel_tests() {
+    if ! "$PY" -c "import pytest" 2>/dev/null; then
+        echo "pytest not installed: new-kernels not run (new-kernels-bench still checks them)"
+        return 3
+    fi
+    local files=$NEW_KERNEL_TESTS
+    if [ -f tests/kernels/test_gemv_triton.py ]; then
+        files="$files tests/kernels/test_gemv_triton.py"
+    fi
+    # shellcheck disable=SC2086  # the list splits into its files
+    PAGEDSERVE_TEST_DEVICE=cuda PYTHONPATH="tests:$PYTHONPATH" timeout -k 10 "${NEW_KERNELS_TIMEOUT:-240}" \
+        "$PY" -m pytest $files -q -rf --confcutdir=tests/kernels -p no:cacheprovider \
+        --junitxml="$OUT/new-kernels.xml"
 }
 
 e2e() {
@@ -100,6 +139,9 @@ graphs_tests() {
 }
 
 step env env_report
+step new-kernels new_kernel_tests
+step new-kernels-bench timeout -k 10 "${NEW_KERNELS_BENCH_TIMEOUT:-180}" \
+    "$PY" -m bench.gpu.gpu_kernels --output "$OUT/new-kernels.json"
 step kernel-tests kernel_tests
 step kernel-bench "$PY" -m bench.kernels.kernels --output "$OUT/kernels.json"
 step e2e e2e

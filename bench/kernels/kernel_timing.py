@@ -11,17 +11,21 @@ from typing import Callable
 import torch
 
 
-def make_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    """Median milliseconds of fn(): do_bench on CUDA, a wall-clock loop on CPU."""
+def make_timer(device: torch.device, *, warmup_ms: int = 25, rep_ms: int = 100,
+               cpu_repeats: int = 5) -> Callable[[Callable[[], object]], float]:
+    """Median milliseconds of fn(): do_bench on CUDA (``warmup_ms`` / ``rep_ms``
+    of calls, do_bench's defaults; fewer keep a many-case run short), a
+    wall-clock loop of ``cpu_repeats`` calls on CPU (one under the Triton
+    interpreter, where a call takes seconds and the time means nothing)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return lambda fn: float(do_bench(fn, return_mode="median"))
+        return lambda fn: float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
     def cpu_timer(fn) -> float:
         fn()  # warm-up
         samples = []
-        for _ in range(5):
+        for _ in range(cpu_repeats):
             start = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - start) * 1e3)
