@@ -21,7 +21,9 @@ reference (float32, HF's arithmetic), after one logged warning. Its
 ``linear`` multiplies bf16 weights with the compiled op; every other case is
 the reference (``F.linear``).  The
 element-wise ops and the store take the compiled op on the CPU where it
-rounds as torch does (each function below says when).
+rounds as torch does; on CUDA, bf16 / fp16 element-wise ops are one Triton kernel
+each (``kernels/elementwise_triton.py``, rounding where torch's 2 to 9 kernels
+do; float32 keeps the reference).  Each function below says when.
 
 The store module is not ``kernels/store_kvcache.py``: Python would bind that
 submodule to ``kernels.store_kvcache``, replacing the function below.
@@ -52,43 +54,17 @@ from kernels.packed_layout import (PACKED_DIMS, embedding, over_rows, pack_linea
                                    packed_linear, unpack_linear)
 from kernels.quant import dequantize_reference, quant_linear_reference
 from kernels.reference import (
-    attention_features,
-    gelu_tanh_and_mul_reference,
-    keep_layout,
-    no_layer_op,
-    linear_reference,
-    paged_decode_attention_reference,
-    paged_prefill_attention_reference,
-    rms_norm_reference,
-    rope_reference,
-    silu_and_mul_reference,
-    store_kvcache_reference,
+    attention_features, gelu_tanh_and_mul_reference, keep_layout, no_layer_op, linear_reference,
+    paged_decode_attention_reference, paged_prefill_attention_reference, rms_norm_reference,
+    rope_reference, silu_and_mul_reference, store_kvcache_reference,
 )
 
 __all__ = [
-    "BACKEND_NAMES",
-    "KernelBackend",
-    "check_backend_support",
-    "compiled_bf16_linear",
-    "embedding",
-    "fused_moe",
-    "gemma_layer_op",
-    "get_backend",
-    "linear",
-    "llama_layer_op",
-    "llama_layers_op",
-    "lora_expand",
-    "lora_shrink",
-    "pack_linear",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "quant_dequantize",
-    "quant_linear",
-    "rms_norm",
-    "rope",
-    "silu_and_mul",
-    "store_kvcache",
-    "unpack_linear",
+    "BACKEND_NAMES", "KernelBackend", "check_backend_support", "compiled_bf16_linear", "embedding",
+    "fused_moe", "gelu_tanh_and_mul", "gemma_layer_op", "get_backend", "linear", "llama_layer_op",
+    "llama_layers_op", "lora_expand", "lora_shrink", "pack_linear", "paged_decode_attention",
+    "paged_prefill_attention", "quant_dequantize", "quant_linear", "rms_norm", "rope", "silu_and_mul",
+    "store_kvcache", "unpack_linear",
 ]
 
 BACKEND_NAMES = ("auto", "torch", "triton", "cpu")
@@ -250,12 +226,25 @@ def quant_dequantize(blob: torch.Tensor, rows: torch.Tensor | None = None) -> to
     return ops.quant_dequantize(blob, rows) if ops is not None else dequantize_reference(blob, rows)
 
 
+def _on_triton(x: torch.Tensor) -> bool:
+    """Whether an element-wise op takes its Triton kernel (kernels/elementwise_triton.py):
+    bf16 / fp16 on CUDA.  float32 keeps the reference (bit-exact HF parity)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _rows(x: torch.Tensor) -> bool:  # [rows, width], unit column stride: as Triton's kernels take it
+    return x.dim() == 2 and x.stride(1) == 1
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm, with ``residual += x`` in front when a residual is given (see
     kernels.reference.rms_norm_reference).  bf16 on the CPU runs the compiled
-    op, one call instead of nine torch ops; float32 keeps the reference, whose
-    mean sums in torch's order (bit-exact HF parity)."""
+    op, bf16 / fp16 on CUDA the Triton kernel: one call instead of nine torch
+    ops; float32 keeps the reference, whose mean sums in torch's order (bit-exact HF parity)."""
+    if _on_triton(x) and _rows(x) and weight.dim() == 1 and (residual is None or (
+            _rows(residual) and residual.dtype == x.dtype and residual.shape == x.shape)):
+        return importlib.import_module("kernels.elementwise_triton").rms_norm(x, weight, eps, residual)
     if x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.is_contiguous():
         ops = cpu_ops.current_ops()  # the op takes any width
         if ops is not None and (residual is None or residual.is_contiguous()):
@@ -266,11 +255,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE of x [tokens, heads, head_dim] by cos / sin [tokens, head_dim]
     (kernels.reference.rope_reference); returns the rotated tensor, which may
-    be x itself, rotated in place.  On the CPU the compiled op rounds where
-    torch's five ops do, so float32 and bf16 both match the reference bit for bit."""
-    if (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == x.dtype
-            and _heads_packed(x) and cos.is_contiguous() and sin.is_contiguous()):
-        ops = cpu_ops.current_ops()
+    be x itself, rotated in place.  The compiled op on the CPU (float32, bf16)
+    and Triton's on CUDA (bf16, fp16) round where torch's five ops do: the reference bit for bit."""
+    if (cos.dtype == x.dtype and sin.dtype == x.dtype and _heads_packed(x)
+            and cos.is_contiguous() and sin.is_contiguous()):
+        if _on_triton(x):
+            return importlib.import_module("kernels.elementwise_triton").rope(x, cos, sin)
+        ops = cpu_ops.current_ops() if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) else None
         if ops is not None:
             ops.rotary_embedding(x, cos, sin)
             return x
@@ -279,13 +270,23 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over x = [gate | up] (kernels.reference.silu_and_mul_reference).
-    bf16 on the CPU runs the compiled op, one pass instead of two ops; float32
-    keeps the reference (the op's exp is not torch's: bit-exact HF parity)."""
+    bf16 on the CPU runs the compiled op, bf16 / fp16 on CUDA Triton's: one pass
+    instead of two ops; float32 keeps the reference (bit-exact HF parity)."""
+    if _on_triton(x) and _rows(x) and x.shape[1] % 2 == 0:
+        return importlib.import_module("kernels.elementwise_triton").silu_and_mul(x)
     if x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.is_contiguous():
         ops = cpu_ops.current_ops()
         if ops is not None:
             return ops.silu_and_mul(x)
     return silu_and_mul_reference(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Gemma's gelu(gate, tanh) * up (kernels.reference.gelu_tanh_and_mul_reference):
+    Triton's kernel for bf16 / fp16 on CUDA, else the reference."""
+    if _on_triton(x) and _rows(x) and x.shape[1] % 2 == 0:
+        return importlib.import_module("kernels.elementwise_triton").gelu_tanh_and_mul(x)
+    return gelu_tanh_and_mul_reference(x)
 
 
 def compiled_bf16_linear(in_features: int) -> bool:
@@ -317,7 +318,8 @@ def get_backend(name: str, device=None) -> KernelBackend:
                              linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe,
                              quant_linear=quant_linear, quant_dequantize=quant_dequantize,
                              llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op,
-                             gemma_layer_op=gemma_layer_op, lora_shrink=lora_shrink, lora_expand=lora_expand)
+                             gemma_layer_op=gemma_layer_op, lora_shrink=lora_shrink, lora_expand=lora_expand,
+                             gelu_tanh_and_mul=gelu_tanh_and_mul)
     if name == "torch":
         return KernelBackend("torch", store_kvcache_reference, paged_decode_attention_reference,
                              paged_prefill_attention_reference)
@@ -383,13 +385,11 @@ def _check_triton(block_size: int, head_dim: int, device: torch.device) -> None:
             f"triton backend: block_size must be a power of two in [1, {TRITON_MAX_BLOCK_SIZE}], "
             f"got {block_size}")
     if head_dim not in TRITON_HEAD_DIMS:
-        raise ValueError(
-            f"triton backend: head_dim must be one of {TRITON_HEAD_DIMS}, got {head_dim}")
+        raise ValueError(f"triton backend: head_dim must be one of {TRITON_HEAD_DIMS}, got {head_dim}")
     # Read at call time on purpose: the interpreter is a per-process choice.
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not interpreted:
-        raise ValueError(
-            f"triton backend needs a CUDA device (or TRITON_INTERPRET=1 on CPU), got {device}")
+        raise ValueError(f"triton backend needs a CUDA device (or TRITON_INTERPRET=1 on CPU), got {device}")
     try:
         importlib.import_module("triton")
     except ImportError as exc:
