@@ -6,28 +6,31 @@
 # (PYTHONPATH=.; a package the box lacks, e.g. gguf, can be carried in on PYTHONPATH,
 # which is kept).  Steps, each logged to OUTDIR/<step>.log:
 #   1. env           versions and nvidia-smi
-#   2. new-kernels   the Triton kernels that have only run under the interpreter (GGUF GEMM,
-#                    multi-LoRA, int8 / fp8 KV caches; the Triton GEMV once it exists): their
+#   2. gemv-bench    python -m bench.gpu.gpu_gemv: the decode GEMV (kernels/gemv_triton.py)
+#                    against cuBLAS at Llama-3.1-8B's shapes, 1-8 rows, each product checked
+#                    -> OUTDIR/gemv.json
+#   3. graphs-speed  python -m bench.gpu.gpu_graphs --parts speed: one-stream ITL at Llama-3.1-8B's
+#                    shape against the HBM floor (and where the step's GPU time goes),
+#                    64/256-stream throughput -> OUTDIR/graphs-speed.json (a process of its
+#                    own: a fault in one part cannot take the other with it)
+#   4. graphs-parity python -m bench.gpu.gpu_graphs --parts parity: eager, CUDA graphs and
+#                    async scheduling, greedy tokens in float32 -> OUTDIR/graphs-parity.json
+#   5. new-kernels   the Triton kernels that have only run under the interpreter (GGUF GEMM,
+#                    multi-LoRA, int8 / fp8 KV caches, the GEMV, the element-wise ops): their
 #                    test files only, on CUDA, under `timeout` ${NEW_KERNELS_TIMEOUT:-240} s
 #                    -> OUTDIR/new-kernels.xml
-#   3. new-kernels-bench  python -m bench.gpu.gpu_kernels: their GB/s at Llama-3.1-8B's sizes,
+#   6. new-kernels-bench  python -m bench.gpu.gpu_kernels: their GB/s at Llama-3.1-8B's sizes,
 #                    each row checked against the reference -> OUTDIR/new-kernels.json
 #                    (under `timeout` ${NEW_KERNELS_BENCH_TIMEOUT:-180} s)
-#   4. kernel-tests  tests/kernels on CUDA (native Triton, not the interpreter);
+#   7. kernel-tests  tests/kernels on CUDA (native Triton, not the interpreter);
 #                    without pytest, the same cases through the standalone runner
 #                    (all of it: >140 s on an H100, and its CPU-only compiled-op tests
 #                    need a compiler build)
-#   5. kernel-bench  bench/kernels/kernels.py sweep -> OUTDIR/kernels.json
-#   6. e2e           python -m bench.gpu.gpu_check --output OUTDIR/e2e.json (if present)
-#   7. graphs-tests  tests/engine/test_cuda_graphs.py (its CUDA test replays real graphs)
-#   8. graphs-parity python -m bench.gpu.gpu_graphs --parts parity: CUDA graphs for the decode
-#                    step, eager vs graphs greedy tokens in float32 -> OUTDIR/graphs-parity.json
-#   9. graphs-speed  python -m bench.gpu.gpu_graphs --parts speed: one-stream ITL at Llama-3.1-8B's
-#                    shape against the HBM floor, 64/256-stream throughput, eager vs graphs
-#                    -> OUTDIR/graphs-speed.json (a process of its own: a fault in one part
-#                    cannot take the other with it)
-# The new kernels come first: with little device time,
-#   GPU_CHECK_STEPS="env new-kernels new-kernels-bench" bash scripts/gpu_check.sh OUTDIR
+#   8. kernel-bench  bench/kernels/kernels.py sweep -> OUTDIR/kernels.json
+#   9. e2e           python -m bench.gpu.gpu_check --output OUTDIR/e2e.json (if present)
+#  10. graphs-tests  tests/engine/test_cuda_graphs.py (its CUDA test replays real graphs)
+# The steps of this turn's work come first: with little device time,
+#   GPU_CHECK_STEPS="env gemv-bench graphs-speed graphs-parity new-kernels" bash scripts/gpu_check.sh OUT
 # Every step runs even if an earlier one fails; OUTDIR/summary.txt lists the
 # exit codes and the script exits non-zero if any step failed.
 # GPU_CHECK_STEPS="env kernel-tests graphs-parity" runs only the steps named (default: all).
@@ -102,8 +105,9 @@ kernel_tests() {
 
 # The new Triton kernels' test files, and nothing else of tests/kernels: no CPU-only
 # compiled-op test (they build the C++ ops), none of the Triton cases a GPU already passed.
-NEW_KERNEL_TESTS="tests/kernels/test_quant_linear_triton.py tests/kernels/test_lora_triton.py
-    tests/kernels/test_kv_int8_triton.py tests/kernels/test_kv_fp8_triton.py"
+NEW_KERNEL_TESTS="tests/kernels/test_gemv_triton.py tests/kernels/test_elementwise_triton.py
+    tests/kernels/test_quant_linear_triton.py
+    tests/kernels/test_lora_triton.py tests/kernels/test_kv_int8_triton.py tests/kernels/test_kv_fp8_triton.py"
 
 new_kernel_tests() {
     if ! "$PY" -c "import pytest" 2>/dev/null; then
@@ -111,9 +115,6 @@ new_kernel_tests() {
         return 3
     fi
     local files=$NEW_KERNEL_TESTS
-    if [ -f tests/kernels/test_gemv_triton.py ]; then
-        files="$files tests/kernels/test_gemv_triton.py"
-    fi
     # shellcheck disable=SC2086  # the list splits into its files
     PAGEDSERVE_TEST_DEVICE=cuda PYTHONPATH="tests:$PYTHONPATH" timeout -k 10 "${NEW_KERNELS_TIMEOUT:-240}" \
         "$PY" -m pytest $files -q -rf --confcutdir=tests/kernels -p no:cacheprovider \
@@ -139,6 +140,9 @@ graphs_tests() {
 }
 
 step env env_report
+step gemv-bench "$PY" -m bench.gpu.gpu_gemv --output "$OUT/gemv.json"
+step graphs-speed "$PY" -m bench.gpu.gpu_graphs --parts speed --output "$OUT/graphs-speed.json"
+step graphs-parity "$PY" -m bench.gpu.gpu_graphs --parts parity --output "$OUT/graphs-parity.json"
 step new-kernels new_kernel_tests
 step new-kernels-bench timeout -k 10 "${NEW_KERNELS_BENCH_TIMEOUT:-180}" \
     "$PY" -m bench.gpu.gpu_kernels --output "$OUT/new-kernels.json"
@@ -146,8 +150,6 @@ step kernel-tests kernel_tests
 step kernel-bench "$PY" -m bench.kernels.kernels --output "$OUT/kernels.json"
 step e2e e2e
 step graphs-tests graphs_tests
-step graphs-parity "$PY" -m bench.gpu.gpu_graphs --parts parity --output "$OUT/graphs-parity.json"
-step graphs-speed "$PY" -m bench.gpu.gpu_graphs --parts speed --output "$OUT/graphs-speed.json"
 
 echo "summary: $SUMMARY"
 exit $FAILED
