@@ -19,7 +19,7 @@ itl         one stream at Llama-3.1-8B's shape (scripts/make_shape_folder.py, ra
             the HBM floor = (bytes a decode step reads: every weight but the untied
             embedding's, and the KV of the mean context) / copy bandwidth
             (bench/kernels/kernel_timing.py, measured first). Also one bs-1 graph replay alone and
-            the model's linear layers alone at one row (cuBLAS, each shape timed once), so
+            the linear layers alone at one row (cuBLAS, and the runner's own product), so
             the gap splits into the forward's small kernels and the engine's step.
 throughput  64 and 256 streams of random 512-token prompts, 256 tokens each, ignore_eos,
             graphs against eager on the same engine: output tokens per second.
@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu.gpu_check import build_model, make_prompts
+from bench.gpu.step_profile import profile_replay
 from bench.kernels.kernel_timing import copy_bandwidth_gbps, make_timer
 from tests.hf_compare import TOP_K, compare
 
@@ -208,22 +209,25 @@ def read_bytes(runner, context: float) -> tuple[int, int]:
     return weights, int(context * runner.bytes_per_block() / runner.block_size)
 
 
-def replay_ms(runner, context: int, timer) -> float | None:
-    """One bs-1 graph replay: a sequence of `context` tokens over real blocks, no store."""
+def replay_ms(runner, context: int, timer) -> tuple[float | None, dict | None]:
+    """One bs-1 graph replay (a sequence of `context` tokens over real blocks, no
+    store): its time, and its kernels' GPU time by kind (bench/gpu/step_profile.py)."""
     graphs = runner.graphs
     if graphs is None or 1 not in graphs.graphs:
-        return None
+        return None, None
     inputs, blocks = graphs.inputs, -(-context // runner.block_size)
     inputs.slots.fill_(-1)
     inputs.lens[:1].fill_(context)
     inputs.tables[0, :blocks] = torch.arange(1, blocks + 1, dtype=torch.int32)
-    return timer(lambda: graphs._replay(1))
+    return timer(lambda: graphs._replay(1)), profile_replay(lambda: graphs._replay(1))
 
 
-def linear_ms(model, timer, device) -> float:
-    """The model's linear layers (LM head included) at one row, each shape timed once."""
+def linear_ms(model, timer, device, product=None) -> float:
+    """The model's linear layers (LM head included) at one row, each shape timed
+    once: cuBLAS's product, or `product` (the runner's kernels.linear)."""
     from engine.model.layers.linear import Linear
 
+    product = product or torch.nn.functional.linear
     counts: dict[tuple, list] = {}
     for module in model.modules():
         if isinstance(module, Linear):
@@ -231,7 +235,7 @@ def linear_ms(model, timer, device) -> float:
     total = 0.0
     for weight, count in counts.values():
         x = torch.randn(1, weight.shape[-1], dtype=weight.dtype, device=device)
-        total += count * timer(lambda x=x, weight=weight: torch.nn.functional.linear(x, weight))
+        total += count * timer(lambda x=x, weight=weight: product(x, weight))
     return total
 
 
@@ -244,13 +248,16 @@ def one_stream(llm, device, bandwidth: float, tokens: int) -> dict:
     weights, kv = read_bytes(runner, context)
     floor = (weights + kv) / (bandwidth * 1e9) * 1e3
     timer = make_timer(torch.device(device))
+    replay, profile = replay_ms(runner, int(context), timer)
     return {"prompt_tokens": len(prompt), "output_tokens": tokens, "itl_graphs_ms": graphs,
             "itl_eager_ms": eager, "eager_over_graphs": eager / graphs,
             "weights_read_gb": weights / 1e9, "kv_read_gb": kv / 1e9, "floor_ms": floor,
             "graphs_over_floor": graphs / floor, "target": ITL_TARGET,
-            "within_target": graphs / floor <= ITL_TARGET,
-            "replay_bs1_ms": replay_ms(runner, int(context), timer),
-            "linear_layers_bs1_ms": linear_ms(runner.model, timer, device)}
+            "within_target": graphs / floor <= ITL_TARGET, "replay_bs1_ms": replay,
+            "replay_bs1_profile": profile,
+            "linear_layers_bs1_ms": linear_ms(runner.model, timer, device),
+            "linear_layers_bs1_runner_ms": linear_ms(runner.model, timer, device,
+                                                     runner.kernels.linear)}
 
 
 def throughput(llm, streams: int, prompt_len: int, out_len: int) -> dict:
@@ -325,7 +332,13 @@ def summary(report: dict) -> list[str]:
             f"{itl['itl_eager_ms']:.2f} ms ({itl['eager_over_graphs']:.2f}x); floor "
             f"{itl['floor_ms']:.2f} ms at {speed_part['copy_gbps']:.0f} GB/s: graphs/floor "
             f"{itl['graphs_over_floor']:.3f} (target <= {ITL_TARGET}); replay alone "
-            f"{replay} ms, linear layers alone {itl['linear_layers_bs1_ms']:.2f} ms")
+            f"{replay} ms, linear layers alone {itl['linear_layers_bs1_ms']:.2f} ms (cuBLAS), "
+            f"{itl['linear_layers_bs1_runner_ms']:.2f} ms (the runner's)")
+        profile = itl.get("replay_bs1_profile")
+        if profile:
+            lines.append(f"bs-1 replay kernels: {profile['kernels_per_call']:.0f} a step, "
+                         f"{profile['gpu_us_per_call']:.0f} us of GPU time: " + ", ".join(
+                             f"{kind} {us:.0f}" for kind, us in profile["by_kind_us"].items()))
     for row in speed_part.get("throughput", []):
         lines.append(f"{row['streams']} streams: graphs {row['graphs_tok_s']:.0f} tok/s, eager "
                      f"{row['eager_tok_s']:.0f} tok/s, eager/graphs time "
