@@ -244,22 +244,52 @@ def test_the_cli_flag():
     assert not config_from_args(parser.parse_args([])).async_scheduling
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA parity needs a CUDA device; "
-                    "on a CPU machine the CPU tests above cover the async path")
-def test_cuda_eager_graphs_and_graphs_with_async_give_the_same_tokens(tiny_llama_path):
-    prompt_list = prompts(13, seed=8)
+def tokenless_llama(folder) -> str:
+    """A tiny random Llama from transformers' config class, with no tokenizer (token-id
+    prompts): nothing to download, so it runs on a bare GPU machine too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, max_position_embeddings=1024, initializer_range=0.3,
+                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+def three_ways(folder: str, device: str, runs) -> list:
+    """Token ids of 13 prompts (9 seats: some wait) through an engine per run."""
+    rng = random.Random(8)
+    prompt_list = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 90))] for _ in range(13)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    tokens, runs = [], (dict(enforce_eager=True), {}, dict(async_scheduling=True))
+    tokens = []
     for extra in runs:
-        llm = LLM(str(tiny_llama_path), **engine_args(device="cuda", max_num_seqs=16,
-                                                      num_gpu_blocks_override=400), **extra)
-        outputs = llm.generate(prompt_list, params, use_tqdm=False)
+        llm = LLM(folder, **engine_args(device=device, max_num_seqs=9, max_num_batched_tokens=256,
+                                        num_gpu_blocks_override=400), **extra)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_list], params,
+                               use_tqdm=False)
         tokens.append([o.outputs[0].token_ids for o in outputs])
-        runner = llm.engine.runner
-        if not extra.get("enforce_eager"):
-            assert runner.graphs is not None and runner.graphs.replays > 0
+        graphs = llm.engine.runner.graphs
+        if device == "cuda" and not extra.get("enforce_eager"):
+            assert graphs is not None and graphs.replays > 0
         if extra.get("async_scheduling"):
             assert llm.engine.overlap.num_overlapped > 20
-        del llm, runner
-        torch.cuda.empty_cache()
-    assert tokens[0] == tokens[1] == tokens[2]
+        del llm, graphs
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return tokens
+
+
+def test_a_model_without_a_tokenizer(tmp_path):
+    sync, overlapped = three_ways(tokenless_llama(tmp_path), "cpu", ({}, dict(async_scheduling=True)))
+    assert sync == overlapped
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA parity needs a CUDA device; "
+                    "on a CPU machine the CPU tests above cover the async path")
+def test_cuda_eager_graphs_and_graphs_with_async_give_the_same_tokens(tmp_path):
+    eager, graphs, overlapped = three_ways(tokenless_llama(tmp_path), "cuda", (
+        dict(enforce_eager=True), {}, dict(async_scheduling=True)))
+    assert eager == graphs == overlapped
