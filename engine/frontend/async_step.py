@@ -37,7 +37,7 @@ an in-flight step left when the last request ends is committed, and dropped,
 by the next call.
 
 What runs synchronously, and why:
-- the whole engine (`reason`): speculative decoding (a draft is built from the
+- the whole engine (`async_reason`): speculative decoding (a draft is built from the
   host's tokens and verified against them), pooling models (no tokens), LoRA
   (adapters are loaded and remapped between steps), the KV offload tiers
   (they copy blocks out on the host after each step), tensor parallelism and
