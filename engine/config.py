@@ -113,6 +113,10 @@ class EngineConfig:
                 "layer (the KV offload tiers imply it)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV blocks of shared prompt prefixes"})
+    async_scheduling: bool = field(default=False, metadata={
+        "help": "schedule and launch step N+1 before step N's tokens reach the host, so the "
+                "host's work overlaps the device's; outputs as without it; steps that cannot "
+                "overlap run as usual (engine/frontend/async_step.py; vLLM's flag)"})
     # Scheduler.
     max_num_seqs: int = field(default=256, metadata={
         "help": "most sequences in one step"})
@@ -222,17 +226,13 @@ class EngineConfig:
                 f"from 1 to {MAX_BLOCK_SIZE} (1, 2, 4, 8, 16, 32, 64, 128)"
             )
         if self.max_num_batched_tokens < self.block_size:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
-                f"block_size={self.block_size}"
-            )
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be at "
+                             f"least block_size={self.block_size}")
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)):
             raise ValueError(f"gpu_memory_utilization must be a number, got {utilization!r}")
         if not 0.0 < utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
-            )
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         conservativeness = self.schedule_conservativeness
         if isinstance(conservativeness, bool) or not isinstance(conservativeness, (int, float)) \
                 or not conservativeness >= 0:

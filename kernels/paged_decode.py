@@ -31,6 +31,25 @@ MIN_ROWS_PER_GROUP_TILE = 16
 
 
 @triton.jit
+def _partition(part, num_parts, partition_size, context_len, window, BLOCK_N: tl.constexpr,
+               SPLIT: tl.constexpr, WINDOW: tl.constexpr):
+    """[start, end) of the context this partition reads. Split, each takes an even,
+    BLOCK_N-aligned share of the sequence's own context (at most partition_size):
+    the split is fixed by the table's width (a shape: CUDA graphs capture it), so a
+    short context in a wide table would otherwise run in one or two programs, each
+    a chain of dependent tiles, while the rest exit at once. With a window the
+    start moves up to the tile of the window's first token."""
+    if SPLIT:
+        even = tl.cdiv(tl.cdiv(context_len, num_parts), BLOCK_N) * BLOCK_N
+        partition_size = tl.minimum(partition_size, even)
+    kv_start = part * partition_size
+    kv_end = tl.minimum(kv_start + partition_size, context_len)
+    if WINDOW:
+        kv_start = tl.maximum(kv_start, tl.maximum(context_len - window, 0) // BLOCK_N * BLOCK_N)
+    return kv_start, kv_end
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
@@ -47,8 +66,10 @@ def _decode_kernel(
     """One program = (sequence, kv head, context partition).
 
     Unsplit: partition_size covers the whole context and the result goes to
-    ``out``.  Split: the normalised partial output and its (max, sum) go to
-    the part_* buffers [seqs, heads, parts(, dim)] for _decode_reduce_kernel.
+    ``out``.  Split: each partition takes an even, BLOCK_N-aligned share of the
+    sequence's context (at most partition_size); the normalised partial output
+    and its (max, sum) go to the part_* buffers [seqs, heads, parts(, dim)] for
+    _decode_reduce_kernel.
     With a window the loop starts at the tile of the window's first token
     (partitions wholly before it do nothing and write l = 0).
     """
@@ -70,10 +91,8 @@ def _decode_kernel(
     acc = tl.zeros([ROWS, DIM_PAD], dtype=tl.float32)
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
-    kv_start = part * partition_size
-    kv_end = tl.minimum(kv_start + partition_size, context_len)
-    if WINDOW:
-        kv_start = tl.maximum(kv_start, tl.maximum(context_len - window, 0) // BLOCK_N * BLOCK_N)
+    kv_start, kv_end = _partition(part, num_parts, partition_size, context_len, window,
+                                  BLOCK_N, SPLIT, WINDOW)
     q_pos = tl.zeros([ROWS], dtype=tl.int32) + (context_len - 1)  # the query is the last token
     acc, m_i, l_i = attend_range(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr + seq.to(tl.int64) * stride_table,

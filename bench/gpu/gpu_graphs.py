@@ -5,24 +5,26 @@ one-stream latency against the HBM floor, throughput.
     python -m bench.gpu.gpu_graphs --device cpu --small        (anywhere: the script's smoke run;
                                                             the CPU has no graphs, both sides eager)
 
-parity      float32, greedy, two engines: enforce_eager=True and False. bench.gpu.gpu_check's
+parity      float32, greedy, three engines: enforce_eager=True, False, and False with
+            async_scheduling (engine/frontend/async_step.py). bench.gpu.gpu_check's
             random Llama (16 / 4 heads, head_dim 64, 8 layers), 32 tokens per prompt, in
             batches of 1, 3 and 17 prompts (3 and 17 replay the graphs of sizes 4 and
             24), and 17 prompts ending at 8..40 tokens (the batch shrinks through padded
             and exact sizes); then a random Gemma 3 whose sliding layers have their own
-            KV pool (the window buffers), 5 prompts past its window. Token for token;
-            also vLLM's near-tie rule (tests/hf_compare.py) and the largest difference of
-            a chosen token's logprob.
+            KV pool (the window buffers), 5 prompts past its window. Token for token
+            (eager = graphs = graphs + async); also vLLM's near-tie rule (tests/hf_compare.py)
+            and the largest difference of a chosen token's logprob.
 itl         one stream at Llama-3.1-8B's shape (scripts/make_shape_folder.py, random
             weights, bf16): ms per output token, (N tokens - 1 token) / (N - 1), best of
-            3, with the graphs and eager (the same engine, its graphs set aside), against
-            the HBM floor = (bytes a decode step reads: every weight but the untied
-            embedding's, and the KV of the mean context) / copy bandwidth
-            (bench/kernels/kernel_timing.py, measured first). Also one bs-1 graph replay alone and
-            the linear layers alone at one row (cuBLAS, and the runner's own product), so
+            3, with the graphs, graphs + async and eager (the same engine: graphs set aside,
+            async steps set up or aside), against the HBM floor = (bytes a decode step
+            reads: every weight but the untied embedding's, the KV of the mean context) /
+            copy bandwidth (bench/kernels/kernel_timing.py). Also one bs-1 graph replay alone
+            (and its kernels' GPU time by kind) and the linear layers alone at one row
+            (cuBLAS, and the runner's own product), so
             the gap splits into the forward's small kernels and the engine's step.
 throughput  64 and 256 streams of random 512-token prompts, 256 tokens each, ignore_eos,
-            graphs against eager on the same engine: output tokens per second.
+            graphs, graphs + async scheduling and eager on the same engine: output tokens/s.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu.gpu_check import build_model, make_prompts
-from bench.gpu.step_profile import profile_replay
+from bench.gpu.step_profile import linear_ms, replay_ms
 from bench.kernels.kernel_timing import copy_bandwidth_gbps, make_timer
 from tests.hf_compare import TOP_K, compare
 
@@ -96,22 +98,26 @@ def judge(eager, graphs) -> dict:
 
 
 def run_both(folder: Path, cases, engine_args: dict) -> tuple[list[dict], dict]:
-    """Every case through an eager engine, then through one with graphs."""
+    """Every case through an eager engine, one with graphs, one with graphs + async."""
     from engine import LLM
 
     results, graph_info = {}, {}
-    for eager in (True, False):
-        llm = LLM(str(folder), enforce_eager=eager, **engine_args)
-        results[eager] = [greedy(llm, prompts, tokens) for _, prompts, tokens in cases]
+    for name, eager, overlap in (("eager", True, False), ("graphs", False, False),
+                                 ("async", False, True)):
+        llm = LLM(str(folder), enforce_eager=eager, async_scheduling=overlap, **engine_args)
+        results[name] = [greedy(llm, prompts, tokens) for _, prompts, tokens in cases]
         graphs = llm.engine.runner.graphs
-        if graphs is not None:
+        if graphs is not None and not overlap:
             graph_info = {"sizes": graphs.sizes, "replays": graphs.replays,
                           "pool_mib": graphs.pool_bytes / 2**20,
                           "reserved_mib": graphs.reserved_bytes / 2**20}
+        if overlap:
+            graph_info["async_overlapped_steps"] = llm.engine.overlap.num_overlapped
         del llm, graphs
         release_memory()
-    rows = [{"case": name, **judge(e, g)}
-            for (name, _, _), e, g in zip(cases, results[True], results[False])]
+    rows = [{"case": name, **judge(e, g), **{f"async_{key}": value for key, value in judge(e, a).items()
+                                             if key in ("identical", "ok", "max_logprob_diff")}}
+            for (name, _, _), e, g, a in zip(cases, *results.values())]
     return rows, graph_info
 
 
@@ -148,7 +154,8 @@ def parity(device: str, small: bool) -> dict:
     replayed = bool(graphs.get("replays")) and bool(hybrid_graphs.get("replays"))
     return {"cases": rows + hybrid, "graphs": graphs, "hybrid_graphs": hybrid_graphs,
             "graphs_replayed": replayed,  # else the parity is eager against eager
-            "ok": all(row["ok"] for row in rows + hybrid) and (replayed or device == "cpu")}
+            "ok": all(row["ok"] and row["async_ok"] for row in rows + hybrid)
+            and (replayed or device == "cpu") and bool(graphs.get("async_overlapped_steps"))}
 
 
 @contextlib.contextmanager
@@ -162,6 +169,18 @@ def eager_steps(llm, eager: bool):
         yield
     finally:
         runner.graphs = graphs
+
+
+@contextlib.contextmanager
+def async_steps(llm, overlap: bool):
+    """The engine with async scheduling on (or off) for a while, the same weights."""
+    from engine.frontend.async_step import AsyncSteps
+    engine = llm.engine
+    saved, engine.overlap = engine.overlap, AsyncSteps.build(engine) if overlap else None
+    try:
+        yield
+    finally:
+        engine.overlap = saved
 
 
 def shape_folder(folder: Path, shape: str, small: bool) -> Path:
@@ -189,9 +208,9 @@ def time_tokens(llm, prompt: list[int], tokens: int, repeats: int) -> float:
     return best
 
 
-def itl_ms(llm, prompt: list[int], tokens: int, eager: bool) -> float:
+def itl_ms(llm, prompt: list[int], tokens: int, eager: bool, overlap: bool = False) -> float:
     """ms per output token of one stream: (N tokens - 1 token) / (N - 1), best of 3 each."""
-    with eager_steps(llm, eager):
+    with eager_steps(llm, eager), async_steps(llm, overlap):
         time_tokens(llm, prompt, 8, 1)  # warm-up: compiles, first-touch allocations
         many = time_tokens(llm, prompt, tokens, 3)
         one = time_tokens(llm, prompt, 1, 3)
@@ -209,41 +228,12 @@ def read_bytes(runner, context: float) -> tuple[int, int]:
     return weights, int(context * runner.bytes_per_block() / runner.block_size)
 
 
-def replay_ms(runner, context: int, timer) -> tuple[float | None, dict | None]:
-    """One bs-1 graph replay (a sequence of `context` tokens over real blocks, no
-    store): its time, and its kernels' GPU time by kind (bench/gpu/step_profile.py)."""
-    graphs = runner.graphs
-    if graphs is None or 1 not in graphs.graphs:
-        return None, None
-    inputs, blocks = graphs.inputs, -(-context // runner.block_size)
-    inputs.slots.fill_(-1)
-    inputs.lens[:1].fill_(context)
-    inputs.tables[0, :blocks] = torch.arange(1, blocks + 1, dtype=torch.int32)
-    return timer(lambda: graphs._replay(1)), profile_replay(lambda: graphs._replay(1))
-
-
-def linear_ms(model, timer, device, product=None) -> float:
-    """The model's linear layers (LM head included) at one row, each shape timed
-    once: cuBLAS's product, or `product` (the runner's kernels.linear)."""
-    from engine.model.layers.linear import Linear
-
-    product = product or torch.nn.functional.linear
-    counts: dict[tuple, list] = {}
-    for module in model.modules():
-        if isinstance(module, Linear):
-            counts.setdefault(tuple(module.weight.shape), [module.weight, 0])[1] += 1
-    total = 0.0
-    for weight, count in counts.values():
-        x = torch.randn(1, weight.shape[-1], dtype=weight.dtype, device=device)
-        total += count * timer(lambda x=x, weight=weight: product(x, weight))
-    return total
-
-
 def one_stream(llm, device, bandwidth: float, tokens: int) -> dict:
     runner = llm.engine.runner
     rng, vocab = random.Random(0), runner.model.args.vocab_size
     prompt = [rng.randrange(100, min(vocab, 30000)) for _ in range(128)]
     graphs, eager = itl_ms(llm, prompt, tokens, False), itl_ms(llm, prompt, tokens, True)
+    overlapped = itl_ms(llm, prompt, tokens, False, overlap=True)
     context = len(prompt) + tokens / 2
     weights, kv = read_bytes(runner, context)
     floor = (weights + kv) / (bandwidth * 1e9) * 1e3
@@ -251,9 +241,11 @@ def one_stream(llm, device, bandwidth: float, tokens: int) -> dict:
     replay, profile = replay_ms(runner, int(context), timer)
     return {"prompt_tokens": len(prompt), "output_tokens": tokens, "itl_graphs_ms": graphs,
             "itl_eager_ms": eager, "eager_over_graphs": eager / graphs,
+            "itl_graphs_async_ms": overlapped, "graphs_over_graphs_async": graphs / overlapped,
             "weights_read_gb": weights / 1e9, "kv_read_gb": kv / 1e9, "floor_ms": floor,
-            "graphs_over_floor": graphs / floor, "target": ITL_TARGET,
-            "within_target": graphs / floor <= ITL_TARGET, "replay_bs1_ms": replay,
+            "graphs_over_floor": graphs / floor, "graphs_async_over_floor": overlapped / floor,
+            "target": ITL_TARGET, "within_target": min(graphs, overlapped) / floor <= ITL_TARGET,
+            "replay_bs1_ms": replay,
             "replay_bs1_profile": profile,
             "linear_layers_bs1_ms": linear_ms(runner.model, timer, device),
             "linear_layers_bs1_runner_ms": linear_ms(runner.model, timer, device,
@@ -270,8 +262,9 @@ def throughput(llm, streams: int, prompt_len: int, out_len: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     row = {"streams": streams, "prompt_tokens": prompt_len, "output_tokens": out_len}
-    for name, eager in (("graphs", False), ("eager", True)):
-        with eager_steps(llm, eager):
+    for name, eager, overlap in (("graphs", False, False), ("eager", True, False),
+                                 ("graphs_async", False, True)):
+        with eager_steps(llm, eager), async_steps(llm, overlap):
             llm.generate(prompts[:8], warm, use_tqdm=False)
             llm.reset_prefix_cache()
             started = time.perf_counter()
@@ -280,6 +273,7 @@ def throughput(llm, streams: int, prompt_len: int, out_len: int) -> dict:
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         row[f"{name}_seconds"], row[f"{name}_tok_s"] = seconds, produced / seconds
     row["eager_over_graphs"] = row["eager_seconds"] / row["graphs_seconds"]
+    row["graphs_over_graphs_async"] = row["graphs_seconds"] / row["graphs_async_seconds"]
     return row
 
 
@@ -316,7 +310,8 @@ def summary(report: dict) -> list[str]:
     lines = []
     for row in report.get("parity", {}).get("cases", []):
         lines.append(f"parity {row['case']}: {row['identical']}/{row['prompts']} identical, "
-                     f"max logprob diff {row['max_logprob_diff']:.2e}")
+                     f"max logprob diff {row['max_logprob_diff']:.2e}; graphs + async "
+                     f"{row['async_identical']}/{row['prompts']}, ok {row['async_ok']}")
     if "graphs_replayed" in report.get("parity", {}):
         lines.append(f"parity: graphs replayed {report['parity']['graphs_replayed']}, "
                      f"ok {report['parity']['ok']}")
@@ -333,7 +328,8 @@ def summary(report: dict) -> list[str]:
             f"{itl['floor_ms']:.2f} ms at {speed_part['copy_gbps']:.0f} GB/s: graphs/floor "
             f"{itl['graphs_over_floor']:.3f} (target <= {ITL_TARGET}); replay alone "
             f"{replay} ms, linear layers alone {itl['linear_layers_bs1_ms']:.2f} ms (cuBLAS), "
-            f"{itl['linear_layers_bs1_runner_ms']:.2f} ms (the runner's)")
+            f"{itl['linear_layers_bs1_runner_ms']:.2f} ms (the runner's); graphs + async "
+            f"{itl['itl_graphs_async_ms']:.2f} ms: {itl['graphs_async_over_floor']:.3f} x floor")
         profile = itl.get("replay_bs1_profile")
         if profile:
             lines.append(f"bs-1 replay kernels: {profile['kernels_per_call']:.0f} a step, "
@@ -342,7 +338,8 @@ def summary(report: dict) -> list[str]:
     for row in speed_part.get("throughput", []):
         lines.append(f"{row['streams']} streams: graphs {row['graphs_tok_s']:.0f} tok/s, eager "
                      f"{row['eager_tok_s']:.0f} tok/s, eager/graphs time "
-                     f"{row['eager_over_graphs']:.2f}")
+                     f"{row['eager_over_graphs']:.2f}; graphs + async {row['graphs_async_tok_s']:.0f} "
+                     f"tok/s ({row['graphs_over_graphs_async']:.2f}x graphs)")
     lines += [f"{part} FAILED: {report[part]['error']}" for part in ("parity", "speed")
               if "error" in report.get(part, {})]
     return lines

@@ -15,6 +15,11 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+# An input id not on the host yet: the token the step in flight samples for the
+# sequence (async scheduling, engine/frontend/async_step.py); the runner takes
+# it from that step's tokens on the device. Never an id the model reads.
+PLACEHOLDER = -1
+
 
 @dataclass
 class ScheduledSequence:

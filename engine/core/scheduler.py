@@ -115,7 +115,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence (stop, length or abort) and give its blocks back."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            if seq in self.running:  # not if async scheduling retired it (frontend/async_step.py)
+                self.running.remove(seq)
         elif seq in self.loading:
             self.loading.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -377,10 +378,9 @@ class Scheduler:
         `num_computed_tokens` stops before them: the next step writes over
         their slots. Returns the sequences that grew.
         """
-        grew = []
+        grew, accepted = [], accepted or {}
         by_id = {seq.seq_id: seq for seq in self.running}
         manager = self.block_manager
-        accepted = accepted or {}
         for scheduled in output.sequences:
             seq = by_id.get(scheduled.seq_id)
             if seq is None:  # finished or aborted while the step ran

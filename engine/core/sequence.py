@@ -15,6 +15,12 @@ scheduler lets a sequence catch up toward `num_tokens`:
 
 When a step's chunk reaches the last known token, the model's logits for it
 are sampled and the new token appended.
+
+Async scheduling (engine/frontend/async_step.py) schedules the next step before
+a sampled token reaches the host: until then the sequence counts a
+*placeholder* past its outputs (`num_placeholders`), in `num_tokens` (what
+the scheduler reads) but not in `output_token_ids` (what is reported). Its
+id in `token_slice` is PLACEHOLDER; the runner takes the real one on the device.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.block_hash import ROOT_HASH, block_extra, hash_block
+from engine.core.sched_output import PLACEHOLDER
 from engine.sampling_params import SamplingParams
 
 
@@ -71,6 +78,8 @@ class Sequence:
     # Speculative decoding: tokens guessed to follow, set before each step by
     # engine/spec_decode/; the scheduler gives them query slots after the last token.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: sampled tokens still on the device, counted after the outputs.
+    num_placeholders: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -78,6 +87,11 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host holds: num_tokens without the placeholders."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -85,7 +99,11 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without concatenating both lists."""
+        """Tokens [start, end) of prompt + output, without concatenating both lists;
+        PLACEHOLDER for positions past the known tokens."""
+        known = self.num_known_tokens
+        if end > known:
+            return self.token_slice(min(start, known), known) + [PLACEHOLDER] * (end - max(start, known))
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]
@@ -107,7 +125,7 @@ class Sequence:
     def update_block_hashes(self, block_size: int) -> None:
         """Hash the full blocks that have appeared since the last call."""
         hashes = self.block_hashes
-        while (len(hashes) + 1) * block_size <= self.num_tokens:
+        while (len(hashes) + 1) * block_size <= self.num_known_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else ROOT_HASH
             tokens = self.token_slice(i * block_size, (i + 1) * block_size)
@@ -116,5 +134,6 @@ class Sequence:
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
+        self.num_placeholders = 0  # a token still in flight for it is dropped
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -8,6 +8,10 @@
              RequestOutput for every request that moved, as its output_kind asks
              (engine/frontend/request_state.py)
 
+With async_scheduling, step() launches the next step before it commits the one
+in flight (engine/frontend/async_step.py); the steps it cannot overlap, and
+every step without it, run `sync_step` as above.
+
 One engine is driven by one thread at a time (the offline LLM, or the service's
 engine thread); it holds no locks of its own.
 """
@@ -36,6 +40,7 @@ from engine.sampling.sampler import SamplerOutput
 from engine.spec_decode.speculator import Speculator
 from engine.sampling.stopping import StopChecker
 from engine.sampling.structured_outputs import StructuredOutputs
+from engine.frontend.async_step import AsyncSteps
 from engine.frontend.engine_stats import engine_stats
 from engine.frontend.request_state import Request
 from engine.frontend.prompt_logprobs import prompt_ends, settle_prompts
@@ -99,6 +104,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = 0  # prompt tokens of every request added
         self.num_generation_tokens = 0  # tokens sampled, over all requests
+        # Async scheduling's in-flight step (None: every step synchronous).
+        self.overlap = AsyncSteps.build(self) if config.async_scheduling else None
 
     def close(self) -> None:
         """Stop the KV event publisher, the offload threads and the runner's
@@ -115,7 +122,7 @@ class LLMEngine:
         worker died), or None."""
         return self.runner.failure
 
-    def _publish_events(self) -> None:
+    def publish_events(self) -> None:
         if self.kv_events is not None:
             self.kv_events.publish(self.block_manager.take_events())
 
@@ -173,6 +180,8 @@ class LLMEngine:
             [0] * params.n, [False] * params.n, pooling=pooling,
         )
         self.num_prompt_tokens += len(token_ids)
+        if self.overlap is not None:
+            self.overlap.note(request_id, params)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -252,7 +261,14 @@ class LLMEngine:
 
     # -- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step and the model; report every request that moved."""
+        """Run one scheduler step and the model; report every request that moved
+        (with async scheduling: the step before's, engine/frontend/async_step.py)."""
+        if self.overlap is not None:
+            return self.overlap.step()
+        return self.sync_step()
+
+    def sync_step(self) -> list[RequestOutput]:
+        """One step, scheduled, run and reported before it returns."""
         if self.offload is not None:
             self.offload.poll()  # blocks that landed from the tiers join the prefix cache
         if self.speculator is not None:
@@ -261,7 +277,7 @@ class LLMEngine:
         if scheduled.is_empty:
             if self.offload is not None:
                 self.offload.wait_for_loads(timeout=0.01)  # only the tiers are left to wait for
-            self._publish_events()
+            self.publish_events()
             return []
         ends = prompt_ends(scheduled)  # max_tokens=0: the prompt is all; nothing samples
         result = self.runner.execute(scheduled)
@@ -276,23 +292,28 @@ class LLMEngine:
         moved: dict[str, Request] = {}
         for seq in self.scheduler.update(scheduled, sampled, accepted):
             request = self.requests[seq.request_id]
-            self._take_tokens(request, seq, rows_of[seq.seq_id], result.sampled)
+            self.take_tokens(request, seq, rows_of[seq.seq_id], result.sampled)
             moved[request.request_id] = request
         take_pooled(self.requests, result.pooled, self.pooling)  # before settle ends them
         moved |= settle_prompts(self.requests, result.prompt_logprobs, ends, self._finish)
         if self.offload is not None:
             self.offload.after_step()  # copy out the blocks to store while they still exist
+        outputs = self.report(moved)
+        self.publish_events()  # the blocks this step cached, now computed
+        if self.loras.pending:
+            self.loras.settle(self.requests)
+        return outputs
+
+    def report(self, moved: dict[str, Request]) -> list[RequestOutput]:
+        """The outputs of the requests that moved; the finished ones leave."""
         outputs = [request.output() for request in moved.values()]
         outputs = [output for output in outputs if output is not None]  # FINAL_ONLY waits
         for request in moved.values():
             if request.finished:
                 del self.requests[request.request_id]
-        self._publish_events()  # the blocks this step cached, now computed
-        if self.loras.pending:
-            self.loras.settle(self.requests)
         return outputs
 
-    def _take_tokens(self, request: Request, seq: Sequence, rows: list[int],
+    def take_tokens(self, request: Request, seq: Sequence, rows: list[int],
                      sampled: SamplerOutput) -> None:
         """Check the step's new tokens of `seq` (appended by the scheduler) one by
         one, as if decoded one per step: logprobs, then stops. Tokens after one
@@ -327,7 +348,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no running sequence holds."""
         self.block_manager.reset_prefix_cache()
-        self._publish_events()
+        self.publish_events()
         return True
 
     def mark_popular(self, block_hashes: list[bytes]) -> int:

@@ -49,6 +49,7 @@ from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.sampling.speculative import verify
 from engine.core.sched_output import SchedulerOutput
 from engine.model.step_inputs import Op, decode_step, encode_step
+from engine.model.step_launch import LaunchedStep, launch_step, ordered_rows
 from engine.model.lora.manager import LoRAManager
 from engine.model.pooling.pooler import pool, read_pooling_info
 from engine.model.placement import resolve_device, resolve_dtype
@@ -57,9 +58,8 @@ from kernels import check_backend_support, get_backend
 logger = logging.getLogger(__name__)
 
 def shared_window(windows: tuple[int | None, ...]) -> int | None:
-    """The window of a model whose every layer slides by the same one, else None:
-    only then may a block that left it be released for all layers. (Gemma's
-    global layers still read every block.)"""
+    """The window of a model whose every layer slides by the same one, else None: only then
+    may a block that left it be released for all layers (Gemma's global layers read all)."""
     return windows[0] if windows and None not in windows and len(set(windows)) == 1 else None
 
 
@@ -248,10 +248,7 @@ class ModelRunner:
         self.use_configured_threads()
         if self.pooling is not None:
             return self._execute_pooling(output)
-        decodes = [s for s in output.sequences if s.num_new_tokens == 1]
-        if self.lora is not None:  # an adapter's rows side by side: its weights read once for them
-            decodes.sort(key=lambda s: s.lora_id)
-        prefills = [s for s in output.sequences if s.num_new_tokens > 1]
+        decodes, prefills = ordered_rows(output, self.lora is not None)
         batch = build_sampling_batch(decodes + prefills, self.eos_token_ids)
         prompt = prompt_logprob_rows(decodes + prefills)  # their rows follow the sampled ones
         header, payload = encode_step(decodes, prefills, batch.rows + prompt.rows,
@@ -267,11 +264,15 @@ class ModelRunner:
         owners, sampled = verify(self.sampler, logits, batch.drafted(self.eos_token_ids))
         return ModelRunnerOutput([batch.seq_ids[i] for i in owners], sampled, prompt_logprobs)
 
+    def launch(self, output: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+        """A plain step queued on the device, its tokens read later (async scheduling:
+        engine/model/step_launch.py); `previous`: the step still in flight."""
+        return launch_step(self, output, previous)
+
     def _execute_pooling(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """A pooling step: the hidden states of every scheduled prompt, pooled per
         sequence whose prompt the step completes (engine/model/pooling/pooler.py)."""
-        decodes = [s for s in output.sequences if s.num_new_tokens == 1]
-        prefills = [s for s in output.sequences if s.num_new_tokens > 1]
+        decodes, prefills = ordered_rows(output, False)  # a pooling runner has no LoRA
         header, payload = encode_step(decodes, prefills, [], output.blocks_to_copy,
                                       self.block_size, output.window_blocks_to_copy)
         inputs = decode_step(header, payload.to(self.device))
@@ -310,8 +311,7 @@ class ModelRunner:
         return self.lora
 
     def share(self, header: list[int], payload: torch.Tensor) -> torch.Tensor:
-        """Hand the encoded step to the other tensor-parallel ranks (none here:
-        engine/model/distributed/executor.py broadcasts it)."""
+        """Hand the encoded step to the other ranks (none: distributed/executor.py broadcasts it)."""
         return payload
 
     @torch.inference_mode()

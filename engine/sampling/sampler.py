@@ -80,6 +80,12 @@ class Sampler:
         self._default_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:
+        return self.sample(logits, requests).to_host()
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> DeviceSample:
+        """The step's tokens (and logprobs) as tensors on the logits' device, not read
+        back yet: async scheduling (engine/frontend/async_step.py) feeds them to the
+        next step on the device and copies them to the host without waiting."""
         logits = self._prepare_logits(logits, len(requests))
         raw_logprobs = _raw_logprobs(logits, requests)
         logits = apply_banned_tokens(logits, requests)
@@ -87,7 +93,7 @@ class Sampler:
         logits = apply_logit_bias(logits, requests)
         logits = _apply_request_penalties(logits, requests)
         token_ids = self._choose_tokens(logits, requests)
-        return _build_output(token_ids, raw_logprobs, requests)
+        return _device_sample(token_ids, raw_logprobs, requests)
 
     def _prepare_logits(self, logits: torch.Tensor, num_requests: int) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != num_requests:
@@ -318,26 +324,52 @@ def _raw_logprobs(
     return rows, logits[index].log_softmax(dim=-1)
 
 
-def _build_output(
+@dataclass
+class DeviceSample:
+    """A step's sampled tokens before they reach the host: token ids [S] and, for
+    the rows that asked for logprobs, the chosen token's and the best ones."""
+
+    token_ids: torch.Tensor  # long [S]
+    counts: list[int | None]  # params.logprobs of each row (None: not asked)
+    logprob_rows: list[int]  # the rows that asked, in order
+    chosen: torch.Tensor | None = None  # float [len(logprob_rows)]
+    best_values: torch.Tensor | None = None  # float [len(logprob_rows), widest]
+    best_ids: torch.Tensor | None = None  # long [len(logprob_rows), widest]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the host reads, in a fixed order (`from_tensors` takes them back)."""
+        logprobs = [] if self.chosen is None else [self.chosen, self.best_values, self.best_ids]
+        return [self.token_ids, *logprobs]
+
+    def to_host(self, tensors: list[torch.Tensor] | None = None) -> SamplerOutput:
+        """The SamplerOutput, from `tensors` (host copies of `tensors()`) or read now."""
+        token_ids, *logprobs = self.tensors() if tensors is None else tensors
+        ids = token_ids.tolist()
+        logprob_of: list[float | None] = [None] * len(ids)
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(ids)
+        if logprobs:
+            chosen, best_values, best_ids = (t.tolist() for t in logprobs)
+            for position, row in enumerate(self.logprob_rows):
+                count = self.counts[row]
+                logprob_of[row] = chosen[position]
+                top_logprobs[row] = list(zip(best_ids[position][:count],
+                                             best_values[position][:count]))
+        return SamplerOutput(ids, logprob_of, top_logprobs)
+
+
+def _device_sample(
     token_ids: torch.Tensor,
     raw_logprobs: tuple[list[int], torch.Tensor] | None,
     requests: Sequence[SamplingRequest],
-) -> SamplerOutput:
-    ids = token_ids.tolist()
-    logprobs: list[float | None] = [None] * len(ids)
-    top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(ids)
+) -> DeviceSample:
+    counts = [request.params.logprobs for request in requests]
     if raw_logprobs is None:
-        return SamplerOutput(ids, logprobs, top_logprobs)
+        return DeviceSample(token_ids, counts, [])
     rows, table = raw_logprobs
     index = torch.tensor(rows, device=token_ids.device)
-    chosen = table.gather(1, token_ids[index][:, None]).squeeze(1).tolist()
+    chosen = table.gather(1, token_ids[index][:, None]).squeeze(1)
     # One top-k with the largest k requested, sliced per row, instead of one
     # top-k call per row.
-    widest = max(requests[row].params.logprobs for row in rows)
+    widest = max(counts[row] for row in rows)
     best_values, best_ids = table.topk(widest, dim=-1) if widest else (table[:, :0], table[:, :0])
-    best_values, best_ids = best_values.tolist(), best_ids.tolist()
-    for position, row in enumerate(rows):
-        count = requests[row].params.logprobs
-        logprobs[row] = chosen[position]
-        top_logprobs[row] = list(zip(best_ids[position][:count], best_values[position][:count]))
-    return SamplerOutput(ids, logprobs, top_logprobs)
+    return DeviceSample(token_ids, counts, rows, chosen, best_values, best_ids)

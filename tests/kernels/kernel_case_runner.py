@@ -67,9 +67,11 @@ def _run_decode(kc, case, seed, device):
         if case["variant"] == "auto":
             pd.paged_decode_attention(*run, out=out, **features)
         else:
+            # split: partitions of up to 4 tiles over the table's width, so a long
+            # context fills several tiles of each and a short one is spread thinner.
             max_context = x["block_tables"].shape[1] * x["k_cache"].shape[1]
-            parts = -(-max_context // block_n) if case["variant"] == "split" else 1
-            pd.decode_attention_partitioned(*run, parts, block_n, out=out, **features)
+            parts = max(2, -(-max_context // (4 * block_n))) if case["variant"] == "split" else 1
+            pd.decode_attention_partitioned(*run, parts, 4 * block_n, out=out, **features)
         error = kc.compare(out, expected, case["dtype"])
         if error is not None:
             return f"{features or 'no features'}: {error}"

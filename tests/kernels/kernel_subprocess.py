@@ -117,6 +117,13 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def child_env() -> dict:
+    """The children's environment: the repo and tests/kernels first on the path,
+    then whatever the parent had there (a package carried onto a GPU box, say)."""
+    path = [str(REPO_ROOT), str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+
+
 def run_cases_script(script: Path, device: str, cases: list, prefix: str):
     """({case id: None or error}, the finished child) of a cases script
     (moe_cases.py, quant_cases.py) run once on `cases`: it reads them as JSON
@@ -124,7 +131,7 @@ def run_cases_script(script: Path, device: str, cases: list, prefix: str):
     proc = subprocess.run(
         [sys.executable, str(script), device], input=json.dumps(cases), cwd=REPO_ROOT,
         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(HERE)])))
+        env=child_env())
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith(prefix):
