@@ -233,7 +233,10 @@ def one_stream(llm, device, bandwidth: float, tokens: int) -> dict:
     rng, vocab = random.Random(0), runner.model.args.vocab_size
     prompt = [rng.randrange(100, min(vocab, 30000)) for _ in range(128)]
     graphs, eager = itl_ms(llm, prompt, tokens, False), itl_ms(llm, prompt, tokens, True)
-    overlapped = itl_ms(llm, prompt, tokens, False, overlap=True)
+    try:  # async's first run on a device: its failure must not take the rest with it
+        overlapped, async_error = itl_ms(llm, prompt, tokens, False, overlap=True), None
+    except Exception:  # noqa: BLE001
+        overlapped, async_error = float("nan"), traceback.format_exc()
     context = len(prompt) + tokens / 2
     weights, kv = read_bytes(runner, context)
     floor = (weights + kv) / (bandwidth * 1e9) * 1e3
@@ -242,6 +245,7 @@ def one_stream(llm, device, bandwidth: float, tokens: int) -> dict:
     return {"prompt_tokens": len(prompt), "output_tokens": tokens, "itl_graphs_ms": graphs,
             "itl_eager_ms": eager, "eager_over_graphs": eager / graphs,
             "itl_graphs_async_ms": overlapped, "graphs_over_graphs_async": graphs / overlapped,
+            "async_error": async_error,
             "weights_read_gb": weights / 1e9, "kv_read_gb": kv / 1e9, "floor_ms": floor,
             "graphs_over_floor": graphs / floor, "graphs_async_over_floor": overlapped / floor,
             "target": ITL_TARGET, "within_target": min(graphs, overlapped) / floor <= ITL_TARGET,
@@ -252,7 +256,7 @@ def one_stream(llm, device, bandwidth: float, tokens: int) -> dict:
                                                      runner.kernels.linear)}
 
 
-def throughput(llm, streams: int, prompt_len: int, out_len: int) -> dict:
+def throughput(llm, streams: int, prompt_len: int, out_len: int, with_eager: bool = True) -> dict:
     from engine import SamplingParams
 
     vocab = llm.engine.runner.model.args.vocab_size
@@ -264,15 +268,23 @@ def throughput(llm, streams: int, prompt_len: int, out_len: int) -> dict:
     row = {"streams": streams, "prompt_tokens": prompt_len, "output_tokens": out_len}
     for name, eager, overlap in (("graphs", False, False), ("eager", True, False),
                                  ("graphs_async", False, True)):
-        with eager_steps(llm, eager), async_steps(llm, overlap):
-            llm.generate(prompts[:8], warm, use_tqdm=False)
-            llm.reset_prefix_cache()
-            started = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - started
+        if eager and not with_eager:
+            continue
+        try:
+            with eager_steps(llm, eager), async_steps(llm, overlap):
+                llm.generate(prompts[:8], warm, use_tqdm=False)
+                llm.reset_prefix_cache()
+                started = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - started
+        except Exception:  # noqa: BLE001  one side's failure keeps the others' rows
+            row[f"{name}_error"], row[f"{name}_seconds"] = traceback.format_exc(), float("nan")
+            row[f"{name}_tok_s"] = float("nan")
+            continue
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         row[f"{name}_seconds"], row[f"{name}_tok_s"] = seconds, produced / seconds
-    row["eager_over_graphs"] = row["eager_seconds"] / row["graphs_seconds"]
+    if with_eager:
+        row["eager_over_graphs"] = row["eager_seconds"] / row["graphs_seconds"]
     row["graphs_over_graphs_async"] = row["graphs_seconds"] / row["graphs_async_seconds"]
     return row
 
@@ -297,8 +309,8 @@ def speed(args) -> dict:
                                 "pool_mib": graphs.pool_bytes / 2**20,
                                 "reserved_mib": graphs.reserved_bytes / 2**20}
         report["itl"] = one_stream(llm, args.device, bandwidth, args.itl_tokens)
-        report["throughput"] = [throughput(llm, n, args.prompt_len, args.output_len)
-                                for n in args.streams]
+        report["throughput"] = [throughput(llm, n, args.prompt_len, args.output_len,
+                                           not args.no_eager_throughput) for n in args.streams]
         if graphs is not None:
             report["graphs"]["replays"] = graphs.replays
         del llm, graphs
@@ -336,10 +348,11 @@ def summary(report: dict) -> list[str]:
                          f"{profile['gpu_us_per_call']:.0f} us of GPU time: " + ", ".join(
                              f"{kind} {us:.0f}" for kind, us in profile["by_kind_us"].items()))
     for row in speed_part.get("throughput", []):
-        lines.append(f"{row['streams']} streams: graphs {row['graphs_tok_s']:.0f} tok/s, eager "
-                     f"{row['eager_tok_s']:.0f} tok/s, eager/graphs time "
-                     f"{row['eager_over_graphs']:.2f}; graphs + async {row['graphs_async_tok_s']:.0f} "
-                     f"tok/s ({row['graphs_over_graphs_async']:.2f}x graphs)")
+        eager = (f", eager {row['eager_tok_s']:.0f} tok/s (eager/graphs time {row['eager_over_graphs']:.2f})"
+                 if "eager_tok_s" in row else "")
+        lines.append(f"{row['streams']} streams: graphs {row['graphs_tok_s']:.0f} tok/s, graphs + async "
+                     f"{row['graphs_async_tok_s']:.0f} tok/s ({row['graphs_over_graphs_async']:.2f}x "
+                     f"graphs){eager}")
     lines += [f"{part} FAILED: {report[part]['error']}" for part in ("parity", "speed")
               if "error" in report.get(part, {})]
     return lines
@@ -355,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="64,256")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--no-eager-throughput", action="store_true",
+                        help="throughput with graphs and graphs + async only (less device time)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     args.streams = [int(n) for n in args.streams.split(",")]
