@@ -51,7 +51,6 @@ from engine.model.layers.linear import Linear
 from engine.model.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model.layers.quantization import QuantLinear
 from kernels.kv_quant import QUANTIZED_CACHES
-from kernels.reference import gelu_tanh_and_mul_reference
 
 
 UNKNOWN = object()  # a layer's Bound before its first step
@@ -90,8 +89,9 @@ def shape_of(layer) -> Shape | None:
     norms = _norms(layer)
     if type(attn) is Attention and attn.q_norm is not None:  # Qwen3's, Gemma 3's: inside the op
         norms += (attn.q_norm, attn.k_norm)
-    # Gemma's op runs the reference GELU's torch ops: a backend's own would differ.
-    norm_type, act = ((GemmaRMSNorm, gelu_tanh_and_mul_reference) if gemma
+    # The op runs the activation the backend gives the module (Gemma's: the reference
+    # GELU's torch ops, which the CPU's gelu_tanh_and_mul is); another would differ.
+    norm_type, act = ((GemmaRMSNorm, attn.kernels.gelu_tanh_and_mul) if gemma
                       else (RMSNorm, attn.kernels.silu_and_mul))
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if type(mlp) is MLP else ()
     if (type(attn) is not Attention or attn.group is not None
