@@ -186,8 +186,9 @@ def test_the_costliest_schema_every_limit_accepts_compiles_faster_than_a_refused
     which the limits refuse (the attack's 2,500 took two minutes). Measured 1.2 s
     against the yardstick's 1.9 s on one machine, 1.65-1.95 s against 2.0-2.3 s
     on another (a CI run failed a 2 s bound there): CPU seconds alone say more
-    about the machine than about the limits. Twice the depth allowed measured
-    1.53 yardsticks, over the 1.25 held here."""
+    about the machine than about the limits; 1.11-1.18 yardsticks on a third
+    (2026-12-01). Twice the depth allowed measured 1.53 yardsticks, over the 1.35
+    held here."""
     import xgrammar
     from transformers import AutoTokenizer
 
@@ -208,15 +209,26 @@ def test_the_costliest_schema_every_limit_accepts_compiles_faster_than_a_refused
     yardstick = obj(800)
     assert "optional properties" in refused(yardstick)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    compiler = StructuredOutputs(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-    compiler.compiler()  # the vocabulary's preparation is not the schema's cost
-    started = time.thread_time()
-    compiler.compile(StructuredOutputsParams(json=schema))
-    took = time.thread_time() - started
-    started = time.thread_time()  # straight to xgrammar: our checks would refuse it
-    grammar = xgrammar.Grammar.from_json_schema(json.dumps(yardstick), any_whitespace=False)
-    compiler.compiler(cached=False).compile_grammar(grammar)
-    yardstick_took = time.thread_time() - started
-    assert took < 1.25 * yardstick_took, (
+    # Alternated rounds, the least of each side compared: one pair timed once
+    # measured 1.37 and 1.79 yardsticks in two CI runs (a neighbour's load lands on
+    # one side of the pair); the least of three measured 1.11-1.18, loaded or idle.
+    took, yardstick_took = [], []
+    for _ in range(3):
+        compiler = StructuredOutputs(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+        compiler.compiler()  # the vocabulary's preparation is not the schema's cost
+        took.append(cpu_seconds(lambda: compiler.compile(StructuredOutputsParams(json=schema))))
+        # Straight to xgrammar, uncached: our checks would refuse it.
+        yardstick_took.append(cpu_seconds(lambda: compiler.compiler(cached=False).compile_grammar(
+            xgrammar.Grammar.from_json_schema(json.dumps(yardstick), any_whitespace=False))))
+    took, yardstick_took = min(took), min(yardstick_took)
+    assert took < 1.35 * yardstick_took, (
         f"the costliest accepted schema took {took:.2f} s of CPU to compile, "
         f"800 optional properties {yardstick_took:.2f} s")
+
+
+def cpu_seconds(work) -> float:
+    """The calling thread's CPU seconds for `work()` (xgrammar compiles on it:
+    the compilers run with max_threads=1)."""
+    started = time.thread_time()
+    work()
+    return time.thread_time() - started
