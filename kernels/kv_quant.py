@@ -34,6 +34,21 @@ largest element (a scale rounded down clamps it to 127 * s).  That second
 term is at most 2^-11 of max|x| while s is a normal fp16 (max|x| >= 127 *
 2^-14 ~ 0.0078), at most 127 * 2^-25 ~ 4e-6 below.  Rounding is half to
 even, in fp32, dividing by s: every backend computes the same codes.
+
+An int8 cache's K meets a query in int8 too: Q.K reads each (token, query
+head) row of the query rounded the same way, with an fp32 scale (it is never
+stored), so every score is an integer dot product times two scales:
+
+    q[d] ~= a[d] * r,  r = max_d |q[d]| / 127,  a[d] = clamp(round(q[d] / r), -127, 127)
+    score = (sum_d a[d] * c[d]) * s * r * softmax_scale
+
+The sum is exact everywhere (|sum| <= head_dim * 127^2 < 2^24 up to head_dim
+1,040, so fp32 sums of the products are exact too), which is what lets the
+CPU op take the integer dot product (AVX512-VNNI's ``vpdpbusd``: 64
+multiply-adds an instruction, no widening of K's codes) while its other
+builds and Triton multiply the codes as floats, all to the same numbers. The
+query's rounding costs what K's does (half a step of 1/127 of the row's
+largest element); P.V reads V's values, codes times scale, as before.
 """
 
 from __future__ import annotations
@@ -89,6 +104,15 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     codes = torch.where(s32 > 0, x32 / torch.where(s32 > 0, s32, 1.0), 0.0)
     codes = codes.round().clamp(-CODE_MAX, CODE_MAX).to(torch.int8)
     return torch.cat((codes, scale.view(torch.int8)), dim=-1)
+
+
+def quantize_query(q: torch.Tensor) -> torch.Tensor:
+    """``[..., head_dim]`` query rows -> float32 ``[..., head_dim]`` rows as an int8
+    cache's Q.K reads them: codes of one fp32 scale per row, times the scale."""
+    q32 = q.float()
+    scale = q32.abs().amax(dim=-1, keepdim=True) / CODE_MAX
+    codes = torch.where(scale > 0, q32 / torch.where(scale > 0, scale, 1.0), 0.0)
+    return codes.round().clamp(-CODE_MAX, CODE_MAX) * scale
 
 
 def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:

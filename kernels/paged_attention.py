@@ -55,13 +55,17 @@ interpreter's bf16 arithmetic is wrong.
 
 int8 caches (``--kv-cache-dtype int8``, layout in ``kernels/kv_quant.py``)
 ---------------------------------------------------------------------------
-The kernels read the int8 blocks in place: ``load_kv_tile`` loads a tile's
-codes and, beside each row, its fp16 scale, and multiplies them in fp32 inside
-the tile loop, so no de-quantized copy of the cache is ever built.  Whether a
-cache is int8 is read from its pointer's type at compile time: the float
-caches compile exactly as before.  The query (float32/bf16/fp16) sets the
-arithmetic and the output dtype, as with a cache of the query's dtype; the
-values are rounded to it once, as a cache in that dtype would hold them.
+The kernels read the int8 blocks in place: ``load_int8_tile`` loads a tile's
+codes and, beside each row, its fp16 scale, inside the tile loop, so no
+de-quantized copy of the cache is ever built.  Q.K multiplies codes by codes:
+the query's rows are rounded to int8 once (``quantize_query_rows``, as
+kernels/kv_quant.py's quantize_query defines it), both sides' codes go to
+``tl.dot`` in the query's dtype (exact: |code| <= 127), and the two scales
+multiply the sums, as the reference and the CPU op's integer dot product do.
+P.V reads V's codes times their scale, rounded once to the query's dtype as
+a cache in that dtype would hold them.  Whether a cache is int8 is read from
+its pointer's type at compile time: the float caches compile exactly as
+before.  The query (float32/bf16/fp16) sets the output dtype.
 
 fp8 caches (``--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2``)
 -------------------------------------------------------
@@ -109,24 +113,47 @@ def kv_tile_rows(table_row_ptr, token_start, context_len, kv_head,
 
 
 @triton.jit
+def load_int8_tile(cache_ptr, rows, in_context, stride_dim, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """An int8 cache's (kernels/kv_quant.py) [BLOCK_N, DIM_PAD] codes of ``rows``
+    and each row's fp16 scale in fp32, read in place (the scale sits after the
+    HEAD_DIM codes; check_int8_layout made its two bytes contiguous and 2-aligned)."""
+    dims = tl.arange(0, DIM_PAD)
+    mask = in_context[:, None] & (dims < HEAD_DIM)[None, :]
+    codes = tl.load(cache_ptr + rows[:, None] + dims[None, :] * stride_dim, mask=mask, other=0)
+    scale_ptr = (cache_ptr + rows + HEAD_DIM * stride_dim).to(tl.pointer_type(tl.float16), bitcast=True)
+    return codes, tl.load(scale_ptr, mask=in_context, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def quantize_query_rows(q):
+    """Each row of ``q`` as an int8 cache's Q.K reads it (kernels/kv_quant.py,
+    quantize_query): its codes, in q's dtype (exact: |code| <= 127), and their
+    fp32 scale, max |q| / 127.  Adding and taking away 1.5 * 2^23 leaves fp32's
+    nearest integer, ties to even, as torch.round does."""
+    x = q.to(tl.float32)
+    scale = tl.max(tl.abs(x), 1) / 127.0
+    codes = tl.where(scale[:, None] > 0, x / tl.where(scale > 0, scale, 1.0)[:, None], 0.0)
+    codes = (codes + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(codes, -127.0), 127.0).to(q.dtype), scale
+
+
+@triton.jit
 def load_kv_tile(cache_ptr, rows, in_context, stride_dim,
                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, UPCAST: tl.constexpr):
     """The [BLOCK_N, DIM_PAD] K or V values of ``rows``: the cache's own dtype,
-    or, for an int8 cache (kernels/kv_quant.py), each row's codes times its
-    fp16 scale in fp32, read in place (the scale sits after the HEAD_DIM codes),
-    or an fp8 cache's values in fp32."""
-    dims = tl.arange(0, DIM_PAD)
-    mask = in_context[:, None] & (dims < HEAD_DIM)[None, :]
-    x = tl.load(cache_ptr + rows[:, None] + dims[None, :] * stride_dim, mask=mask, other=0.0)
+    or, for an int8 cache, each row's codes times its scale in fp32
+    (load_int8_tile), or an fp8 cache's values in fp32."""
     if cache_ptr.dtype.element_ty == tl.int8:
-        # check_int8_layout made the scale's two bytes contiguous and 2-aligned.
-        scale_ptr = (cache_ptr + rows + HEAD_DIM * stride_dim).to(tl.pointer_type(tl.float16), bitcast=True)
-        scale = tl.load(scale_ptr, mask=in_context, other=0.0).to(tl.float32)
-        x = x.to(tl.float32) * scale[:, None]
-    elif cache_ptr.dtype.element_ty == tl.float8e4nv:
-        x = fp8_values(x, FP8_E4M3_MAX, UPCAST)
-    elif cache_ptr.dtype.element_ty == tl.float8e5:
-        x = fp8_values(x, FP8_E5M2_MAX, UPCAST)
+        codes, scale = load_int8_tile(cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD)
+        x = codes.to(tl.float32) * scale[:, None]
+    else:
+        dims = tl.arange(0, DIM_PAD)
+        mask = in_context[:, None] & (dims < HEAD_DIM)[None, :]
+        x = tl.load(cache_ptr + rows[:, None] + dims[None, :] * stride_dim, mask=mask, other=0.0)
+        if cache_ptr.dtype.element_ty == tl.float8e4nv:
+            x = fp8_values(x, FP8_E4M3_MAX, UPCAST)
+        elif cache_ptr.dtype.element_ty == tl.float8e5:
+            x = fp8_values(x, FP8_E5M2_MAX, UPCAST)
     return x
 
 
@@ -183,6 +210,9 @@ def attend_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_pt
                   WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr):
     """Attend rows of ``q`` (at positions ``q_pos``) to context tokens [kv_start, kv_end);
     ``soft_cap`` is the cap times log2(e), as the scores are in base 2."""
+    INT8_K: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8
+    if INT8_K:  # Q.K of codes by codes, the scales after (see the module's notes)
+        q, q_scale = quantize_query_rows(q)
     for token_start in range(kv_start, kv_end, BLOCK_N):
         tokens, rows, in_context = kv_tile_rows(
             table_row_ptr, token_start, context_len, kv_head,
@@ -191,9 +221,14 @@ def attend_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_pt
         # fp32 under the interpreter, whose bf16 arithmetic is wrong: upcast),
         # or an int8 cache's values rounded once to it, as a bf16 cache holds them
         # (an fp8 cache's convert exactly: fp8 values are bf16 and fp16 values).
-        k = load_kv_tile(k_cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD, UPCAST).to(q.dtype)
         v = load_kv_tile(v_cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD, UPCAST).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if INT8_K:
+            k, k_scale = load_int8_tile(k_cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD)
+            dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+            scores = dots * (q_scale[:, None] * k_scale[None, :]) * qk_scale
+        else:
+            k = load_kv_tile(k_cache_ptr, rows, in_context, stride_dim, HEAD_DIM, DIM_PAD, UPCAST).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if SOFT_CAP:
             scores = soft_cap * soft_cap_tanh(scores / soft_cap)
         visible = (tokens < kv_end)[None, :]

@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import dequantize_rows, is_fp8, is_quantized, quantize_rows, to_fp8
+from kernels.kv_quant import (dequantize_rows, is_fp8, is_quantized, quantize_query, quantize_rows,
+                              to_fp8)
 
 # Bound on the fp32 elements of gathered K (and again V) per decode chunk, so a
 # batch with one very long sequence does not materialise
@@ -80,6 +81,12 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int
 def _values(rows: torch.Tensor) -> torch.Tensor:
     """Cache rows as values: an int8 cache's rows de-quantized to float32."""
     return dequantize_rows(rows) if is_quantized(rows) else rows
+
+
+def _query_values(query: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
+    """The query as Q.K reads it: rounded to int8 rows where K is int8
+    (kernels/kv_quant.py, quantize_query), else as it is."""
+    return quantize_query(query) if is_quantized(k_cache) else query
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -172,7 +179,7 @@ def _decode_rows(query, k_cache, v_cache, block_tables, context_lens, scale,
     v = _gather_slots(v_cache, slots)
     # Rows of equal length (a single row, always) need no mask at all.
     mask = allowed[:, None, None, :] if not bool(allowed.all()) else None
-    q = query.float()[:, :, None, :]
+    q = _query_values(query.float(), k_cache)[:, :, None, :]
     if logits_soft_cap is not None:
         mask = allowed[:, None, None, :]
         out = _capped_attention(q, k, v, mask, scale, logits_soft_cap)
@@ -281,7 +288,7 @@ def paged_prefill_attention_reference(
             raise ValueError(f"sequence {i}: {nq} query tokens but context_len {length}")
         k = _gather_context(k_cache, block_tables[i:i + 1], length, compute_dtype)[0].transpose(0, 1)
         v = _gather_context(v_cache, block_tables[i:i + 1], length, compute_dtype)[0].transpose(0, 1)
-        q = query[q_start:q_end].to(compute_dtype).transpose(0, 1)[None]  # [1, H, nq, D]
+        q = _query_values(query[q_start:q_end], k_cache).to(compute_dtype).transpose(0, 1)[None]
         allowed = None  # a whole prompt at once: plain causal attention (or none)
         if causal and (nq < length or (sliding_window is not None and sliding_window < length)):
             # q_j (at position length - nq + j) sees positions <= its own, within the window

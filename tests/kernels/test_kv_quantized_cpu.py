@@ -2,8 +2,9 @@
 fp8 e4m3 and e5m2) in the compiled CPU ops, against the reference, through
 every build this CPU runs: the store writes exactly the reference's bytes;
 decode and prefill/extend read the blocks in place, with and without a
-sliding window and a soft cap, at block sizes 1, 16 and 128; and the int8
-round trip stays within its stated bound.
+sliding window and a soft cap, at block sizes 1, 16 and 128; the int8
+round trip stays within its stated bound; and Q.K over an int8 cache reads
+the query rounded to int8 rows as kernels/kv_quant.py defines.
 
 Fresh random inputs each session.  The caches are kernel_cases' float caches
 quantized row by row: an unwritten (NaN) row stays NaN (an int8 row gets a
@@ -17,12 +18,13 @@ import torch
 import kernels
 from kernel_cases import (build_decode_inputs, build_prefill_inputs, build_store_inputs, call_decode,
                           call_prefill, compare, feature_sets, poisoned_before, window_starts)
-from kernels.kv_quant import dequantize_rows, quantize_rows, row_scales, to_fp8
+from kernels.kv_quant import dequantize_rows, quantize_query, quantize_rows, row_scales, to_fp8
 from kernels.reference import (paged_decode_attention_reference, paged_prefill_attention_reference,
                                store_kvcache_reference)
 
 # (head_dim, heads, kv_heads, block_size): MHA, MQA, GQA 8 and 3 (SmolLM2's 9/3).
-SHAPES = ((64, 4, 4, 1), (128, 8, 1, 16), (64, 16, 2, 128), (64, 9, 3, 16))
+# 96: a head of one and a half 64-byte chunks (the VNNI build packs K 64 codes at a time).
+SHAPES = ((64, 4, 4, 1), (128, 8, 1, 16), (64, 16, 2, 128), (64, 9, 3, 16), (96, 6, 2, 16))
 FEATURES = ("none", "window", "cap", "both")
 
 
@@ -114,6 +116,41 @@ def test_the_round_trip_is_within_its_bound(session_seed):
     normal = scale[..., 0] >= 2 ** -14
     assert bool(normal.any()) and bool((~normal).any())
     assert bool((rows[..., :-2].abs().amax(-1)[normal] == 127).all())
+
+
+def test_an_int8_cache_reads_the_query_in_int8(session_seed):
+    """quantize_query: codes of one fp32 scale a row, max|q| / 127, within half a
+    step of q, the largest element exactly +-127 steps, a zero row zero; and the
+    reference's decode over an int8 cache is softmax(Q' K^T * scale) V with Q'
+    those rows and K, V the cache's values (not the query as it came)."""
+    gen = torch.Generator().manual_seed(session_seed)
+    q = torch.randn(3, 8, 64, generator=gen) * torch.logspace(-3, 2, 8)[None, :, None]
+    q[0, 0] = 0.0
+    rounded = quantize_query(q)
+    scale = q.abs().amax(-1, keepdim=True) / 127
+    assert bool(((rounded - q).abs() <= scale / 2 * (1 + 2 ** -20)).all())
+    steps = torch.where(scale > 0, rounded / torch.where(scale > 0, scale, 1.0), 0.0)
+    codes = steps.round()
+    assert bool(((steps - codes).abs() < 1e-4).all()) and int(codes.abs().amax()) == 127
+    assert bool((codes.abs().amax(-1)[scale[..., 0] > 0] == 127).all())
+    assert not bool(rounded[0, 0].any())
+
+    x = with_quantized_caches(build_decode_inputs({"shape": [64, 8, 2, 16], "dtype": "float32"}, 1, "cpu"))
+    got = call_decode(paged_decode_attention_reference, x)
+    k, v = (dequantize_rows(x[name]).flatten(0, 1) for name in ("k_cache", "v_cache"))
+    parted = False  # from the query as it came, on some row (a one-token row cannot part)
+    for i, length in enumerate(x["context_lens"].tolist()):
+        blocks = x["block_tables"][i, :(length + 15) // 16].long()
+        slots = (blocks[:, None] * 16 + torch.arange(16)).flatten()[:length]
+        keys, values = k[slots].repeat_interleave(4, 1), v[slots].repeat_interleave(4, 1)  # [L, 8, 64]
+        want = {}
+        for name, query in (("int8", quantize_query(x["query"][i])), ("raw", x["query"][i])):
+            scores = torch.einsum("hd,lhd->hl", query, keys) * x["scale"]
+            want[name] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
+        if length:
+            assert torch.allclose(got[i], want["int8"], atol=1e-5, rtol=1e-5), i
+            parted |= not torch.allclose(got[i], want["raw"], atol=1e-5, rtol=1e-5)
+    assert parted
 
 
 def test_a_cache_of_the_wrong_width_is_refused(compiled_cpu_ops):

@@ -141,7 +141,7 @@ struct Scratch {
         vf(convert ? size_t(kTile) * head_dim : 0), scores(size_t(max_rows) * kTile), part_m(max_rows),
         part_l(max_rows), part_acc(size_t(max_rows) * head_dim), tot_m(max_rows), tot_l(max_rows),
         tot_acc(size_t(max_rows) * head_dim), zero_f(head_dim, 0.0f), zero_t(row_elements<T>(head_dim), T{}),
-        visible(max_rows), lo(max_rows) {}
+        visible(max_rows), lo(max_rows), q_scale(is_q8<T> ? max_rows : 0), q_codes(is_q8<T> ? head_dim : 0) {}
   Buffer<QT> q;                      // rows x head_dim, loader layout when QT is float
   Buffer<float> kf, vf;              // one head's tile of K / V converted to fp32
   Buffer<float> scores;              // rows x kTile: scores, then weights
@@ -151,6 +151,8 @@ struct Scratch {
   std::vector<T> zero_t;
   Buffer<int64_t> visible;           // per row of a head: context tokens it may see
   Buffer<int64_t> lo;                // per row of a head: its sliding window's first token
+  Buffer<float> q_scale;             // an int8 cache's: per row, the scale of its query's codes
+  Buffer<int8_t> q_codes;            // an int8 cache's: one query row's codes, natural order
   int64_t slots[2][kTile];           // element offsets of this tile's and the next tile's tokens
   Prefetcher ahead;                  // the next tile's lines, issued during P.V
 };
@@ -240,16 +242,12 @@ inline void dot8(const bf16_t* q, const bf16_t* const* k, int head_dim, float* o
 }
 #endif
 
-// Scores of one row over a tile, in the log2 domain; tokens it may not see
-// (past its causal position or the tile's end) are -inf.
-// `ks`: each token's K scale (an int8 cache's rows; nullptr for any other).
+// Q.K of one row over a tile, unscaled: the groups of 8 tokens holding any
+// of [lo, visible) (groups wholly before a window's first token `lo` are
+// not multiplied at all).
 template <typename QT, typename KT>
-void score_row(const QT* q, const KT* const* k, int visible, int head_dim, float scale2, float* s,
-               const float* ks) {
-  for (int g = 0; g < visible; g += 8) dot8(q, k + g, head_dim, s + g);
-  if (ks != nullptr)  // the whole tile: lanes from `visible` on become -inf below
-    for (int i = 0; i < kTile; i += vec::W) vec::store(s + i, vec::mul(vec::load(s + i), vec::load(ks + i)));
-  for (int i = 0; i < kTile; ++i) s[i] = i < visible ? s[i] * scale2 : kNegInf;
+void dot_row(const QT* q, const KT* const* k, int lo, int visible, int head_dim, float* s) {
+  for (int g = lo & ~7; g < visible; g += 8) dot8(q, k + g, head_dim, s + g);
 }
 
 // tanh in fp32 for the soft cap: the odd rational minimax approximation of
@@ -273,23 +271,23 @@ inline vec::F tanh_rational(vec::F x) {
   return vec::div(vec::mul(p, x), q);
 }
 
-// score_row with the optional features: tokens before `lo` (a sliding
-// window's first token) are -inf too, and with a soft cap c each score
-// s = q.k * scale becomes c * tanh(s / c), in fp32 (cap_scale = scale / c,
-// cap2 = c * log2(e); 0: no cap).  Groups of 8 wholly before `lo` are not
-// multiplied at all.
-template <typename QT, typename KT>
-void score_row_features(const QT* q, const KT* const* k, int lo, int visible, int head_dim,
-                        float scale2, float cap_scale, float cap2, float* s, const float* ks) {
-  for (int g = lo & ~7; g < visible; g += 8) dot8(q, k + g, head_dim, s + g);
+// A row's dots -> its scores in the log2 domain: times each token's K scale
+// (`ks`, an int8 cache's; nullptr for any other), then the softmax scale, or
+// with a soft cap c, s = q.k * scale becomes c * tanh(s / c) in fp32
+// (cap_scale = scale / c, cap2 = c * log2(e); 0: no cap).  Tokens outside
+// [lo, visible) (before a sliding window, past the row's causal position
+// or the tile's end) are -inf, whatever their lanes held.
+inline void finish_scores(float* s, int lo, int visible, float scale2, float cap_scale, float cap2,
+                          const float* ks) {
   if (ks != nullptr)
-    for (int i = lo; i < visible; ++i) s[i] *= ks[i];
-  if (cap2 > 0.0f) {  // the whole tile: lanes outside [lo, visible) are masked below
+    for (int i = 0; i < kTile; i += vec::W) vec::store(s + i, vec::mul(vec::load(s + i), vec::load(ks + i)));
+  if (cap2 > 0.0f) {
     const vec::F c2 = vec::set1(cap2), cs = vec::set1(cap_scale);
     for (int i = 0; i < kTile; i += vec::W)
       vec::store(s + i, vec::mul(c2, tanh_rational(vec::mul(vec::load(s + i), cs))));
   } else {
-    for (int i = lo; i < visible; ++i) s[i] *= scale2;
+    const vec::F scale = vec::set1(scale2);
+    for (int i = 0; i < kTile; i += vec::W) vec::store(s + i, vec::mul(vec::load(s + i), scale));
   }
   for (int i = 0; i < lo; ++i) s[i] = kNegInf;
   for (int i = visible; i < kTile; ++i) s[i] = kNegInf;

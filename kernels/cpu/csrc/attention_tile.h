@@ -94,18 +94,20 @@ void full_tile_scores(Scratch<T, QT>& s, size_t base, const bf16_t* const* k, co
 // Rows that see nothing of the tile are skipped (a row's first tile with a
 // window is the one holding lo[r]), so the softmax never meets an all -inf row.
 // ks / vs: an int8 cache's per-token K and V scales (nullptr otherwise):
-// folded into the scores before the softmax and into the weights after it.
+// folded into the scores before the softmax and into the weights after it;
+// its query rows' own scales (Scratch::q_scale) join the softmax scale.
+// int8 query codes (QT, the VNNI build) come with their dots in
+// Scratch::scores already (q8_tile_dots) and no k.
 template <typename T, typename QT, typename KT, typename VT>
 void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k,
                const VT* const* v, const Tile& t, const float* ks = nullptr, const float* vs = nullptr) {
   const int head_dim = w.kv.head_dim;
   const size_t base = size_t(head) * w.rows;
-  const bool plain = w.lo == nullptr && w.cap2 == 0.0f;
   auto n_for = [&](int r) { return int(std::min<int64_t>(t.n, w.visible[r] - t.t0)); };
   bool scored = false;  // by full_tile_scores, for every row at once
 #ifdef PAGEDSERVE_HAS_DPBF16
   if constexpr (std::is_same_v<QT, bf16_t> && std::is_same_v<KT, bf16_t>) {
-    if (w.full && plain && ks == nullptr && s.kf.data() != nullptr) {
+    if (w.full && w.lo == nullptr && w.cap2 == 0.0f && ks == nullptr && s.kf.data() != nullptr) {
       full_tile_scores(s, base, k, t, head_dim, w.scale2);
       scored = true;
     }
@@ -113,12 +115,13 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
 #endif
   for (int r = t.first; r < t.last; ++r) {
     float* scores = &s.scores[(base + r) * kTile];
-    const QT* q = &s.q[(base + r) * head_dim];
-    if (plain && !scored) {
-      score_row(q, k, n_for(r), head_dim, w.scale2, scores, ks);
-    } else if (!scored) {
+    if (!scored) {
+      float qs = 1.0f;  // the query row's scale: an int8 cache's codes
+      if constexpr (is_q8<T>) qs = s.q_scale[base + r];
       const int lo = w.lo ? int(std::max<int64_t>(0, w.lo[r] - t.t0)) : 0;
-      score_row_features(q, k, lo, n_for(r), head_dim, w.scale2, w.cap_scale, w.cap2, scores, ks);
+      if constexpr (!std::is_same_v<QT, int8_t>)
+        dot_row(&s.q[(base + r) * head_dim], k, lo, n_for(r), head_dim, scores);
+      finish_scores(scores, lo, n_for(r), w.scale2 * qs, w.cap_scale * qs, w.cap2, ks);
     }
     softmax_row(scores, s.part_m[base + r], s.part_l[base + r], &s.part_acc[(base + r) * head_dim],
                 head_dim);
@@ -130,49 +133,107 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
           s.ahead);
 }
 
-// An int8 row's codes, unscaled: fp32 in L's loader layout, or (the dpbf16
-// build) bf16 in natural order, exact, for the bf16 dot product.
+// An int8 row's codes, unscaled, as fp32 in L's loader layout.
 template <typename L>
 inline void convert_codes(const q8_t<L>* src, float* dst, int head_dim) {
   convert_row(src, dst, head_dim);
 }
-#ifdef PAGEDSERVE_HAS_DPBF16
+
+// An int8 cache's query row (kernels/kv_quant.py, quantize_query): its codes
+// of one fp32 scale, absmax / 127, rounded half to even (the default
+// rounding mode) after a true division, as torch rounds them; the scale is
+// returned.  `out` gets what Q.K multiplies: the codes (the VNNI build) or
+// their fp32 values in L's loader layout.  A query holding inf or NaN gets
+// zero codes and a NaN scale: its row comes out NaN, as the reference's does.
+template <typename L, typename T, typename QT>
+float prepare_q8_query(const T* q, int head_dim, int8_t* codes, QT* out) {
+  float top = 0.0f;
+  for (int d = 0; d < head_dim; ++d) {
+    const float x = std::fabs(to_float(q[d]));
+    top = x > top || x != x ? x : top;
+  }
+  float scale = top / 127.0f;
+  const bool finite = scale > 0.0f && std::isfinite(scale);
+  for (int d = 0; d < head_dim; ++d)
+    codes[d] = finite ? int8_t(std::clamp(std::nearbyint(to_float(q[d]) / scale), -127.0f, 127.0f)) : 0;
+  if (!finite && scale != 0.0f) scale = std::numeric_limits<float>::quiet_NaN();
+  if constexpr (std::is_same_v<QT, int8_t>) {
+    std::memcpy(out, codes, size_t(head_dim));
+  } else {
+    convert_codes(reinterpret_cast<const q8_t<L>*>(codes), out, head_dim);
+  }
+  return scale;
+}
+
+// Query row r of an item as Q.K multiplies it (Scratch::q), and for an int8
+// cache its scale (Scratch::q_scale).
+template <typename T, typename C, typename QT>
+void prepare_row(Scratch<C, QT>& s, size_t r, const T* q, int head_dim) {
+  if constexpr (is_q8<C>) {
+    s.q_scale[r] = prepare_q8_query<T>(q, head_dim, s.q_codes.data(), &s.q[r * head_dim]);
+  } else {
+    prepare_query(q, head_dim, &s.q[r * head_dim]);
+  }
+}
+
+#ifdef PAGEDSERVE_HAS_VNNI
+// The VNNI build's Q.K of an int8 tile: K's codes packed once into token
+// lanes (vec::pack_words16, in Scratch::kf), then four query rows at a time
+// take the integer dot product against them (vec::dots_i8), the dots left
+// in Scratch::scores for tile_step.  Rows see tokens in a prefix of the
+// tile, so every lane is computed and tile_step masks what a row may not see.
 template <typename L>
-inline void convert_codes(const q8_t<L>* src, bf16_t* dst, int head_dim) {
-  for (int d = 0; d < head_dim; d += kPair) vec::i8_to_bf16(&src[d].bits, dst + d);
+void q8_tile_dots(Scratch<q8_t<L>, int8_t>& s, const Work<q8_t<L>>& w, size_t base, const int8_t* const* k,
+                  const Tile& t) {
+  static_assert(kTile == 2 * vec::W, "a tile is two vectors of tokens");
+  const int head_dim = w.kv.head_dim;
+  auto* kt = reinterpret_cast<uint32_t*>(s.kf.data());  // a tile of fp32 rows holds a tile of words
+  vec::pack_words16(k, head_dim, kt, kTile);
+  vec::pack_words16(k + vec::W, head_dim, kt + vec::W, kTile);
+  int r = t.first;
+  for (; r + 4 <= t.last; r += 4)
+    vec::dots_i8<4>(&s.q[(base + r) * head_dim], head_dim, kt, &s.scores[(base + r) * kTile]);
+  for (; r < t.last; ++r)
+    vec::dots_i8<1>(&s.q[(base + r) * head_dim], head_dim, kt, &s.scores[(base + r) * kTile]);
 }
 #endif
 
-// One head of an int8 tile: K's codes converted once (many query rows read
-// them; to bf16 where the build multiplies bf16 pairs), V's read in place by
-// P.V (each code is loaded once per block of rows anyway), and every token's
-// two scales set aside for tile_step to fold in.  Tokens before t.begin and past the tile's end get
-// zero rows and zero scales.
+// One head of an int8 tile: K's codes read once for every query row (packed
+// into token lanes where the build multiplies int8, else converted to fp32),
+// V's read in place by P.V (each code is loaded once per block of rows
+// anyway), and every token's two scales set aside for tile_step to fold in.
+// Tokens before t.begin and past the tile's end get zero rows and zero scales.
 template <typename L, typename QT>
 void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, const int64_t* slots,
                  const Tile& t) {
-  using KT = std::conditional_t<std::is_same_v<QT, float>, float, bf16_t>;  // what Q.K reads
   const int head_dim = w.kv.head_dim;
   const int64_t offset = int64_t(head) * w.kv.row;
-  KT* const scratch = reinterpret_cast<KT*>(s.kf.data());  // a tile of fp32 rows fits a tile of KT rows
-  const KT* kf[kTile];
+  const q8_t<L>* kp[kTile];
   const q8_t<L>* vp[kTile];
-  alignas(64) float ks[kTile], vs[kTile];
-  for (int i = 0; i < kTile; ++i) {
-    if (i >= t.begin && i < t.n) continue;
-    kf[i] = reinterpret_cast<const KT*>(s.zero_f.data());  // zeros in either type
-    vp[i] = s.zero_t.data();
-    ks[i] = vs[i] = 0.0f;
-  }
+  alignas(64) float ks[kTile] = {}, vs[kTile] = {};
+  for (int i = 0; i < kTile; ++i) kp[i] = vp[i] = s.zero_t.data();
   for (int i = t.begin; i < t.n; ++i) {
-    const q8_t<L>* k = w.kv.k + slots[i] + offset;
+    kp[i] = w.kv.k + slots[i] + offset;
     vp[i] = w.kv.v + slots[i] + offset;
-    ks[i] = row_scale(k, head_dim);
+    ks[i] = row_scale(kp[i], head_dim);
     vs[i] = row_scale(vp[i], head_dim);
-    kf[i] = scratch + size_t(i) * head_dim;
-    convert_codes(k, scratch + size_t(i) * head_dim, head_dim);
   }
-  tile_step<q8_t<L>, QT, KT, q8_t<L>>(s, w, head, kf, vp, t, ks, vs);
+#ifdef PAGEDSERVE_HAS_VNNI
+  if constexpr (std::is_same_v<QT, int8_t>) {
+    const int8_t* codes[kTile];
+    for (int i = 0; i < kTile; ++i) codes[i] = &kp[i]->bits;
+    q8_tile_dots(s, w, size_t(head) * w.rows, codes, t);
+    tile_step<q8_t<L>, QT, int8_t, q8_t<L>>(s, w, head, nullptr, vp, t, ks, vs);
+    return;
+  }
+#endif
+  float* const scratch = s.kf.data();
+  const float* kf[kTile];
+  for (int i = 0; i < kTile; ++i) {
+    kf[i] = scratch + size_t(i) * head_dim;
+    convert_codes(kp[i], scratch + size_t(i) * head_dim, head_dim);
+  }
+  tile_step<q8_t<L>, QT, float, q8_t<L>>(s, w, head, kf, vp, t, ks, vs);
 }
 
 // One head of one tile.  Picks where K/V get converted to fp32: a few rows

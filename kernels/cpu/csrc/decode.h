@@ -80,7 +80,7 @@ template <typename T, typename C, typename QT>
 void decode_item(Scratch<C, QT>& s, const DecodeArgs<T>& a, const DecodeItem& it) {
   const int heads = int(a.l.heads), head_dim = int(a.l.head_dim);
   const T* query = a.query + it.seq * heads * head_dim;
-  for (int h = 0; h < heads; ++h) prepare_query(query + h * head_dim, head_dim, &s.q[size_t(h) * head_dim]);
+  for (int h = 0; h < heads; ++h) prepare_row(s, size_t(h), query + h * head_dim, head_dim);
   for (int g = 0; g < a.l.group; ++g) {
     s.visible[g] = a.lens[it.seq];
     s.lo[g] = window_lo(a.lens[it.seq], a.window);

@@ -137,10 +137,16 @@ KvView<C> kv_view(const Layer& l, const at::Tensor& k_cache, const at::Tensor& v
           int(l.head_dim), row};
 }
 
-// What Q.K multiplies: fp32 for an fp8 cache (its rows convert), else QueryOf
-// (an int8 K row's codes are exact in bf16: the dpbf16 build multiplies them so).
+// What Q.K multiplies: fp32 for an fp8 cache (its rows convert); for an int8
+// cache the query's own int8 codes on the VNNI build (attention_tile.h,
+// prepare_q8_query), elsewhere their values in QueryOf (exact); else QueryOf.
+#ifdef PAGEDSERVE_HAS_VNNI
+template <typename T, typename C>
+using QueryFor = std::conditional_t<is_fp8<C>, float, std::conditional_t<is_q8<C>, int8_t, QueryOf<T>>>;
+#else
 template <typename T, typename C>
 using QueryFor = std::conditional_t<is_fp8<C>, float, QueryOf<T>>;
+#endif
 
 template <typename F>
 void dispatch_dtype(at::ScalarType dtype, const F& f) {

@@ -75,7 +75,7 @@ void prefill_item(Scratch<C, QT>& s, const PrefillArgs<T>& a, const PrefillItem&
     const int64_t row0 = (a.cu[it.seq] + j) * a.l.heads + it.head * group;
     for (int g = 0; g < group; ++g) {
       const int r = int(j - it.j0) * group + g;
-      prepare_query(a.query + (row0 + g) * head_dim, head_dim, &s.q[size_t(r) * head_dim]);
+      prepare_row(s, size_t(r), a.query + (row0 + g) * head_dim, head_dim);
       s.visible[r] = prefill_visible(len, nq, j, a.causal);
       s.lo[r] = window_lo(s.visible[r], a.window);
     }

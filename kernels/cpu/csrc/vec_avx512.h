@@ -16,6 +16,7 @@
 #include "types.h"
 
 #define PAGEDSERVE_HAS_DPBF16 1
+#define PAGEDSERVE_HAS_VNNI 1  // the build's -mavx512vnni: every AVX512-BF16 CPU has it
 
 namespace pagedserve::vec {
 
@@ -192,15 +193,6 @@ inline void store_bf16(bf16_t* p, F a) {
 // Eight bf16 dot products of one query row (raw bf16, natural order) with
 // eight K rows, head_dim a multiple of 32: no conversion, one instruction
 // per 32 elements.
-// 32 int8 codes as bf16 in natural order: exact (|c| <= 127 needs 7 bits), so
-// an int8 K row's codes go through the bf16 dot product unchanged.
-inline void i8_to_bf16(const int8_t* p, bf16_t* out) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
-  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-}
-
 inline void dot8_bf16(const bf16_t* q, const bf16_t* const* k, int head_dim, float* out) {
   F acc[8];
   for (int t = 0; t < 8; ++t) acc[t] = zero();
@@ -213,6 +205,76 @@ inline void dot8_bf16(const bf16_t* q, const bf16_t* const* k, int head_dim, flo
     }
   }
   reduce8(acc, out);
+}
+
+// An int8 cache's K in token lanes, for vpdpbusd (the VNNI build's Q.K).
+// Sixteen rows of `bytes` codes (a multiple of 32) become 32-bit words, the
+// row's four codes 4p .. 4p + 3 in lane t of word p:
+//   out[p * stride + t] = rows[t][4p .. 4p + 3], each byte + 128
+// vpdpbusd multiplies unsigned bytes by signed ones, so K takes the unsigned
+// side offset by 128 (an xor of the sign bit) and dots_i8 takes the offset's
+// share back.  A 16 x 16 transpose of words per 64 bytes: interleave words,
+// then pairs of words, then 128-bit lanes twice; a last half chunk is read
+// under a mask.
+inline void pack_words16(const int8_t* const* rows, int bytes, uint32_t* out, int stride) {
+  const __m512i bias = _mm512_set1_epi8(char(0x80));
+  for (int c = 0; c < bytes; c += 64) {
+    const int left = bytes - c, words = left >= 64 ? 16 : left / 4;
+    const __mmask64 m = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+    __m512i r[16], a[16];
+    for (int t = 0; t < 16; ++t) r[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, rows[t] + c), bias);
+    for (int i = 0; i < 8; ++i) {
+      a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[4i + j], 128-bit lane L: word 4L + j of rows 4i .. 4i + 3
+      r[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+      r[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+      r[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+      r[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {  // lane L of r[j], r[4 + j], r[8 + j], r[12 + j]: word 4L + j
+      const __m512i x0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), x1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xee);
+      const __m512i y0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44),
+                    y1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xee);
+      const __m512i w[4] = {_mm512_shuffle_i32x4(x0, y0, 0x88), _mm512_shuffle_i32x4(x0, y0, 0xdd),
+                            _mm512_shuffle_i32x4(x1, y1, 0x88), _mm512_shuffle_i32x4(x1, y1, 0xdd)};
+      for (int l = 0; l < 4; ++l)
+        if (4 * l + j < words) _mm512_storeu_si512(out + size_t(c / 4 + 4 * l + j) * stride, w[l]);
+    }
+  }
+}
+
+// R query rows' int8 codes (head_dim apart) against 2W tokens of K words in
+// token lanes (pack_words16, stride 2W): each row's dots in two vectors of
+// tokens, exact, as fp32.  K's offset adds 128 * (the row's code sum) to
+// every dot; one more vpdpbusd against 128s per 64 codes finds it.
+template <int R>
+inline void dots_i8(const int8_t* q, int head_dim, const uint32_t* kt, float* out) {
+  __m512i acc[R][2], offset[R];
+  const __m512i bias = _mm512_set1_epi8(char(0x80));
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = acc[r][1] = offset[r] = _mm512_setzero_si512();
+    for (int d = 0; d < head_dim; d += 64) {
+      const __mmask64 m = head_dim - d >= 64 ? ~__mmask64(0) : (__mmask64(1) << (head_dim - d)) - 1;
+      offset[r] = _mm512_dpbusd_epi32(offset[r], bias, _mm512_maskz_loadu_epi8(m, q + r * head_dim + d));
+    }
+    offset[r] = _mm512_set1_epi32(_mm512_reduce_add_epi32(offset[r]));
+  }
+  for (int p = 0; p < head_dim / 4; ++p) {
+    const __m512i k0 = _mm512_loadu_si512(kt + p * 2 * W), k1 = _mm512_loadu_si512(kt + p * 2 * W + W);
+    for (int r = 0; r < R; ++r) {
+      int32_t word;
+      std::memcpy(&word, q + r * head_dim + 4 * p, sizeof(word));
+      const __m512i qw = _mm512_set1_epi32(word);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], k0, qw);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], k1, qw);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * 2 * W, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], offset[r])));
+    _mm512_storeu_ps(out + r * 2 * W + W, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], offset[r])));
+  }
 }
 
 }  // namespace pagedserve::vec
