@@ -24,10 +24,7 @@ The bounds, against the references (kernels/reference.py) on the same device:
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 
 RESULT_PREFIX = "@@ELEM "
 NORM_ULPS_FP32 = 8  # random rows stay within 3; the sums' worst case is a few more
@@ -208,17 +205,10 @@ RUNNERS = {"rms_norm": _rms_case, "rope": _rope_case, "act": _act_case, "dispatc
 
 
 def main(device: str) -> None:
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:  # interpreted @jit functions cannot be compiled
-        os.environ.pop("TRITON_INTERPRET", None)
-    for case in json.load(sys.stdin):
-        try:
-            error = _run_compile(case) if device == "sm90" else RUNNERS[case["kernel"]](case, device)
-        except Exception:  # noqa: BLE001 - reported as the case's failure
-            error = traceback.format_exc()
-        print(RESULT_PREFIX + json.dumps({"id": case["id"], "error": error}), flush=True)
+    from kernel_subprocess import serve_cases
 
+    serve_cases(device, RESULT_PREFIX, lambda case: _run_compile(case) if device == "sm90"
+                else RUNNERS[case["kernel"]](case, device))
 
 if __name__ == "__main__":
     main(sys.argv[1])

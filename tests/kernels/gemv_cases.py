@@ -14,10 +14,7 @@ bf16 / fp16 output rounds each side once more (half a unit in its last place).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 
 RESULT_PREFIX = "@@GEMV "
 HALF_ULP = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -113,20 +110,14 @@ def _run_compile(case: dict) -> str | None:
 
 
 def main(device: str) -> None:
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:  # interpreted @jit functions cannot be compiled
-        os.environ.pop("TRITON_INTERPRET", None)
-    for case in json.load(sys.stdin):
-        try:
-            if device == "sm90":
-                error = _run_compile(case)
-            else:
-                error = (_run_tuner if case.get("tuner") else _run_case)(case, device)
-        except Exception:  # noqa: BLE001 - reported as the case's failure
-            error = traceback.format_exc()
-        print(RESULT_PREFIX + json.dumps({"id": case["id"], "error": error}), flush=True)
+    from kernel_subprocess import serve_cases
 
+    def run(case):
+        if device == "sm90":
+            return _run_compile(case)
+        return (_run_tuner if case.get("tuner") else _run_case)(case, device)
+
+    serve_cases(device, RESULT_PREFIX, run)
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -138,3 +139,21 @@ def run_cases_script(script: Path, device: str, cases: list, prefix: str):
             result = json.loads(line[len(prefix):])
             results[result["id"]] = result["error"]
     return results, proc
+
+
+def serve_cases(device: str, prefix: str, run, job_id=lambda job: job["id"]) -> None:
+    """The child side of run_cases_script, for every cases script: Triton's
+    interpreter on for "cpu" (set before anything imports triton) and off
+    otherwise (cuda, or sm90: interpreted @jit functions cannot be compiled);
+    the jobs read as JSON from stdin, and for each a `prefix` line of JSON
+    {"id", "error"}: None, the error `run(job)` returned, or its exception."""
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    for job in json.load(sys.stdin):
+        try:
+            error = run(job)
+        except Exception:  # noqa: BLE001 - reported as the case's failure
+            error = traceback.format_exc()
+        print(prefix + json.dumps({"id": job_id(job), "error": error}), flush=True)

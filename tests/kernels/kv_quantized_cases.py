@@ -18,10 +18,7 @@ outputs NaN.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 
 RESULT_PREFIX = "@@KVQUANT "
 FP8_FORMATS = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -257,20 +254,15 @@ def run_case(case: dict, seed: int, device: str) -> str | None:
 
 def main(device: str) -> None:
     """Interpreter on the CPU; compiled otherwise (cuda; sm90: compile only)."""
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:
-        os.environ.pop("TRITON_INTERPRET", None)
-    import torch
+    from kernel_subprocess import serve_cases
 
-    torch.set_num_threads(1)  # children run side by side
-    for item in json.load(sys.stdin):
-        try:
-            error = run_case(item["case"], item["seed"], "cuda" if device == "cuda" else "cpu")
-        except Exception:  # noqa: BLE001 - reported as the case's failure
-            error = traceback.format_exc(limit=8)
-        print(RESULT_PREFIX + json.dumps({"id": item["case"]["id"], "error": error}), flush=True)
+    def run(item):
+        import torch
 
+        torch.set_num_threads(1)  # children run side by side
+        return run_case(item["case"], item["seed"], "cuda" if device == "cuda" else "cpu")
+
+    serve_cases(device, RESULT_PREFIX, run, job_id=lambda item: item["case"]["id"])
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -17,10 +17,7 @@ place of each, at most 2**-8 (bf16) or 2**-11 (fp16) of its magnitude.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 
 RESULT_PREFIX = "@@LORA "
 SLOTS = 3
@@ -143,17 +140,10 @@ def _run_compile(case: dict) -> str | None:
 
 
 def main(device: str) -> None:
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:  # interpreted @jit functions cannot be compiled
-        os.environ.pop("TRITON_INTERPRET", None)
-    for case in json.load(sys.stdin):
-        try:
-            error = _run_compile(case) if device == "sm90" else _run_case(case, device)
-        except Exception:  # noqa: BLE001 - reported as the case's failure
-            error = traceback.format_exc()
-        print(RESULT_PREFIX + json.dumps({"id": case["id"], "error": error}), flush=True)
+    from kernel_subprocess import serve_cases
 
+    serve_cases(device, RESULT_PREFIX,
+                lambda case: _run_compile(case) if device == "sm90" else _run_case(case, device))
 
 if __name__ == "__main__":
     main(sys.argv[1])

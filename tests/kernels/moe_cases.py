@@ -8,10 +8,7 @@ prints one line ``@@MOE {"id": ..., "error": null | str}`` per case.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 
 RESULT_PREFIX = "@@MOE "
 
@@ -52,15 +49,9 @@ def _run_case(case: dict, device: str) -> str | None:
 
 
 def main(device: str) -> None:
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    for case in json.load(sys.stdin):
-        try:
-            error = _run_case(case, device)
-        except Exception:  # noqa: BLE001 - reported as the case's failure
-            error = traceback.format_exc()
-        print(RESULT_PREFIX + json.dumps({"id": case["id"], "error": error}), flush=True)
+    from kernel_subprocess import serve_cases
 
+    serve_cases(device, RESULT_PREFIX, lambda case: _run_case(case, device))
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -17,10 +17,7 @@ output adds one float16 rounding of each.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 
 RESULT_PREFIX = "@@QUANT "
 ROWS = (1, 3, 16, 128)
@@ -158,21 +155,11 @@ def _run_compile(case: dict) -> str | None:
 
 
 def main(device: str) -> None:
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:  # interpreted @jit functions cannot be compiled
-        os.environ.pop("TRITON_INTERPRET", None)
-    runners = {"type": _run_type, "mixed": _run_mixed}
-    for case in json.load(sys.stdin):
-        try:
-            if device == "sm90":
-                error = _run_compile(case)
-            else:
-                error = runners[case["kind"]](case, device)
-        except Exception:  # noqa: BLE001 - reported as the case's failure
-            error = traceback.format_exc()
-        print(RESULT_PREFIX + json.dumps({"id": case["id"], "error": error}), flush=True)
+    from kernel_subprocess import serve_cases
 
+    runners = {"type": _run_type, "mixed": _run_mixed}
+    serve_cases(device, RESULT_PREFIX, lambda case: _run_compile(case) if device == "sm90"
+                else runners[case["kind"]](case, device))
 
 if __name__ == "__main__":
     main(sys.argv[1])
