@@ -99,11 +99,15 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     # reciprocal of a scalar, which is not the correctly rounded quotient
     # the other backends compute.
     scale = (absmax / absmax.new_full((), CODE_MAX)).clamp(max=FP16_MAX).to(torch.float16)
-    s32 = scale.float()
-    # An all-zero row has scale 0: its codes are 0, not 0 / 0.
-    codes = torch.where(s32 > 0, x32 / torch.where(s32 > 0, s32, 1.0), 0.0)
-    codes = codes.round().clamp(-CODE_MAX, CODE_MAX).to(torch.int8)
+    codes = _codes(x32, scale.float()).to(torch.int8)
     return torch.cat((codes, scale.view(torch.int8)), dim=-1)
+
+
+def _codes(x32: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded half to even and clamped to +-127, as float32; an
+    all-zero row (scale 0) codes to 0, not 0 / 0."""
+    codes = torch.where(scale > 0, x32 / torch.where(scale > 0, scale, 1.0), 0.0)
+    return codes.round().clamp(-CODE_MAX, CODE_MAX)
 
 
 def quantize_query(q: torch.Tensor) -> torch.Tensor:
@@ -111,8 +115,7 @@ def quantize_query(q: torch.Tensor) -> torch.Tensor:
     cache's Q.K reads them: codes of one fp32 scale per row, times the scale."""
     q32 = q.float()
     scale = q32.abs().amax(dim=-1, keepdim=True) / CODE_MAX
-    codes = torch.where(scale > 0, q32 / torch.where(scale > 0, scale, 1.0), 0.0)
-    return codes.round().clamp(-CODE_MAX, CODE_MAX) * scale
+    return _codes(q32, scale) * scale
 
 
 def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:

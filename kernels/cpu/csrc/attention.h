@@ -141,7 +141,9 @@ struct Scratch {
         vf(convert ? size_t(kTile) * head_dim : 0), scores(size_t(max_rows) * kTile), part_m(max_rows),
         part_l(max_rows), part_acc(size_t(max_rows) * head_dim), tot_m(max_rows), tot_l(max_rows),
         tot_acc(size_t(max_rows) * head_dim), zero_f(head_dim, 0.0f), zero_t(row_elements<T>(head_dim), T{}),
-        visible(max_rows), lo(max_rows), q_scale(is_q8<T> ? max_rows : 0), q_codes(is_q8<T> ? head_dim : 0) {}
+        visible(max_rows), lo(max_rows), q_scale(is_q8<T> ? max_rows : 0),
+        q_offset(std::is_same_v<QT, int8_t> ? max_rows : 0),
+        q_codes(is_q8<T> && !std::is_same_v<QT, int8_t> ? head_dim : 0) {}
   Buffer<QT> q;                      // rows x head_dim, loader layout when QT is float
   Buffer<float> kf, vf;              // one head's tile of K / V converted to fp32
   Buffer<float> scores;              // rows x kTile: scores, then weights
@@ -152,7 +154,8 @@ struct Scratch {
   Buffer<int64_t> visible;           // per row of a head: context tokens it may see
   Buffer<int64_t> lo;                // per row of a head: its sliding window's first token
   Buffer<float> q_scale;             // an int8 cache's: per row, the scale of its query's codes
-  Buffer<int8_t> q_codes;            // an int8 cache's: one query row's codes, natural order
+  Buffer<int32_t> q_offset;          // the VNNI build's: per row, 128 x its codes' sum (vec::dots_i8)
+  Buffer<int8_t> q_codes;            // an int8 cache's without VNNI: one query row's codes, natural order
   int64_t slots[2][kTile];           // element offsets of this tile's and the next tile's tokens
   Prefetcher ahead;                  // the next tile's lines, issued during P.V
 };

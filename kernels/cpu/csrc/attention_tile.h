@@ -142,11 +142,13 @@ inline void convert_codes(const q8_t<L>* src, float* dst, int head_dim) {
 // An int8 cache's query row (kernels/kv_quant.py, quantize_query): its codes
 // of one fp32 scale, absmax / 127, rounded half to even (the default
 // rounding mode) after a true division, as torch rounds them; the scale is
-// returned.  `out` gets what Q.K multiplies: the codes (the VNNI build) or
-// their fp32 values in L's loader layout.  A query holding inf or NaN gets
-// zero codes and a NaN scale: its row comes out NaN, as the reference's does.
+// returned.  `out` gets what Q.K multiplies: the codes themselves (the VNNI
+// build; `scratch` unused) or their fp32 values in L's loader layout (the
+// codes first in `scratch`).  A query holding inf or NaN gets zero codes and
+// a NaN scale: its row comes out NaN, as the reference's does.
 template <typename L, typename T, typename QT>
-float prepare_q8_query(const T* q, int head_dim, int8_t* codes, QT* out) {
+float prepare_q8_query(const T* q, int head_dim, int8_t* scratch, QT* out) {
+  int8_t* const codes = std::is_same_v<QT, int8_t> ? reinterpret_cast<int8_t*>(out) : scratch;
   float top = 0.0f;
   for (int d = 0; d < head_dim; ++d) {
     const float x = std::fabs(to_float(q[d]));
@@ -157,20 +159,23 @@ float prepare_q8_query(const T* q, int head_dim, int8_t* codes, QT* out) {
   for (int d = 0; d < head_dim; ++d)
     codes[d] = finite ? int8_t(std::clamp(std::nearbyint(to_float(q[d]) / scale), -127.0f, 127.0f)) : 0;
   if (!finite && scale != 0.0f) scale = std::numeric_limits<float>::quiet_NaN();
-  if constexpr (std::is_same_v<QT, int8_t>) {
-    std::memcpy(out, codes, size_t(head_dim));
-  } else {
+  if constexpr (!std::is_same_v<QT, int8_t>)
     convert_codes(reinterpret_cast<const q8_t<L>*>(codes), out, head_dim);
-  }
   return scale;
 }
 
 // Query row r of an item as Q.K multiplies it (Scratch::q), and for an int8
-// cache its scale (Scratch::q_scale).
+// cache its scale (Scratch::q_scale) and, for the VNNI build's dot product,
+// K's offset's share of every dot (Scratch::q_offset): once a row, not a tile.
 template <typename T, typename C, typename QT>
 void prepare_row(Scratch<C, QT>& s, size_t r, const T* q, int head_dim) {
   if constexpr (is_q8<C>) {
     s.q_scale[r] = prepare_q8_query<T>(q, head_dim, s.q_codes.data(), &s.q[r * head_dim]);
+    if constexpr (std::is_same_v<QT, int8_t>) {
+      int32_t sum = 0;
+      for (int d = 0; d < head_dim; ++d) sum += s.q[r * head_dim + d];
+      s.q_offset[r] = 128 * sum;
+    }
   } else {
     prepare_query(q, head_dim, &s.q[r * head_dim]);
   }
@@ -192,9 +197,11 @@ void q8_tile_dots(Scratch<q8_t<L>, int8_t>& s, const Work<q8_t<L>>& w, size_t ba
   vec::pack_words16(k + vec::W, head_dim, kt + vec::W, kTile);
   int r = t.first;
   for (; r + 4 <= t.last; r += 4)
-    vec::dots_i8<4>(&s.q[(base + r) * head_dim], head_dim, kt, &s.scores[(base + r) * kTile]);
+    vec::dots_i8<4>(&s.q[(base + r) * head_dim], head_dim, &s.q_offset[base + r], kt,
+                    &s.scores[(base + r) * kTile]);
   for (; r < t.last; ++r)
-    vec::dots_i8<1>(&s.q[(base + r) * head_dim], head_dim, kt, &s.scores[(base + r) * kTile]);
+    vec::dots_i8<1>(&s.q[(base + r) * head_dim], head_dim, &s.q_offset[base + r], kt,
+                    &s.scores[(base + r) * kTile]);
 }
 #endif
 

@@ -248,19 +248,11 @@ inline void pack_words16(const int8_t* const* rows, int bytes, uint32_t* out, in
 // R query rows' int8 codes (head_dim apart) against 2W tokens of K words in
 // token lanes (pack_words16, stride 2W): each row's dots in two vectors of
 // tokens, exact, as fp32.  K's offset adds 128 * (the row's code sum) to
-// every dot; one more vpdpbusd against 128s per 64 codes finds it.
+// every dot: `offset[r]`, worked out once a row, comes off each lane.
 template <int R>
-inline void dots_i8(const int8_t* q, int head_dim, const uint32_t* kt, float* out) {
-  __m512i acc[R][2], offset[R];
-  const __m512i bias = _mm512_set1_epi8(char(0x80));
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = acc[r][1] = offset[r] = _mm512_setzero_si512();
-    for (int d = 0; d < head_dim; d += 64) {
-      const __mmask64 m = head_dim - d >= 64 ? ~__mmask64(0) : (__mmask64(1) << (head_dim - d)) - 1;
-      offset[r] = _mm512_dpbusd_epi32(offset[r], bias, _mm512_maskz_loadu_epi8(m, q + r * head_dim + d));
-    }
-    offset[r] = _mm512_set1_epi32(_mm512_reduce_add_epi32(offset[r]));
-  }
+inline void dots_i8(const int8_t* q, int head_dim, const int32_t* offset, const uint32_t* kt, float* out) {
+  __m512i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
   for (int p = 0; p < head_dim / 4; ++p) {
     const __m512i k0 = _mm512_loadu_si512(kt + p * 2 * W), k1 = _mm512_loadu_si512(kt + p * 2 * W + W);
     for (int r = 0; r < R; ++r) {
@@ -272,8 +264,9 @@ inline void dots_i8(const int8_t* q, int head_dim, const uint32_t* kt, float* ou
     }
   }
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(out + r * 2 * W, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], offset[r])));
-    _mm512_storeu_ps(out + r * 2 * W + W, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], offset[r])));
+    const __m512i o = _mm512_set1_epi32(offset[r]);
+    _mm512_storeu_ps(out + r * 2 * W, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], o)));
+    _mm512_storeu_ps(out + r * 2 * W + W, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], o)));
   }
 }
 
