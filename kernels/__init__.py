@@ -18,8 +18,8 @@ Three implementations share one contract (see ``kernels/reference.py``):
 the compiled op when it builds and takes the head_dim; otherwise
 ``kernels/cpu_attention.py`` (bf16/fp16: prefill in the cache dtype) or the
 reference (float32, HF's arithmetic), after one logged warning. Its
-``linear`` multiplies bf16 weights with the compiled op; every other case is
-the reference (``F.linear``).  The
+``linear`` multiplies bf16 weights with the compiled op, an encoder's float32
+ones with oneDNN's; every other case is the reference (``F.linear``).  The
 element-wise ops and the store take the compiled op on the CPU where it
 rounds as torch does; on CUDA, bf16 / fp16 element-wise ops are one Triton kernel
 each (``kernels/elementwise_triton.py``, rounding where torch's 2 to 9 kernels
@@ -50,7 +50,7 @@ from kernels.kv_quant import QUANTIZED_CACHES
 from kernels.layer_ops import gemma_layer_op, llama_layer_op, llama_layers_op
 from kernels.lora import lora_expand, lora_expand_reference, lora_shrink, lora_shrink_reference
 from kernels.moe import fused_moe, fused_moe_cpu, fused_moe_reference
-from kernels.packed_layout import (PACKED_DIMS, embedding, over_rows, pack_linear,
+from kernels.packed_layout import (PACKED_DIMS, embedding, onednn_linear, over_rows, pack_linear,
                                    packed_linear, unpack_linear)
 from kernels.quant import dequantize_reference, quant_linear_reference
 from kernels.reference import (
@@ -83,7 +83,7 @@ class KernelBackend:
     paged_prefill_attention: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor] = linear_reference
     rms_norm: Callable[..., torch.Tensor] = rms_norm_reference
-    pack_linear: Callable[[torch.Tensor], torch.Tensor] = keep_layout
+    pack_linear: Callable[..., torch.Tensor] = keep_layout
     embedding: Callable[..., torch.Tensor] = F.embedding
     rope: Callable[..., torch.Tensor] = rope_reference
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_reference
@@ -188,11 +188,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T + bias``, like F.linear.  bf16 weights on the CPU go
     through the compiled op when it is built (fp32 accumulation, output in
     x's dtype, or float32 with ``float_out``: the logits, whose bf16 rounding
-    would make near-ties exact ties); everything else is the reference, F.linear."""
+    would make near-ties exact ties); oneDNN's layout, oneDNN's; else F.linear."""
     # Called ~120 times per decode step: every check here is on the hot path
     # (a 2-D x skips the reshape and view, ~6 us a call on this machine).
     if weight.dim() == PACKED_DIMS:
         return packed_linear(x, weight, bias, float_out)
+    if weight.is_mkldnn:
+        return onednn_linear(x, weight, bias, float_out)
     if weight.dtype == torch.bfloat16 and x.is_cpu:
         ops = cpu_ops.ops_for(weight.shape[1])
         if ops is not None:

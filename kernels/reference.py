@@ -340,8 +340,9 @@ def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def keep_layout(weight: torch.Tensor) -> torch.Tensor:
-    """A backend's ``pack_linear`` where ``linear`` takes nn.Linear's layout as it is."""
+def keep_layout(weight: torch.Tensor, torch_float32: bool = True) -> torch.Tensor:
+    """A backend's ``pack_linear`` where ``linear`` takes nn.Linear's layout as it is
+    (its float32 products are torch's whatever ``torch_float32`` says)."""
     return weight
 
 

@@ -31,9 +31,10 @@ class Linear(nn.Linear):
         return y if self.lora is None else self.lora.apply(x, y)
 
 
-def packed(kernels, weight: nn.Parameter) -> nn.Parameter:
-    """`weight` in the layout the backend multiplies fastest (kernels.pack_linear)."""
-    return nn.Parameter(kernels.pack_linear(weight.detach()), requires_grad=False)
+def packed(kernels, weight: nn.Parameter, torch_float32: bool = True) -> nn.Parameter:
+    """`weight` in the layout the backend multiplies fastest (kernels.pack_linear;
+    `torch_float32=False` lets a float32 weight leave torch's own matmul)."""
+    return nn.Parameter(kernels.pack_linear(weight.detach(), torch_float32), requires_grad=False)
 
 
 def all_reduce(partial: torch.Tensor, group) -> torch.Tensor:

@@ -202,10 +202,13 @@ class BertModel(CheckpointLoading, nn.Module):
         return name.replace("pooler.dense.", "pooler.")
 
     def pack_linear_weights(self) -> None:
-        """Every projection's weight into the layout the kernel backend multiplies fastest."""
+        """Every projection's weight into the layout the kernel backend multiplies
+        fastest. An encoder's outputs are held to its reference within a bound,
+        not to the bit, so float32 weights may take oneDNN's matmul (about twice
+        MKL's where MKL takes no AVX-512 path: docs/performance.md)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.weight = packed(self.kernels, module.weight)
+                module.weight = packed(self.kernels, module.weight, torch_float32=False)
 
     def quantize_weights(self, type_name: str) -> None:
         raise ValueError(f"{type(self).__name__}: quantization ({type_name}) is not supported "
