@@ -29,7 +29,7 @@ from starlette.middleware.cors import CORSMiddleware
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.chat_template import chat_template_source, renders_tools
 from engine.frontend.llm_engine import LLMEngine
-from engine.model.models.loader import load_sampling_defaults, load_tokenizer
+from engine.model.models.loader import load_sampling_defaults
 from service.config import ServiceConfig
 from service.errors import EXCEPTION_HANDLERS
 from service.fleet.replica import Fleet
@@ -58,8 +58,11 @@ async def start_service(config: ServiceConfig) -> ServiceState:
         on_step=metrics.engine_step.observe)
     engine = bridge.engine
     metrics.watch(bridge)
-    tokenizer_source = config.engine.tokenizer or engine.model_path
-    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, tokenizer_source)
+    # The engine's tokenizer, not a second copy (~20 MB resident): the engine
+    # thread decodes with it and the prep lanes encode with it, and none of
+    # them changes its settings (truncation, padding), so its Rust side is
+    # only ever shared, as it already is between the prep lanes.
+    tokenizer = engine.tokenizer
     try:
         check_tokenizer(config.reasoning_parser, tokenizer)
     except ValueError:
@@ -72,7 +75,6 @@ async def start_service(config: ServiceConfig) -> ServiceState:
         # From here on the engine's resolved config is the only one.
         config=replace(config, engine=bridge.config),
         engine=bridge,
-        # Its own tokenizer: the engine thread detokenizes with the other one.
         tokenizer=tokenizer,
         token_bytes=(await anyio.to_thread.run_sync(TokenBytes, tokenizer)
                      if tokenizer is not None and generates else None),

@@ -3,7 +3,10 @@
 import ctypes.util
 import mmap
 import platform
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +54,62 @@ def test_blocks_past_the_mmap_threshold_from_the_heap_stay_correct():
     worker.start()
     worker.join()
     assert results == [True, True]
+
+
+# Run in a fresh process: there a new thread gets an arena of its own, where
+# in the test process it would take over an earlier test thread's.
+TOP_OF_A_THREAD_ARENA = """
+import ctypes, ctypes.util, mmap, sys, threading
+from engine.model import cpu_allocator
+assert cpu_allocator.keep_freed_memory() and cpu_allocator.activations_from_heap()
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+size, page = 48 << 20, mmap.PAGESIZE
+pages = (ctypes.c_ubyte * (size // page))()
+resident = []
+
+def resident_mib(start):
+    assert libc.mincore(start, size - 2 * page, pages) == 0
+    return sum(p & 1 for p in pages[:size // page - 2]) * page >> 20
+
+def step_then_idle():
+    live = libc.malloc(1 << 10)  # stays, below the block
+    block = libc.malloc(size)  # carved from the top of this thread's arena
+    ctypes.memset(block, 1, size)
+    libc.free(block)  # back into the top, under M_TRIM_THRESHOLD's 1 GiB
+    start = -(-block // page) * page + page
+    resident.append(resident_mib(start))
+    libc.malloc_trim(0)
+    resident.append(resident_mib(start))
+    cpu_allocator.release_freed_heap()
+    resident.append(resident_mib(start))
+    libc.free(live)
+
+worker = threading.Thread(target=step_then_idle)
+worker.start()
+worker.join()
+print(*resident)
+"""
+
+
+def test_an_idle_thread_gives_back_the_top_of_its_own_arena():
+    """A thread other than the main one allocates from an arena of its own;
+    a block freed at its top (a step's last activation) stays resident
+    through glibc's malloc_trim, which trims only the main arena's top.
+    release_freed_heap, called on that thread (the engine thread going
+    idle), gives it back too. Residency is read with mincore: reading /proc
+    between the malloc and the free would allocate above the block."""
+    if platform.system() != "Linux" or ctypes.util.find_library("c") is None:
+        pytest.skip("glibc's mallopt exists only on Linux")
+    done = subprocess.run([sys.executable, "-c", TOP_OF_A_THREAD_ARENA], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    freed, trimmed, released = (int(x) for x in done.stdout.split())
+    assert freed > 40 and trimmed > 40, (freed, trimmed)  # what an idle engine did before
+    assert released < 8, (freed, trimmed, released)
 
 
 def _vm_flags_at(address: int) -> list[str]:
