@@ -5,8 +5,15 @@ embedding and linear's dispatch on a packed weight.
 
 Shapes cross the op's blocking: token counts around its 8-token (AVX2: 5)
 panels and its chunks (280 tokens of 576 inputs, 104 of 1536), output blocks around its
-3-block tiles and 6-block strips.
+3-block tiles and 6-block strips; where the CPU has AMX (kernels/cpu/csrc/amx.h,
+every call), around its 32- and 16-token panels, its padded last tile, its
+2-block tiles and its chunks (160 tokens of 1536 inputs).
 """
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +22,7 @@ import torch.nn.functional as F
 import kernels
 from kernels.cpu import ops as cpu_ops
 
-TOKENS = (1, 2, 5, 7, 8, 9, 131, 300)
+TOKENS = (1, 2, 5, 7, 8, 9, 17, 48, 131, 300)
 FEATURES = ((32, 16), (64, 48), (576, 112), (1536, 592))  # (in, out)
 
 
@@ -126,3 +133,38 @@ def test_kernels_linear_multiplies_packed_weights(ops, monkeypatch, session_seed
     monkeypatch.setenv(cpu_ops.ENV_VAR, "off")
     b16 = bias.bfloat16()
     assert torch.equal(kernels.linear(x, packed, b16), F.linear(x, weight, b16))
+
+
+def _cpu_has_amx() -> bool:
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    return "amx_tile" in flags and "amx_bf16" in flags
+
+
+_AMX_OFF_RUN = """
+import sys, torch, kernels
+from kernels.cpu import ops as cpu_ops
+ops = cpu_ops.ops_for(64)
+x, weight = torch.load(sys.argv[1])
+torch.save((ops.amx(), ops.linear_bf16_packed(x, kernels.pack_linear(weight), None, True)), sys.argv[2])
+"""
+
+
+def test_amx_takes_the_calls_where_the_cpu_has_it(ops, tmp_path, session_seed):
+    """AMX's tiles serve the AVX512-BF16 build where the CPU has AMX (Linux lets
+    this process use its tile data), and PAGEDSERVE_CPU_AMX=off keeps the
+    AVX-512 tiles: both within the same bound of float64."""
+    expected = ops.isa() == "avx512bf16" and _cpu_has_amx() and os.environ.get("PAGEDSERVE_CPU_AMX") != "off"
+    assert ops.amx() == expected
+    generator = torch.Generator().manual_seed(session_seed)
+    x, weight, _ = _inputs(generator, 40, 576, 112)
+    torch.save((x, weight), tmp_path / "in.pt")
+    env = {**os.environ, "PAGEDSERVE_CPU_AMX": "off", "PAGEDSERVE_CPU_KERNELS": ops.isa()}
+    subprocess.run([sys.executable, "-c", _AMX_OFF_RUN, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   env=env, check=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    amx_off, out_off = torch.load(tmp_path / "out.pt")
+    assert amx_off is False
+    on = ops.linear_bf16_packed(x, kernels.pack_linear(weight), None, True)
+    reference = F.linear(x.double(), weight.double())
+    scale = F.linear(x.double().abs(), weight.double().abs()) + 1
+    for out in (on, out_off):
+        assert ((out.double() - reference).abs() / scale).max() < 1e-6

@@ -123,6 +123,23 @@ def test_product_is_within_the_activation_bound(builds, type_name, rows, session
             assert worst <= 1, f"{isa} {type_name} {dtype} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
 
 
+@pytest.mark.parametrize("rows", (16, 42))
+@pytest.mark.parametrize("type_name", TYPES)
+def test_bf16_tokens_against_whole_blocks_of_rows(builds, type_name, rows, session_seed):
+    """Parts of whole 16-row blocks (a layer's usual shape): where the CPU has
+    AMX (kernels/cpu/csrc/amx.h), from 16 bf16 tokens the strips are
+    de-quantized into the packed layout and multiplied by its tiles; two parts
+    (3 blocks each: a 2-block tile and one) and a bias land in their columns."""
+    generator = torch.Generator().manual_seed(session_seed + 7 * rows)
+    blob, weight, x, bias = _inputs(generator, [type_name, "Q8_0"], rows, 48, 512, torch.bfloat16)
+    expected = quant_linear_reference(x, blob, bias, float_out=True)
+    bound = _bound(x, weight, torch.float32, expected)
+    for isa, ops in builds.items():
+        got = ops.quant_linear(x, blob, bias, True)
+        worst = ((got - expected).abs() / bound).max().item()
+        assert worst <= 1, f"{isa} {type_name} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
+
+
 def test_mixed_parts_and_float_out(builds, session_seed):
     generator = torch.Generator().manual_seed(session_seed)
     blob, weight, x, bias = _inputs(generator, ["Q4_K", "Q6_K", "Q8_0"], 7, 11, 512, torch.bfloat16)

@@ -62,6 +62,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "amx.h"
 #include "prefetch.h"
 
 namespace pagedserve {
@@ -237,6 +238,10 @@ inline int64_t chunk_rows(int64_t M, int64_t K) {
 // Every chunk of tokens against every strip of blocks.
 template <typename TOut>
 void run(const XT* x, const Packed& pw, const float* bias, int64_t M, TOut* out) {
+#if defined(PAGEDSERVE_HAS_AMX)
+  // The layout is AMX's B operand: where the CPU has AMX, every call takes its tiles (amx.h).
+  if (amx::takes(pw.K)) return amx::run(x, amx::B{pw.w, pw.blocks, pw.K}, bias, M, out);
+#endif
   const int64_t N = pw.blocks * kLanes;
   const int64_t strips = (pw.blocks + kStripBlocks - 1) / kStripBlocks;
   const int64_t step = chunk_rows(M, pw.K);

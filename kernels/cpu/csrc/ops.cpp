@@ -51,6 +51,15 @@ namespace {
 
 std::string isa_name() { return PAGEDSERVE_ISA_NAME; }
 
+// Whether many-token linears run on AMX's tiles in this process (amx.h).
+bool amx_in_use() {
+#if defined(PAGEDSERVE_HAS_AMX)
+  return amx::available();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 }  // namespace pagedserve
 
@@ -112,6 +121,7 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         &pagedserve::lora_expand);
   m.def("row_argmax(Tensor logits) -> Tensor", &pagedserve::row_argmax);
   m.def("isa() -> str", &pagedserve::isa_name);
+  m.def("amx() -> bool", &pagedserve::amx_in_use);
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
   // AVX512-BF16 and AVX2 builds: kernels.pack_linear asks for it by name and
   // keeps nn.Linear's layout in the portable build.

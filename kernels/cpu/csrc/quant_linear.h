@@ -59,6 +59,11 @@ namespace quant {
 // product, and at up to 32 (5 shapes of 7 at 64) where they convert to fp32
 // (AVX2: the strips lost 2-4x at 8-16 tokens).  The portable build keeps its
 // tiles' old crossover.
+//
+// Where AMX multiplies the strips (amx.h; bf16 tokens), they won from 12-16
+// tokens on a Q4_K/Q6_K 0.6B-shaped stack (2-vCPU Xeon: 22-28 ms at 8-32
+// tokens, the integer path 15 at 8, 22-29 at 12-16, 60 at 32): kAmxManyRows.
+constexpr int64_t kAmxManyRows = 16;
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
 constexpr int64_t kManyRows = 32;
 #elif defined(__AVX2__)
@@ -185,7 +190,14 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
 }
 
 // Many tokens: bf16 strips (quant_strips.h) instead of quantized tokens.
-inline bool takes_strips(const Blob& blob, int64_t M) { return M >= kManyRows && blob.K % linear::kPairLen == 0; }
+inline bool takes_strips(const Blob& blob, int64_t M, bool bf16_x) {
+  if (blob.K % linear::kPairLen) return false;
+#if defined(PAGEDSERVE_HAS_AMX)
+  if (bf16_x && M >= kAmxManyRows && amx_takes(blob)) return true;
+#endif
+  (void)bf16_x;
+  return M >= kManyRows;
+}
 
 // Nothing folded around a call's rows: the plain linear.
 struct NoFold {};
@@ -196,7 +208,7 @@ struct NoFold {};
 // and runs fold->after over the ranges of output rows it wrote.
 template <typename TX, typename TOut, typename Fold = NoFold>
 inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out, Fold* fold = nullptr) {
-  if (takes_strips(blob, M)) {
+  if (takes_strips(blob, M, std::is_same_v<TX, bf16_t>)) {
     TORCH_CHECK((std::is_same_v<Fold, NoFold>), "quant_linear: nothing folds into ", M, " tokens");
     return run_many(blob, x, M, bias, out);
   }
@@ -307,7 +319,7 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, co
   at::Tensor out = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0 || N == 0) return out;
   const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
-  const bool fold = adapted && !quant::takes_strips(blob, M);
+  const bool fold = adapted && !quant::takes_strips(blob, M, x.scalar_type() == at::kBFloat16);
   auto go = [&](auto* xp, auto* outp) {
     using Elem = std::remove_pointer_t<decltype(outp)>;
     if (!fold) return quant::run(blob, xp, M, bias_ptr, outp);

@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "linear.h"
 #include "quant_blob.h"
 #include "quant_blocks.h"
@@ -26,11 +27,11 @@ namespace quant {
 // activations stay bf16 (not 8-bit) on this path.
 
 // 32 de-quantized weights of one sub-block, rounded to bf16, at out.
-template <typename Q>
-inline void dequantize32_bf16(const uint8_t* block, int j, const float* wd, float wm, bf16_t* out) {
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
-  // One instruction rounds all 32 to bf16 (nearest even; it reads fp32
-  // denormals as zero, which no weight of a real file is).
+// The same in one vector: one instruction rounds all 32 to bf16 (nearest
+// even; it reads fp32 denormals as zero, which no weight of a real file is).
+template <typename Q>
+inline __m512i dequantize32_bf16_vec(const uint8_t* block, int j, const float* wd, float wm) {
   const __m256i q = Q::q_avx2(block, j);
   __m512 v[2];
   for (int h = 0; h < 2; ++h) {
@@ -38,7 +39,14 @@ inline void dequantize32_bf16(const uint8_t* block, int j, const float* wd, floa
     v[h] = _mm512_mul_ps(_mm512_set1_ps(wd[h]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half)));
     if (Q::kMin) v[h] = _mm512_add_ps(v[h], _mm512_set1_ps(wm));
   }
-  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+  return (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+}
+#endif
+
+template <typename Q>
+inline void dequantize32_bf16(const uint8_t* block, int j, const float* wd, float wm, bf16_t* out) {
+#if defined(PAGEDSERVE_ISA_AVX512BF16)
+  _mm512_storeu_si512(out, dequantize32_bf16_vec<Q>(block, j, wd, wm));
 #elif defined(__AVX2__)
   const __m256i q = Q::q_avx2(block, j);
   for (int k = 0; k < 4; ++k) {
@@ -95,11 +103,100 @@ inline void run_dequantized(const Blob& blob, const X* xp, int64_t M, const floa
   }
 }
 
+#if defined(PAGEDSERVE_HAS_AMX)
+// ---- many tokens on AMX: strips de-quantized into the packed layout --------------------
+//
+// amx.h's tiles read B in linear_packed.h's layout (a block of 16 features,
+// one input pair of all 16 per 64 bytes), so a strip is de-quantized straight
+// into it: 16 rows' same 32 inputs make 16 vectors of 16 pairs, and a 16 x 16
+// transpose of those 32-bit pairs turns them into 16 pair rows of the block.
+
+// out[c] = (r[0][c], ..., r[15][c]) for 16 vectors of 16 32-bit lanes.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // b[4i + k], 128-bit lane L: rows 4i..4i+3 of column 4L + k.
+  for (int i = 0; i < 4; ++i)
+    for (int h = 0; h < 2; ++h) {
+      b[4 * i + 2 * h] = _mm512_unpacklo_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+      b[4 * i + 2 * h + 1] = _mm512_unpackhi_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+    }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88), c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xdd);
+    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88),
+                  d1 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xdd);
+    r[k] = _mm512_shuffle_i32x4(c0, d0, 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(c0, d0, 0xdd);
+    r[4 + k] = _mm512_shuffle_i32x4(c1, d1, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(c1, d1, 0xdd);
+  }
+}
+
+// Rows [n0, n0 + 16) of one part, de-quantized into one packed block (K / 2 pairs x 16 x 2).
+template <typename Q>
+inline void dequantize_block_packed(const Part& p, int64_t K, int64_t n0, bf16_t* out) {
+  for (int64_t b = 0; b < K / Q::kElems; ++b) {
+    float wd[16][2 * Q::kSubs], wm[16][Q::kSubs] = {};
+    for (int l = 0; l < 16; ++l) Q::scales(p.data + (n0 + l) * p.row_bytes + b * Q::kBytes, wd[l], wm[l]);
+    for (int j = 0; j < Q::kSubs; ++j) {
+      __m512i r[16];
+      for (int l = 0; l < 16; ++l)
+        r[l] = dequantize32_bf16_vec<Q>(p.data + (n0 + l) * p.row_bytes + b * Q::kBytes, j, wd[l] + 2 * j,
+                                        wm[l][j]);
+      transpose16(r);
+      bf16_t* pairs = out + (b * Q::kElems + 32 * j) * 16;  // 16 pairs x 16 features x 2
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(pairs + 32 * i, r[i]);
+    }
+  }
+}
+
+// Every token against every part, a strip of blocks de-quantized at a time.
+template <typename TOut>
+inline void run_amx(const Blob& blob, const bf16_t* x, int64_t M, const float* bias, TOut* out) {
+  const int64_t K = blob.K, N = blob.N, strip = amx::kStripBlocks;
+  std::vector<bf16_t> storage;
+  const amx::Rows rows = amx::rows_of(x, M, K, storage);
+  int64_t first = 0;
+  for (const Part& p : blob.parts) {
+    with_type(p.type, [&](auto q) {
+      using Q = decltype(q);
+      const int64_t blocks = p.rows / 16;
+      at::parallel_for(0, (blocks + strip - 1) / strip, 1, [&](int64_t s0, int64_t s1) {
+        std::vector<bf16_t> buf(size_t(strip * 16 * K));
+        const amx::Tiles tiles;
+        for (int64_t s = s0; s < s1; ++s) {
+          const int64_t b0 = s * strip, b1 = std::min(blocks, b0 + strip);
+          for (int64_t b = b0; b < b1; ++b) dequantize_block_packed<Q>(p, K, 16 * b, buf.data() + (b - b0) * 16 * K);
+          const int64_t at = first + 16 * b0;
+          amx::rows_times_strip(rows, amx::B{buf.data(), b1 - b0, K}, 0, M, 0, b1 - b0,
+                                bias ? bias + at : nullptr, out + at, N);
+        }
+      });
+    });
+    first += p.rows;
+  }
+}
+
+// AMX takes a call of bf16 tokens whose parts are whole blocks of 16 rows.
+inline bool amx_takes(const Blob& blob) {
+  if (!amx::takes(blob.K)) return false;
+  for (const Part& p : blob.parts)
+    if (p.rows % 16) return false;
+  return true;
+}
+#endif
+
 // x as linear.h's tiles read it (bf16 as it is where the build has the bf16
 // dot product, else fp32 in its pair order), then run_dequantized.
 template <typename TX, typename TOut>
 inline void run_many(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
   if constexpr (linear::kDotBf16 && std::is_same_v<TX, bf16_t>) {
+#if defined(PAGEDSERVE_HAS_AMX)
+    if (amx_takes(blob)) return run_amx(blob, x, M, bias, out);
+#endif
     run_dequantized(blob, x, M, bias, out);
   } else {
     static const auto order = linear::pair_order();
