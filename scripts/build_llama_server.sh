@@ -100,19 +100,15 @@ has_option() {
 #   the explicit GGML_AVX* switches take effect (NATIVE=ON ignores them).
 # AVX/AVX2/FMA/F16C/AVX512(+VBMI,VNNI,BF16): what this benchmark CPU supports.
 #   If the host has no AVX512F they are turned off (else: SIGILL at startup).
-# AMX_*: on only where the host has AMX (Intel Sapphire Rapids and later):
-#   ggml's AMX path repacks Q4_0/Q4_1/Q8_0/K-quant weights for its tile
-#   kernels, and without AMX in the CPU it dies at the first tile instruction.
+# AMX_*=OFF: ggml's AMX path crashes. On a CPU without AMX it must; on a 2-vCPU
+#   Xeon with AMX (2026-12-01) this tree's build died too, SIGILL at its first
+#   tile instruction (tilezero in tinygemm_kernel_amx, in an OpenMP worker).
 # BUILD_SHARED_LIBS=OFF: one self-contained binary, no libllama/libggml to ship.
 # Tests/examples off; only the four tools above are built.
 AVX512=ON
 if [ -r /proc/cpuinfo ] && ! grep -qw avx512f /proc/cpuinfo; then
     log "warning: host CPU has no avx512f; building without AVX512"
     AVX512=OFF
-fi
-AMX=OFF
-if [ "$AVX512" = ON ] && grep -qw amx_int8 /proc/cpuinfo && grep -qw amx_bf16 /proc/cpuinfo; then
-    AMX=ON
 fi
 ARGS=(
     -DCMAKE_BUILD_TYPE=Release
@@ -121,7 +117,7 @@ ARGS=(
     -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
     -DGGML_AVX512="$AVX512" -DGGML_AVX512_VBMI="$AVX512"
     -DGGML_AVX512_VNNI="$AVX512" -DGGML_AVX512_BF16="$AVX512"
-    -DGGML_AMX_TILE="$AMX" -DGGML_AMX_INT8="$AMX" -DGGML_AMX_BF16="$AMX"
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 )

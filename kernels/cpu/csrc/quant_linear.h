@@ -59,10 +59,8 @@ namespace quant {
 // product, and at up to 32 (5 shapes of 7 at 64) where they convert to fp32
 // (AVX2: the strips lost 2-4x at 8-16 tokens).  The portable build keeps its
 // tiles' old crossover.
-//
-// Where AMX multiplies the strips (amx.h; bf16 tokens), they won from 12-16
-// tokens on a Q4_K/Q6_K 0.6B-shaped stack (2-vCPU Xeon: 22-28 ms at 8-32
-// tokens, the integer path 15 at 8, 22-29 at 12-16, 60 at 32): kAmxManyRows.
+// Where AMX multiplies the strips (amx.h; bf16 tokens) they win from 12-16 tokens (a Q4_K/Q6_K
+// 0.6B stack, 2-vCPU Xeon: 22-28 ms at 8-32, the integer path 15 at 8, 22-29 at 12-16, 60 at 32).
 constexpr int64_t kAmxManyRows = 16;
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
 constexpr int64_t kManyRows = 32;

@@ -125,9 +125,11 @@ inline void transpose16(__m512i (&r)[16]) {
       b[4 * i + 2 * h + 1] = _mm512_unpackhi_epi64(a[4 * i + h], a[4 * i + 2 + h]);
     }
   for (int k = 0; k < 4; ++k) {
-    const __m512i c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88), c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xdd);
-    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88),
-                  d1 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xdd);
+    // 0x88: 128-bit lanes 0, 2 of each source; 0xdd: lanes 1, 3.
+    const __m512i c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88);
+    const __m512i c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xdd);
+    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
+    const __m512i d1 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xdd);
     r[k] = _mm512_shuffle_i32x4(c0, d0, 0x88);
     r[8 + k] = _mm512_shuffle_i32x4(c0, d0, 0xdd);
     r[4 + k] = _mm512_shuffle_i32x4(c1, d1, 0x88);
@@ -169,7 +171,8 @@ inline void run_amx(const Blob& blob, const bf16_t* x, int64_t M, const float* b
         const amx::Tiles tiles;
         for (int64_t s = s0; s < s1; ++s) {
           const int64_t b0 = s * strip, b1 = std::min(blocks, b0 + strip);
-          for (int64_t b = b0; b < b1; ++b) dequantize_block_packed<Q>(p, K, 16 * b, buf.data() + (b - b0) * 16 * K);
+          for (int64_t b = b0; b < b1; ++b)
+            dequantize_block_packed<Q>(p, K, 16 * b, buf.data() + (b - b0) * 16 * K);
           const int64_t at = first + 16 * b0;
           amx::rows_times_strip(rows, amx::B{buf.data(), b1 - b0, K}, 0, M, 0, b1 - b0,
                                 bias ? bias + at : nullptr, out + at, N);
