@@ -123,13 +123,14 @@ def test_product_is_within_the_activation_bound(builds, type_name, rows, session
             assert worst <= 1, f"{isa} {type_name} {dtype} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
 
 
-@pytest.mark.parametrize("rows", (16, 42))
+@pytest.mark.parametrize("rows", (16, 42, 150))
 @pytest.mark.parametrize("type_name", TYPES)
 def test_bf16_tokens_against_whole_blocks_of_rows(builds, type_name, rows, session_seed):
     """Parts of whole 16-row blocks (a layer's usual shape): where the CPU has
-    AMX (kernels/cpu/csrc/amx.h), from 16 bf16 tokens the strips are
-    de-quantized into the packed layout and multiplied by its tiles; two parts
-    (3 blocks each: a 2-block tile and one) and a bias land in their columns."""
+    AMX, from 16 bf16 tokens the strips are de-quantized row by row and read as
+    AMX's A operand (kernels/cpu/csrc/amx_rows.h), past 128 into the packed
+    layout for amx.h's tiles; two parts (3 blocks each: a 2-block tile and one)
+    and a bias land in their columns."""
     generator = torch.Generator().manual_seed(session_seed + 7 * rows)
     blob, weight, x, bias = _inputs(generator, [type_name, "Q8_0"], rows, 48, 512, torch.bfloat16)
     expected = quant_linear_reference(x, blob, bias, float_out=True)
@@ -138,6 +139,21 @@ def test_bf16_tokens_against_whole_blocks_of_rows(builds, type_name, rows, sessi
         got = ops.quant_linear(x, blob, bias, True)
         worst = ((got - expected).abs() / bound).max().item()
         assert worst <= 1, f"{isa} {type_name} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
+
+
+@pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K", "Q8_0"))
+def test_a_token_gets_the_same_sums_in_a_decode_batch_and_a_prefill(builds, type_name, session_seed):
+    """40 tokens (a decode batch) and 150 (a prefill) take different strip
+    forms where the CPU has AMX (rows as A, or the packed layout as B): a
+    token's sums walk its inputs in the same order either way, bit for bit."""
+    amx = {isa: ops for isa, ops in builds.items() if ops.amx()}
+    if not amx:
+        pytest.skip("this CPU has no AMX: the other builds keep one strip form")
+    generator = torch.Generator().manual_seed(session_seed)
+    blob, _, x, bias = _inputs(generator, [type_name, "Q8_0"], 150, 48, 512, torch.bfloat16)
+    for isa, ops in amx.items():
+        few, many = ops.quant_linear(x[:40], blob, bias, False), ops.quant_linear(x, blob, bias, False)
+        assert few.equal(many[:40]), f"{isa} {type_name} seed {session_seed}"
 
 
 def test_mixed_parts_and_float_out(builds, session_seed):

@@ -85,6 +85,32 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 
+// out[c] = (r[0][c], ..., r[15][c]) for 16 vectors of 16 32-bit lanes.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // b[4i + k], 128-bit lane L: rows 4i..4i+3 of column 4L + k.
+  for (int i = 0; i < 4; ++i)
+    for (int h = 0; h < 2; ++h) {
+      b[4 * i + 2 * h] = _mm512_unpacklo_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+      b[4 * i + 2 * h + 1] = _mm512_unpackhi_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+    }
+  for (int k = 0; k < 4; ++k) {
+    // 0x88: 128-bit lanes 0, 2 of each source; 0xdd: lanes 1, 3.
+    const __m512i c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88);
+    const __m512i c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xdd);
+    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
+    const __m512i d1 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xdd);
+    r[k] = _mm512_shuffle_i32x4(c0, d0, 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(c0, d0, 0xdd);
+    r[4 + k] = _mm512_shuffle_i32x4(c1, d1, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(c1, d1, 0xdd);
+  }
+}
+
 // The weights, packed: `blocks` blocks of 16 features, K / 2 pairs each.
 struct B {
   const bf16_t* w;
@@ -96,7 +122,7 @@ struct B {
 // `block`, the fp32 sums into stage [16 R][16 C].
 template <int R, int C>
 PAGEDSERVE_AMX_TARGET inline void tile(const bf16_t* x, int64_t stride, const B& w, int64_t block,
-                                       float* stage) {
+                                       bool fetch, float* stage) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -105,7 +131,9 @@ PAGEDSERVE_AMX_TARGET inline void tile(const bf16_t* x, int64_t stride, const B&
   // The next C blocks' same pairs, into L2 while these multiply (the next
   // tile reads them): a 525 MB LM head read 22 GB/s for one token without,
   // 27-29 with, and 32 tokens of a 1B-shaped stack took 0.7-0.9x the time.
-  const bool ahead = block + C < w.blocks;
+  // Only the first panel of a strip fetches: the later ones find the strip
+  // in L2, and the fetch loop's address work cost them ~20 % of their time.
+  const bool ahead = fetch && block + C < w.blocks;
   const char* next = reinterpret_cast<const char*>(w.at(block + C, 0));
   const int64_t block_bytes = w.K * 2 * kTile;
   for (int64_t p = 0; p < w.K / 2; p += kPairs) {
@@ -148,15 +176,15 @@ inline void finish(const float* stage, int64_t rows, int64_t block, const float*
 // R A tiles of tokens against blocks [b0, b1), in 2-block tiles.
 template <int R, typename TOut>
 PAGEDSERVE_AMX_TARGET void panel(const bf16_t* x, int64_t stride, int64_t rows, const B& w, int64_t b0,
-                                 int64_t b1, const float* bias, TOut* out, int64_t N) {
+                                 int64_t b1, bool fetch, const float* bias, TOut* out, int64_t N) {
   alignas(64) float stage[2 * kTile * 2 * kTile];
   int64_t b = b0;
   for (; b + 2 <= b1; b += 2) {
-    tile<R, 2>(x, stride, w, b, stage);
+    tile<R, 2>(x, stride, w, b, fetch, stage);
     finish<2>(stage, rows, b, bias, out, N);
   }
   if (b < b1) {
-    tile<R, 1>(x, stride, w, b, stage);
+    tile<R, 1>(x, stride, w, b, fetch, stage);
     finish<1>(stage, rows, b, bias, out, N);
   }
 }
@@ -186,9 +214,10 @@ PAGEDSERVE_AMX_TARGET void rows_times_strip(const Rows& x, const B& w, int64_t r
   const int64_t K = x.K, stride = K * int64_t(sizeof(bf16_t));
   int64_t r = r0;
   for (; r + 2 * kTile <= r1; r += 2 * kTile)
-    panel<2>(x.x + r * K, stride, 2 * kTile, w, b0, b1, bias, out + r * N, N);
-  for (; r + kTile <= r1; r += kTile) panel<1>(x.x + r * K, stride, kTile, w, b0, b1, bias, out + r * N, N);
-  if (r < r1) panel<1>(x.tail, stride, r1 - r, w, b0, b1, bias, out + r * N, N);
+    panel<2>(x.x + r * K, stride, 2 * kTile, w, b0, b1, r == r0, bias, out + r * N, N);
+  for (; r + kTile <= r1; r += kTile)
+    panel<1>(x.x + r * K, stride, kTile, w, b0, b1, r == r0, bias, out + r * N, N);
+  if (r < r1) panel<1>(x.tail, stride, r1 - r, w, b0, b1, r == r0, bias, out + r * N, N);
 }
 
 // Loads the tile configuration on this thread for the scope, then frees the

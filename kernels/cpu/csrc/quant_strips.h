@@ -5,10 +5,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "amx.h"
+#include "amx_rows.h"
 #include "linear.h"
 #include "quant_blob.h"
 #include "quant_blocks.h"
@@ -88,13 +90,13 @@ inline void run_dequantized(const Blob& blob, const X* xp, int64_t M, const floa
     with_type(p.type, [&](auto q) {
       using Q = decltype(q);
       at::parallel_for(0, (p.rows + strip - 1) / strip, 1, [&](int64_t s0, int64_t s1) {
-        std::vector<bf16_t> buf(size_t(strip * K));
+        const std::unique_ptr<bf16_t[]> buf(new bf16_t[size_t(strip * K)]);  // written before read
         for (int64_t s = s0; s < s1; ++s) {
           const int64_t n0 = s * strip, n1 = std::min(p.rows, n0 + strip);
-          dequantize_rows_bf16<Q>(p, K, n0, n1, buf.data());
+          dequantize_rows_bf16<Q>(p, K, n0, n1, buf.get());
           const int64_t at = first + n0;
           for (int64_t m0 = 0; m0 < M; m0 += linear::kChunkRows)
-            linear::rows_times_strip(xp, buf.data(), bias ? bias + at : nullptr, K, m0,
+            linear::rows_times_strip(xp, buf.get(), bias ? bias + at : nullptr, K, m0,
                                      std::min(M, m0 + linear::kChunkRows), 0, n1 - n0, out + at, N);
         }
       });
@@ -104,38 +106,21 @@ inline void run_dequantized(const Blob& blob, const X* xp, int64_t M, const floa
 }
 
 #if defined(PAGEDSERVE_HAS_AMX)
-// ---- many tokens on AMX: strips de-quantized into the packed layout --------------------
+// ---- many tokens on AMX -----------------------------------------------------------------
 //
-// amx.h's tiles read B in linear_packed.h's layout (a block of 16 features,
-// one input pair of all 16 per 64 bytes), so a strip is de-quantized straight
-// into it: 16 rows' same 32 inputs make 16 vectors of 16 pairs, and a 16 x 16
-// transpose of those 32-bit pairs turns them into 16 pair rows of the block.
-
-// out[c] = (r[0][c], ..., r[15][c]) for 16 vectors of 16 32-bit lanes.
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // b[4i + k], 128-bit lane L: rows 4i..4i+3 of column 4L + k.
-  for (int i = 0; i < 4; ++i)
-    for (int h = 0; h < 2; ++h) {
-      b[4 * i + 2 * h] = _mm512_unpacklo_epi64(a[4 * i + h], a[4 * i + 2 + h]);
-      b[4 * i + 2 * h + 1] = _mm512_unpackhi_epi64(a[4 * i + h], a[4 * i + 2 + h]);
-    }
-  for (int k = 0; k < 4; ++k) {
-    // 0x88: 128-bit lanes 0, 2 of each source; 0xdd: lanes 1, 3.
-    const __m512i c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88);
-    const __m512i c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xdd);
-    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
-    const __m512i d1 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xdd);
-    r[k] = _mm512_shuffle_i32x4(c0, d0, 0x88);
-    r[8 + k] = _mm512_shuffle_i32x4(c0, d0, 0xdd);
-    r[4 + k] = _mm512_shuffle_i32x4(c1, d1, 0x88);
-    r[12 + k] = _mm512_shuffle_i32x4(c1, d1, 0xdd);
-  }
-}
+// Two forms, by the call's tokens, the same sums bit for bit:
+// - up to kAmxRowsUpTo tokens (decode batches) the de-quantizing is the cost:
+//   rows de-quantize as they lie and AMX reads them as its A operand
+//   (amx_rows.h, run_amx_rows);
+// - past it (prefill) the tile products are: amx.h's tiles read B in
+//   linear_packed.h's layout (a block of 16 features, one input pair of all
+//   16 per 64 bytes), so a strip is de-quantized straight into it: 16 rows'
+//   same 32 inputs make 16 vectors of 16 pairs, and a 16 x 16 transpose of
+//   those 32-bit pairs turns them into 16 pair rows of the block.
+// On the 2-vCPU AMX Xeon, Qwen3-0.6B's and Llama-3.2-1B's Q4_K/Q6_K linears
+// took 0.63-0.86x the time in the rows form at 16-64 tokens, the same at 96-192
+// (Qwen3) and 128 (Llama), 1.12-1.33x at 256-2048 (docs/performance.md).
+constexpr int64_t kAmxRowsUpTo = 128;
 
 // Rows [n0, n0 + 16) of one part, de-quantized into one packed block (K / 2 pairs x 16 x 2).
 template <typename Q>
@@ -148,7 +133,7 @@ inline void dequantize_block_packed(const Part& p, int64_t K, int64_t n0, bf16_t
       for (int l = 0; l < 16; ++l)
         r[l] = dequantize32_bf16_vec<Q>(p.data + (n0 + l) * p.row_bytes + b * Q::kBytes, j, wd[l] + 2 * j,
                                         wm[l][j]);
-      transpose16(r);
+      amx::transpose16(r);
       bf16_t* pairs = out + (b * Q::kElems + 32 * j) * 16;  // 16 pairs x 16 features x 2
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(pairs + 32 * i, r[i]);
     }
@@ -167,15 +152,40 @@ inline void run_amx(const Blob& blob, const bf16_t* x, int64_t M, const float* b
       using Q = decltype(q);
       const int64_t blocks = p.rows / 16;
       at::parallel_for(0, (blocks + strip - 1) / strip, 1, [&](int64_t s0, int64_t s1) {
-        std::vector<bf16_t> buf(size_t(strip * 16 * K));
+        const std::unique_ptr<bf16_t[]> buf(new bf16_t[size_t(strip * 16 * K)]);  // written before read
         const amx::Tiles tiles;
         for (int64_t s = s0; s < s1; ++s) {
           const int64_t b0 = s * strip, b1 = std::min(blocks, b0 + strip);
           for (int64_t b = b0; b < b1; ++b)
-            dequantize_block_packed<Q>(p, K, 16 * b, buf.data() + (b - b0) * 16 * K);
+            dequantize_block_packed<Q>(p, K, 16 * b, buf.get() + (b - b0) * 16 * K);
           const int64_t at = first + 16 * b0;
-          amx::rows_times_strip(rows, amx::B{buf.data(), b1 - b0, K}, 0, M, 0, b1 - b0,
+          amx::rows_times_strip(rows, amx::B{buf.get(), b1 - b0, K}, 0, M, 0, b1 - b0,
                                 bias ? bias + at : nullptr, out + at, N);
+        }
+      });
+    });
+    first += p.rows;
+  }
+}
+
+// Every token against every part, a strip of rows de-quantized at a time
+// (row-major, as they lie in the file) and multiplied as AMX's A operand.
+template <typename TOut>
+inline void run_amx_rows(const Blob& blob, const bf16_t* x, int64_t M, const float* bias, TOut* out) {
+  const int64_t K = blob.K, N = blob.N, strip = amx::kStripBlocks * amx::kTile;
+  const amx::Pairs pairs = amx::pairs_of(x, M, K);
+  int64_t first = 0;
+  for (const Part& p : blob.parts) {
+    with_type(p.type, [&](auto q) {
+      using Q = decltype(q);
+      at::parallel_for(0, (p.rows + strip - 1) / strip, 1, [&](int64_t s0, int64_t s1) {
+        // Not zeroed: every element is written before it is read.
+        const std::unique_ptr<bf16_t[]> buf(new bf16_t[size_t(strip * K)]);
+        const amx::Tiles tiles;
+        for (int64_t s = s0; s < s1; ++s) {
+          const int64_t n0 = s * strip, n1 = std::min(p.rows, n0 + strip);
+          dequantize_rows_bf16<Q>(p, K, n0, n1, buf.get());
+          amx::strip_times_pairs(buf.get(), n1 - n0, pairs, M, first + n0, bias, out, N);
         }
       });
     });
@@ -198,7 +208,8 @@ template <typename TX, typename TOut>
 inline void run_many(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
   if constexpr (linear::kDotBf16 && std::is_same_v<TX, bf16_t>) {
 #if defined(PAGEDSERVE_HAS_AMX)
-    if (amx_takes(blob)) return run_amx(blob, x, M, bias, out);
+    if (amx_takes(blob))
+      return M <= kAmxRowsUpTo ? run_amx_rows(blob, x, M, bias, out) : run_amx(blob, x, M, bias, out);
 #endif
     run_dequantized(blob, x, M, bias, out);
   } else {
