@@ -32,7 +32,6 @@ from engine.frontend.llm_engine import LLMEngine
 from engine.model.models.loader import load_sampling_defaults
 from service.config import ServiceConfig
 from service.errors import EXCEPTION_HANDLERS
-from service.fleet.replica import Fleet
 from service.guards.auth import Guard
 from service.metrics import Metrics
 from service.openapi import build_openapi
@@ -126,6 +125,10 @@ def create_app(config: ServiceConfig) -> Starlette:
             logger.warning("--redis-url: a pooling server takes no part in the fleet's "
                            "prefix warm-up; it runs without the fleet")
         elif config.fleet.redis_url:
+            # Imported here: redis-py is ~6 MB of a server's resident memory,
+            # which a replica outside a fleet never uses.
+            from service.fleet.replica import Fleet
+
             # Readiness waits for its warm-up; serving does not wait for Redis.
             state.fleet = Fleet(state, config.fleet)
             state.metrics.watch_fleet(state.fleet)
