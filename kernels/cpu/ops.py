@@ -9,9 +9,9 @@ One source, three builds, chosen by the running CPU at load time::
     avx2         -mavx2 -mfma -mf16c                                16
     portable     none (the compiler's baseline)                     16
 
-The avx512bf16 build also carries AMX tile code (``csrc/amx.h``), taken at
-run time where the CPU has AMX-TILE and AMX-BF16 and Linux grants the
-process its tile state (``PAGEDSERVE_CPU_AMX=off`` keeps the AVX-512 tiles):
+The avx512bf16 build also carries AMX tile code (``csrc/amx.h``; ``amx_rows.h``
+for GGUF decode batches), taken at run time where the CPU has AMX-TILE and
+AMX-BF16 and Linux grants the process its tile state (``PAGEDSERVE_CPU_AMX=off`` keeps the AVX-512 tiles):
 the compiler never emits AMX instructions on its own, so the build still runs
 on AVX512-BF16 CPUs without AMX.
 
