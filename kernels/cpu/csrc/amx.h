@@ -118,15 +118,31 @@ struct B {
   const bf16_t* at(int64_t block, int64_t pair) const { return w + (block * K / 2 + pair) * 2 * kTile; }
 };
 
+// The C tiles: tmm0 (A tile 0 x B tile 0), tmm1 (0 x 1), tmm2 (1 x 0), tmm3
+// (1 x 1), whichever of them a tile function uses.
+PAGEDSERVE_AMX_TARGET inline void zero_sums() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// The used C tiles of R A tiles x C B tiles -> stage [16 R][16 C] fp32.
+template <int R, int C>
+PAGEDSERVE_AMX_TARGET inline void store_sums(float* stage) {
+  const int64_t row = C * kTile * sizeof(float);
+  _tile_stored(0, stage, row);
+  if constexpr (C == 2) _tile_stored(1, stage + kTile, row);
+  if constexpr (R == 2) _tile_stored(2, stage + kTile * C * kTile, row);
+  if constexpr (R == 2 && C == 2) _tile_stored(3, stage + kTile * C * kTile + kTile, row);
+}
+
 // Tokens (R A tiles: 16 R rows of x, `stride` bytes apart) times C blocks from
 // `block`, the fp32 sums into stage [16 R][16 C].
 template <int R, int C>
 PAGEDSERVE_AMX_TARGET inline void tile(const bf16_t* x, int64_t stride, const B& w, int64_t block,
                                        bool fetch, float* stage) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_sums();
   const bf16_t* x1 = x + kTile * stride / 2;
   // The next C blocks' same pairs, into L2 while these multiply (the next
   // tile reads them): a 525 MB LM head read 22 GB/s for one token without,
@@ -151,15 +167,8 @@ PAGEDSERVE_AMX_TARGET inline void tile(const bf16_t* x, int64_t stride, const B&
       if constexpr (C == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  const int64_t row = C * kTile * sizeof(float);
-  _tile_stored(0, stage, row);
-  if constexpr (C == 2) _tile_stored(1, stage + kTile, row);
-  if constexpr (R == 2) _tile_stored(2, stage + kTile * C * kTile, row);
-  if constexpr (R == 2 && C == 2) _tile_stored(3, stage + kTile * C * kTile + kTile, row);
+  store_sums<R, C>(stage);
 }
-
-inline void store_sums(float* out, vec::F sums) { vec::store(out, sums); }
-inline void store_sums(bf16_t* out, vec::F sums) { vec::store_bf16(out, sums); }
 
 // stage's first `rows` rows (+ bias) -> out[row, 16 block ...], rounded to TOut once.
 template <int C, typename TOut>
@@ -169,7 +178,7 @@ inline void finish(const float* stage, int64_t rows, int64_t block, const float*
     for (int c = 0; c < C; ++c) {
       const int64_t n = (block + c) * kTile;
       const vec::F s = vec::load(stage + r * C * kTile + c * kTile);
-      store_sums(out + r * N + n, bias ? vec::add(s, vec::load(bias + n)) : s);
+      vec::store_to(out + r * N + n, bias ? vec::add(s, vec::load(bias + n)) : s);
     }
 }
 

@@ -65,10 +65,7 @@ inline Pairs pairs_of(const bf16_t* x, int64_t M, int64_t K) {
 template <int F, int T>
 PAGEDSERVE_AMX_TARGET inline void tile_rows(const bf16_t* w, int64_t K, const Pairs& x, int64_t g,
                                             float* stage) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_sums();
   const int64_t stride = K * int64_t(sizeof(bf16_t));
   const bf16_t* w1 = w + kTile * K;
   for (int64_t p = 0; p < K / 2; p += kPairs) {
@@ -85,11 +82,7 @@ PAGEDSERVE_AMX_TARGET inline void tile_rows(const bf16_t* w, int64_t K, const Pa
       if constexpr (T == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  const int64_t row = T * kTile * sizeof(float);
-  _tile_stored(0, stage, row);
-  if constexpr (T == 2) _tile_stored(1, stage + kTile, row);
-  if constexpr (F == 2) _tile_stored(2, stage + kTile * T * kTile, row);
-  if constexpr (F == 2 && T == 2) _tile_stored(3, stage + kTile * T * kTile + kTile, row);
+  store_sums<F, T>(stage);
 }
 
 // stage -> out[token, n0 + feature] (+ bias), for the tokens below M: each
@@ -107,7 +100,7 @@ inline void finish_rows(const float* stage, int64_t g, int64_t M, int64_t n0, co
       const int64_t rows = std::min<int64_t>(kTile, M - first);
       for (int64_t i = 0; i < rows; ++i) {
         const vec::F s{_mm512_castsi512_ps(r[i])};
-        store_sums(out + (first + i) * N + n, bias ? vec::add(s, vec::load(bias + n)) : s);
+        vec::store_to(out + (first + i) * N + n, bias ? vec::add(s, vec::load(bias + n)) : s);
       }
     }
 }

@@ -92,9 +92,6 @@ struct Packed {
   const bf16_t* block(int64_t b) const { return w + b * block_elems(); }
 };
 
-inline void store_sums(float* out, vec::F sums) { vec::store(out, sums); }
-inline void store_sums(bf16_t* out, vec::F sums) { vec::store_bf16(out, sums); }
-
 // The next tile's weights, if it is a whole one (prefetches never fault, but
 // a fetch past the end is a wasted line).
 template <int C>
@@ -110,7 +107,7 @@ inline void store_tile(const vec::F (&acc)[R][C * kSubs], int64_t b, const float
     for (int v = 0; v < C * kSubs; ++v) {
       const int64_t n = b * kLanes + v * vec::W;
       const vec::F sums = bias ? vec::add(acc[r][v], vec::load(bias + n)) : acc[r][v];
-      store_sums(out + r * N + n, sums);
+      vec::store_to(out + r * N + n, sums);
     }
 }
 

@@ -180,6 +180,10 @@ inline void store_bf16(bf16_t* p, F a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
+// W sums into an output row of storage type T (float32, or bf16 rounded once).
+inline void store_to(float* p, F a) { store(p, a); }
+inline void store_to(bf16_t* p, F a) { store_bf16(p, a); }
+
 inline void store_pair(fp16_t* p, F a, F b) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p + W), _mm256_cvtps_ph(b.v, _MM_FROUND_TO_NEAREST_INT));

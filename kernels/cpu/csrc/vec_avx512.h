@@ -190,6 +190,10 @@ inline void store_bf16(bf16_t* p, F a) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
 }
 
+// W sums into an output row of storage type T (float32, or bf16 rounded once).
+inline void store_to(float* p, F a) { store(p, a); }
+inline void store_to(bf16_t* p, F a) { store_bf16(p, a); }
+
 // Eight bf16 dot products of one query row (raw bf16, natural order) with
 // eight K rows, head_dim a multiple of 32: no conversion, one instruction
 // per 32 elements.
