@@ -3,6 +3,8 @@
     python scripts/make_shape_folder.py llama-3.2-1b shapes/llama-1b
     python scripts/kv_decode_bench.py shapes/llama-1b [--seqs 16] [--context 4096]
                                       [--dtypes auto,int8] [--rounds 6] [--threads 2]
+                                      [--quantization q8_0|q4_k|...]
+    python scripts/kv_decode_bench.py shapes/llama-3.2-1b-Q4_K_M.gguf ...   (its own weights)
 
 Each dtype gets its own engine on the same random weights (--load-format
 dummy, same seed) and a cache holding `seqs` sequences of `context` tokens
@@ -58,8 +60,11 @@ def make_engine(folder: str, dtype: str, args):
     from engine import LLM
 
     blocks = args.seqs * (args.context // 16 + 1) + 2
-    llm = LLM(folder, load_format="dummy", seed=0, kv_cache_dtype=dtype, block_size=16,
-              num_gpu_blocks_override=blocks, max_model_len=args.context + 16,
+    # A .gguf file brings its own (random, quantized) weights; a folder gets
+    # random float ones, quantized at load with --quantization.
+    weights = {} if folder.endswith(".gguf") else {"load_format": "dummy"}
+    llm = LLM(folder, **weights, quantization=args.quantization, seed=0, kv_cache_dtype=dtype,
+              block_size=16, num_gpu_blocks_override=blocks, max_model_len=args.context + 16,
               max_num_seqs=args.seqs, enable_prefix_caching=False, num_threads=args.threads)
     runner = llm.engine.runner
     gen = torch.Generator().manual_seed(1)
@@ -80,12 +85,16 @@ def step_seconds(runner, inputs) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder", help="a config-only model folder (scripts/make_shape_folder.py)")
+    parser.add_argument("folder", help="a config-only model folder (scripts/make_shape_folder.py), "
+                                       "or a GGUF file (scripts/make_gguf_shape.py)")
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--dtypes", default="auto,int8", help="KV-cache dtypes, the first is the baseline")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", default=None,
+                        help="the weights' format (engine's --quantization): a folder's float weights "
+                             "quantized at load (q8_0, q4_k, ...); a GGUF file's default is its own")
     args = parser.parse_args()
 
     dtypes = args.dtypes.split(",")

@@ -54,6 +54,25 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
 }
 
 #if defined(__AVX2__)
+// Q4_K and Q5_K: the 12 scale bytes' 8 (sc, m) pairs of 6 bits unpacked
+// four at a time in 32-bit words (llama.cpp's masks; scale_min_k4 is the
+// same unpacking one pair at a time), then wd = d * sc, wm = -dmin * m.
+inline void k4_scales(const uint8_t* g, __m256& wd, __m256& wm) {
+  uint32_t u[4];
+  std::memcpy(u, g + 4, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);  // m4..m7
+  const uint32_t m_low = u[1] & k6;                        // m0..m3
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);         // sc4..sc7
+  u[2] = m_low;
+  u[0] &= k6;                                              // sc0..sc3
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+  wd = _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(g)), sc);
+  wm = _mm256_mul_ps(_mm256_set1_ps(-fp16_to_float(g + 2)), m);
+}
+
 // 32 nibbles of 16 bytes: byte i's low nibble is q[i], its high nibble q[16 + i].
 inline __m256i nibbles_16(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -28,10 +28,10 @@ namespace quant {
 // a buffer the size of linear.h's strip, and every token meets it there. The
 // activations stay bf16 (not 8-bit) on this path.
 
-// 32 de-quantized weights of one sub-block, rounded to bf16, at out.
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
-// The same in one vector: one instruction rounds all 32 to bf16 (nearest
-// even; it reads fp32 denormals as zero, which no weight of a real file is).
+// 32 de-quantized weights of one sub-block in one vector: one instruction
+// rounds all 32 to bf16 (nearest even; it reads fp32 denormals as zero,
+// which no weight of a real file is).
 template <typename Q>
 inline __m512i dequantize32_bf16_vec(const uint8_t* block, int j, const float* wd, float wm) {
   const __m256i q = Q::q_avx2(block, j);
@@ -43,8 +43,55 @@ inline __m512i dequantize32_bf16_vec(const uint8_t* block, int j, const float* w
   }
   return (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
 }
+
+// 4-bit codes by table: a scale's 16 values, wd * (i - centre) (+ wm) for
+// i = 0..15 (the product, sum and rounding of dequantize32_bf16_vec, so the
+// same bits), made once per sub-block, and vpermw picks 32 of them for 32
+// codes.  Why: ~10 instructions per 32 weights where widening, converting,
+// scaling and rounding them took ~17, and the de-quantizing was most of a
+// 16-token step of a Q4_K_M model (docs/performance.md).
+template <int kCentre, bool kMin>
+inline __m512 table_values(float wd, float wm) {
+  const __m512 codes = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_ps(float(kCentre)));
+  const __m512 v = _mm512_mul_ps(_mm512_set1_ps(wd), codes);
+  return kMin ? _mm512_add_ps(v, _mm512_set1_ps(wm)) : v;
+}
+
+// 32 codes (bytes 0..31, each below 32) -> their 32 bf16 values in `table`.
+inline void look_up32(__m256i codes, __m512i table, bf16_t* out) {
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table));
+}
+
+// One Q4_K super-block: the two sub-blocks of each 32 bytes of nibbles
+// (low: 2 i, high: 2 i + 1) share a table of 32 (theirs side by side).
+inline void q4_k_block_bf16(const uint8_t* b, bf16_t* out) {
+  __m256 wd8, wm8;
+  k4_scales(b, wd8, wm8);
+  alignas(32) float wd[8], wm[8];
+  _mm256_store_ps(wd, wd8);
+  _mm256_store_ps(wm, wm8);
+  const __m256i low = _mm256_set1_epi8(0x0F), second = _mm256_set1_epi8(0x10);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(table_values<0, true>(wd[2 * i + 1], wm[2 * i + 1]),
+                                                       table_values<0, true>(wd[2 * i], wm[2 * i]));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * i));
+    look_up32(_mm256_and_si256(q, low), table, out + 64 * i);
+    look_up32(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), second), table, out + 64 * i + 32);
+  }
+}
+
+// One Q4_0 or Q4_1 block: one scale, one table of 16.
+template <typename Q>
+inline void nibble_block_bf16(const uint8_t* b, bf16_t* out) {
+  float wd[2], wm[1] = {};
+  Q::scales(b, wd, wm);
+  const __m256i values = (__m256i)_mm512_cvtneps_pbh(table_values<Q::kCentre, Q::kMin>(wd[0], wm[0]));
+  look_up32(nibbles_16(b + Q::kQs), _mm512_castsi256_si512(values), out);
+}
 #endif
 
+// 32 de-quantized weights of one sub-block, rounded to bf16, at out.
 template <typename Q>
 inline void dequantize32_bf16(const uint8_t* block, int j, const float* wd, float wm, bf16_t* out) {
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
@@ -68,17 +115,27 @@ inline void dequantize32_bf16(const uint8_t* block, int j, const float* wd, floa
 #endif
 }
 
+// One block's Q::kElems weights, rounded to bf16, at out.
+template <typename Q>
+inline void dequantize_block_bf16(const uint8_t* block, bf16_t* out) {
+#if defined(PAGEDSERVE_ISA_AVX512BF16)
+  if constexpr (std::is_same_v<Q, Q4_K>) {
+    return q4_k_block_bf16(block, out);
+  } else if constexpr (std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1>) {
+    return nibble_block_bf16<Q>(block, out);
+  }
+#endif
+  float wd[2 * Q::kSubs], wm[Q::kSubs] = {};
+  Q::scales(block, wd, wm);
+  for (int j = 0; j < Q::kSubs; ++j) dequantize32_bf16<Q>(block, j, wd + 2 * j, wm[j], out + 32 * j);
+}
+
 // Rows [n0, n1) of one part, de-quantized into buf (row-major, bf16).
 template <typename Q>
 inline void dequantize_rows_bf16(const Part& p, int64_t K, int64_t n0, int64_t n1, bf16_t* buf) {
   for (int64_t n = n0; n < n1; ++n)
-    for (int64_t b = 0; b < K / Q::kElems; ++b) {
-      const uint8_t* block = p.data + n * p.row_bytes + b * Q::kBytes;
-      float wd[2 * Q::kSubs], wm[Q::kSubs] = {};
-      Q::scales(block, wd, wm);
-      for (int j = 0; j < Q::kSubs; ++j)
-        dequantize32_bf16<Q>(block, j, wd + 2 * j, wm[j], buf + (n - n0) * K + b * Q::kElems + 32 * j);
-    }
+    for (int64_t b = 0; b < K / Q::kElems; ++b)
+      dequantize_block_bf16<Q>(p.data + n * p.row_bytes + b * Q::kBytes, buf + (n - n0) * K + b * Q::kElems);
 }
 
 // Every token against every part, a strip of de-quantized rows at a time.
