@@ -137,7 +137,8 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
 #if defined(__AVX2__)
   // Every type, a row at a time, 8 sub-blocks a step: quant_gemv.h.
   const XScales scales(x, xs, M);
-  for (int64_t n = n0; n < n1; ++n) {
+  int64_t n = M == 1 ? four_rows<Q>(rows, first, n0, n1, x, scales, sink, step) : n0;
+  for (; n < n1; ++n) {
     step();
     const uint8_t* w = rows.data + (n - first) * rows.row_bytes;
     int64_t m = 0;
