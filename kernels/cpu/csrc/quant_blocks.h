@@ -218,14 +218,17 @@ struct Q6_K {
     }
   }
 #if defined(__AVX2__)
-  static __m256i q_avx2(const uint8_t* b, int j) {
+  // The 32 codes of sub-block j as stored, 0..63 (q + 32).
+  static __m256i codes_avx2(const uint8_t* b, int j) {
     const int h = j / 4, k = j % 4;
     const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (k % 2)));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
     const __m256i low = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
     const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
-    const __m256i q = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
-    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  }
+  static __m256i q_avx2(const uint8_t* b, int j) {
+    return _mm256_sub_epi8(codes_avx2(b, j), _mm256_set1_epi8(32));
   }
 #endif
 };

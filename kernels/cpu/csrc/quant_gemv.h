@@ -31,16 +31,26 @@ namespace pagedserve {
 namespace quant {
 
 // The tokens' block scales d and sums s side by side: 8 of them load as one
-// vector (zeros past a token's last, which a row's last group reads).
+// vector (zeros past a token's last, which a row's last group reads).  With
+// `halves` (Q6_K) also each block's two 16-code sums, in split_step's lane
+// order per 8 blocks: first halves of blocks 0-3, their second halves, the
+// same of blocks 4-7.
 struct XScales {
   int64_t stride, padded;  // XBlocks a token; floats a token here
   std::vector<float> d, s;
-  XScales(const XBlock* x, int64_t n, int64_t tokens)
+  std::vector<int32_t> half;  // 2 stride a token
+  XScales(const XBlock* x, int64_t n, int64_t tokens, bool halves = false)
       : stride(n), padded(n + 8), d(size_t(tokens * padded)), s(size_t(tokens * padded)) {
+    if (halves) half.resize(size_t(tokens * 2 * n));
     for (int64_t m = 0; m < tokens; ++m)
       for (int64_t i = 0; i < n; ++i) {
         d[size_t(m * padded + i)] = x[m * n + i].d;
         s[size_t(m * padded + i)] = x[m * n + i].s;
+        if (!halves) continue;
+        int32_t sums[2] = {0, 0};
+        for (int k = 0; k < 32; ++k) sums[k / 16] += x[m * n + i].q[k];
+        const int64_t group = i / 8 * 16, lane = i % 8 / 4 * 8 + i % 4;
+        for (int h = 0; h < 2; ++h) half[size_t(m * 2 * n + group + lane + 4 * h)] = sums[h];
       }
   }
 };
@@ -129,12 +139,15 @@ inline void group_step(const uint8_t* g, int count, const XBlock* x, const XScal
 // first 16 weights and lanes 4-7 its second; hadd(hadd(d0, d1), hadd(d2, d3))
 // is [d0 d1 d2 d3 first halves | the same second halves].  The scales are
 // ordered to match: sc[2 j] (first half of j) and sc[2 j + 1] (second).
+// The codes go in unsigned (0..63, dpbusd's own operand, no sign moves), and
+// 32 times the activations' half sums come off in integers after:
+// sum (c - 32) x = sum c x - 32 sum x, the same int32 sums as before.
 template <int R>
 inline void split_step(const uint8_t* g, const XBlock* x, const XScales& xs, int64_t m0, int64_t x0,
                        __m256 (&acc)[R]) {
   __m256i q[8];
 #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) q[j] = Q6_K::q_avx2(g, j);
+  for (int j = 0; j < 8; ++j) q[j] = Q6_K::codes_avx2(g, j);
   // sc[0 2 4 6 1 3 5 7 | 8 10 12 14 9 11 13 15] -> two vectors of floats times d
   const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 192)),
                                       _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
@@ -146,9 +159,14 @@ inline void split_step(const uint8_t* g, const XBlock* x, const XScales& xs, int
     __m256i dots[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j)
-      dots[j] = dot32<true>(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j].q)));
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[4], dots[5]), _mm256_hadd_epi32(dots[6], dots[7]));
+      dots[j] = dot32<false>(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j].q)));
+    const int32_t* halves = xs.half.data() + (m0 + r) * 2 * xs.stride + 2 * x0;
+    const __m256i a = _mm256_sub_epi32(
+        _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3])),
+        _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)), 5));
+    const __m256i b = _mm256_sub_epi32(
+        _mm256_hadd_epi32(_mm256_hadd_epi32(dots[4], dots[5]), _mm256_hadd_epi32(dots[6], dots[7])),
+        _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + 8)), 5));
     const float* dx = xs.d.data() + (m0 + r) * xs.padded + x0;
     const __m256 da = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dx));
     const __m256 db = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dx + 4));
@@ -209,29 +227,21 @@ constexpr int64_t kShortRowBytes = 1536;
 template <typename Q, int C>
 inline void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const XBlock* x, const XScales& xs,
                      float (&out)[1][C]) {
+  static_assert(!Q::kSplit, "Q6_K goes a row at a time (four_rows)");
+  constexpr int kPer = 8 / Q::kSubs;  // blocks a group
   __m256 acc[C][1], mins[C][1];
   for (int c = 0; c < C; ++c) acc[c][0] = mins[c][0] = _mm256_setzero_ps();
-  if constexpr (Q::kSplit) {
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int c = 0; c < C; ++c) {
-        const uint8_t* g = w + c * row_bytes + b * Q::kBytes;
-        prefetch_ahead(g, Q::kBytes);
-        split_step<1>(g, x, xs, 0, b * Q::kSubs, acc[c]);
-      }
-  } else {
-    constexpr int kPer = 8 / Q::kSubs;  // blocks a group
-    int64_t b = 0;
-    for (; b + kPer <= blocks; b += kPer)
-      for (int c = 0; c < C; ++c) {
-        const uint8_t* g = w + c * row_bytes + b * Q::kBytes;
-        prefetch_ahead(g, kPer * Q::kBytes);
-        group_step<Q, true, 1>(g, 8, x, xs, 0, b * Q::kSubs, acc[c], mins[c]);
-      }
-    if (b < blocks)
-      for (int c = 0; c < C; ++c)
-        group_step<Q, false, 1>(w + c * row_bytes + b * Q::kBytes, int(blocks - b), x, xs, 0, b, acc[c], mins[c]);
-  }
-  for (int c = 0; c < C; ++c) out[0][c] = hsum(Q::kSplit ? acc[c][0] : _mm256_add_ps(acc[c][0], mins[c][0]));
+  int64_t b = 0;
+  for (; b + kPer <= blocks; b += kPer)
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* g = w + c * row_bytes + b * Q::kBytes;
+      prefetch_ahead(g, kPer * Q::kBytes);
+      group_step<Q, true, 1>(g, 8, x, xs, 0, b * Q::kSubs, acc[c], mins[c]);
+    }
+  if (b < blocks)
+    for (int c = 0; c < C; ++c)
+      group_step<Q, false, 1>(w + c * row_bytes + b * Q::kBytes, int(blocks - b), x, xs, 0, b, acc[c], mins[c]);
+  for (int c = 0; c < C; ++c) out[0][c] = hsum(_mm256_add_ps(acc[c][0], mins[c][0]));
 }
 
 // One token against rows [n0, n1) of a part whose rows start at global row
@@ -242,12 +252,14 @@ template <typename Q, typename Rows, typename Sink, typename Step>
 inline int64_t four_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, const XBlock* x,
                          const XScales& xs, const Sink& sink, const Step& step) {
   int64_t n = n0;
-  if (Q::kSplit || rows.row_bytes >= kShortRowBytes) return n;
-  for (; n + 4 <= n1; n += 4) {
-    for (int c = 0; c < 4; ++c) step();
-    float sums[1][4];
-    rows_dot<Q, 4>(rows.data + (n - first) * rows.row_bytes, rows.row_bytes, rows.blocks, x, xs, sums);
-    sink.template put<1, 4>(sums, 0, n);
+  if constexpr (!Q::kSplit) {
+    if (rows.row_bytes >= kShortRowBytes) return n;
+    for (; n + 4 <= n1; n += 4) {
+      for (int c = 0; c < 4; ++c) step();
+      float sums[1][4];
+      rows_dot<Q, 4>(rows.data + (n - first) * rows.row_bytes, rows.row_bytes, rows.blocks, x, xs, sums);
+      sink.template put<1, 4>(sums, 0, n);
+    }
   }
   return n;
 }
