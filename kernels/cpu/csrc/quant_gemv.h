@@ -208,6 +208,7 @@ inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XSc
     for (int r = 0; r < R; ++r) out[r][0] = hsum(_mm256_add_ps(acc[r], mins[r]));
   }
 }
+
 // Rows shorter than this go four at a time through a one-token call (AVX2
 // and AVX512 builds).  Measured alternated in one process, 2-vCPU Xeon
 // (docs/performance.md): 0.87-0.95x the time for rows of 360-1,152 bytes
@@ -222,8 +223,8 @@ constexpr int64_t kShortRowBytes = 1536;
 // steps); C rows side by side are C independent chains.  Why: a row of a
 // small model is short (SmolLM2's 576 inputs: two groups and a tail), and
 // one row at a time left its chain's latency, its sum across lanes and its
-// store in the open between rows (~10 % of a one-stream step's samples on
-// the store alone).
+// store in the open between rows (~7 % of a one-stream SmolLM2 step's
+// samples on the store alone).
 template <typename Q, int C>
 inline void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const XBlock* x, const XScales& xs,
                      float (&out)[1][C]) {
