@@ -233,6 +233,36 @@ struct Q6_K {
 #endif
 };
 
+#if defined(__AVX2__)
+// The scales (wd) and mins (wm) of the 8 sub-blocks of 32 that start at g,
+// in vectors, without the scalar decode per block (it cost as much as the
+// dot products).  Legacy types: one gather of the 8 blocks' leading words
+// (d, then m for the _1 types), both fp16 halves converted at once.
+template <typename Q>
+inline void group_scales(const uint8_t* g, int count, __m256& wd, __m256& wm) {
+  static_assert(Q::kSubs == 1, "K-quants have their own group_scales");
+  const __m256i at = _mm256_setr_epi32(0, Q::kBytes, 2 * Q::kBytes, 3 * Q::kBytes, 4 * Q::kBytes,
+                                       5 * Q::kBytes, 6 * Q::kBytes, 7 * Q::kBytes);
+  // lanes past `count` read nothing and stay 0 (a row's last group)
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i words =
+      _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(g), at, live, 1);
+  // per 128-bit lane: the four low halves (d), then the four high ones (m)
+  const __m256i split = _mm256_shuffle_epi8(
+      words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                              0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m256i halves = _mm256_permute4x64_epi64(split, 0xD8);  // d0..d7 | m0..m7
+  wd = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+  wm = Q::kMin ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)) : _mm256_setzero_ps();
+}
+
+template <>
+inline void group_scales<Q4_K>(const uint8_t* g, int, __m256& wd, __m256& wm) { k4_scales(g, wd, wm); }
+template <>
+inline void group_scales<Q5_K>(const uint8_t* g, int, __m256& wd, __m256& wm) { k4_scales(g, wd, wm); }
+
+#endif
+
 // ggml type ids (gguf.GGMLQuantizationType) -> a call of f with the type.
 template <typename F>
 inline bool with_type(int64_t ggml_id, F&& f) {

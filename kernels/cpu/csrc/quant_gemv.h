@@ -17,6 +17,11 @@
 // summed as halves instead (split_step): two rounds of hadd leave the first
 // halves of four sub-blocks in one 128-bit lane and their second halves in
 // the other, which the 16 scales meet in two vectors.
+//
+// That is the AVX2 build's form.  The AVX512 build (with VNNI) takes
+// quant_lanes.h's instead, for every type: 64 weights a dpbusd and no sum
+// across lanes until a row ends.  XScales, row_dot and four_rows are the
+// entry for both.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +30,7 @@
 
 #include "quant_act.h"
 #include "quant_blocks.h"
+#include "quant_lanes.h"
 #include "prefetch.h"
 
 namespace pagedserve {
@@ -34,42 +40,50 @@ namespace quant {
 // vector (zeros past a token's last, which a row's last group reads).  With
 // `halves` (Q6_K) also each block's two 16-code sums, in split_step's lane
 // order per 8 blocks: first halves of blocks 0-3, their second halves, the
-// same of blocks 4-7.
+// same of blocks 4-7.  With `lanes` (the AVX512 build: quant_lanes.h) the
+// codes contiguous instead, and Q6_K's half sums times -32 in block order.
 struct XScales {
   int64_t stride, padded;  // XBlocks a token; floats a token here
   std::vector<float> d, s;
   std::vector<int32_t> half;  // 2 stride a token
-  XScales(const XBlock* x, int64_t n, int64_t tokens, bool halves = false)
+  std::vector<int8_t> lane_q;   // the codes, contiguous
+  std::vector<float> lane_off;  // Q6_K: -32 x each 16 codes' sum
+  XScales(const XBlock* x, int64_t n, int64_t tokens, bool halves = false, bool lanes = false)
       : stride(n), padded(n + 8), d(size_t(tokens * padded)), s(size_t(tokens * padded)) {
-    if (halves) half.resize(size_t(tokens * 2 * n));
+    if (halves && !lanes) half.resize(size_t(tokens * 2 * n));
+    if (lanes) lane_q.resize(size_t((tokens * n + 8) * 32));  // a last partial group reads past
+    if (lanes && halves) lane_off.resize(size_t(tokens * n * 2));
     for (int64_t m = 0; m < tokens; ++m)
       for (int64_t i = 0; i < n; ++i) {
-        d[size_t(m * padded + i)] = x[m * n + i].d;
-        s[size_t(m * padded + i)] = x[m * n + i].s;
+        const XBlock& b = x[m * n + i];
+        d[size_t(m * padded + i)] = b.d;
+        s[size_t(m * padded + i)] = b.s;
+        if (lanes) std::memcpy(lane_q.data() + 32 * (m * n + i), b.q, 32);
         if (!halves) continue;
         int32_t sums[2] = {0, 0};
-        for (int k = 0; k < 32; ++k) sums[k / 16] += x[m * n + i].q[k];
+        for (int k = 0; k < 32; ++k) sums[k / 16] += b.q[k];
+        if (lanes) {
+          for (int h = 0; h < 2; ++h) lane_off[size_t(2 * (m * n + i) + h)] = -32.f * float(sums[h]);
+          continue;
+        }
         const int64_t group = i / 8 * 16, lane = i % 8 / 4 * 8 + i % 4;
         for (int h = 0; h < 2; ++h) half[size_t(m * 2 * n + group + lane + 4 * h)] = sums[h];
       }
   }
+#if defined(PAGEDSERVE_QUANT_LANES)
+  LaneView lanes() const {
+    return {stride, lane_q.data(), d.data(), s.data(), padded, lane_off.data()};
+  }
+#endif
 };
 
-// How far ahead of the group being decoded a row's loop asks for weights
-// (into L2).  Why: at one token this loop is a single stream through the
-// weights with little work per byte, and on the 2-vCPU Xeon the hardware
-// prefetchers alone left it waiting on loads, at 25-30 % of the read rate
-// (`python -m bench.kernels.quant_linear --rows 1`); 4 KiB ahead measured
-// best of 1, 2, 4 and 8 KiB (docs/performance.md).
-constexpr int64_t kAhead = 4096;
-
-// The lines of the `bytes` at g + kAhead: a later group of this row or of the
-// rows after it (a part's rows are contiguous).  Prefetches never fault, so
-// the last rows may ask past the blob.
-inline void prefetch_ahead(const uint8_t* g, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(g) + kAhead;
-  for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(p + o);
-}
+// Whether this build's rows take quant_lanes.h (AVX512 + VNNI) rather than
+// the 256-bit forms below (AVX2).
+#if defined(PAGEDSERVE_QUANT_LANES)
+constexpr bool kQuantLanes = true;
+#else
+constexpr bool kQuantLanes = false;
+#endif
 
 #if defined(__AVX2__)
 // Lane j of the result: the sum of v[j]'s 8 lanes.
@@ -79,33 +93,6 @@ inline __m256i sum_lanes8(const __m256i (&v)[8]) {
   const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
-
-// The scales (wd) and mins (wm) of the 8 sub-blocks of 32 that start at g,
-// in vectors, without the scalar decode per block (it cost as much as the
-// dot products).  Legacy types: one gather of the 8 blocks' leading words
-// (d, then m for the _1 types), both fp16 halves converted at once.
-template <typename Q>
-inline void group_scales(const uint8_t* g, int count, __m256& wd, __m256& wm) {
-  static_assert(Q::kSubs == 1, "K-quants have their own group_scales");
-  const __m256i at = _mm256_setr_epi32(0, Q::kBytes, 2 * Q::kBytes, 3 * Q::kBytes, 4 * Q::kBytes,
-                                       5 * Q::kBytes, 6 * Q::kBytes, 7 * Q::kBytes);
-  // lanes past `count` read nothing and stay 0 (a row's last group)
-  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i words =
-      _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(g), at, live, 1);
-  // per 128-bit lane: the four low halves (d), then the four high ones (m)
-  const __m256i split = _mm256_shuffle_epi8(
-      words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                              0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
-  const __m256i halves = _mm256_permute4x64_epi64(split, 0xD8);  // d0..d7 | m0..m7
-  wd = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
-  wm = Q::kMin ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)) : _mm256_setzero_ps();
-}
-
-template <>
-inline void group_scales<Q4_K>(const uint8_t* g, int, __m256& wd, __m256& wm) { k4_scales(g, wd, wm); }
-template <>
-inline void group_scales<Q5_K>(const uint8_t* g, int, __m256& wd, __m256& wm) { k4_scales(g, wd, wm); }
 
 // The `count` sub-blocks of the group at g (all 8, or fewer in a legacy
 // row's last group), decoded once, times R tokens' blocks (x, token r at
@@ -192,6 +179,10 @@ inline void split_row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, con
 template <typename Q, int R>
 inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XScales& xs, int64_t m0,
                     float (&out)[R][1]) {
+#if defined(PAGEDSERVE_QUANT_LANES)
+  (void)x;
+  lanes_row_dot<Q, R>(w, blocks, xs.lanes(), m0, out);
+#else
   if constexpr (Q::kSplit) {
     split_row_dot<R>(w, blocks, x, xs, m0, out);
   } else {
@@ -207,10 +198,11 @@ inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XSc
       group_step<Q, false, R>(w + b * Q::kBytes, int(blocks - b), x, xs, m0, b, acc, mins);
     for (int r = 0; r < R; ++r) out[r][0] = hsum(_mm256_add_ps(acc[r], mins[r]));
   }
+#endif
 }
 
-// Rows shorter than this go four at a time through a one-token call (AVX2
-// and AVX512 builds).  Measured alternated in one process, 2-vCPU Xeon
+// Rows shorter than this go four at a time through a one-token call (the
+// AVX2 build; the AVX512 build's lanes take every row four at a time).  Measured alternated in one process, 2-vCPU Xeon
 // (docs/performance.md): 0.87-0.95x the time for rows of 360-1,152 bytes
 // (SmolLM2's Q4_1 and Q8_0, Qwen3-0.6B's Q4_K and Q8_0 up and qkv), no
 // change at 960-1,632, but 1.06-1.19x for rows of 1,728-4,608 bytes (Q4_K
@@ -246,13 +238,22 @@ inline void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const 
 }
 
 // One token against rows [n0, n1) of a part whose rows start at global row
-// `first` (quant_linear.h's Rows and Sink), four at a time while the rows are
-// short (Q6_K never: 1.22x): returns the first row left to row_dot.  step()
-// runs once per row, sink.put stores the sums.
+// `first` (quant_linear.h's Rows and Sink), four at a time: in the AVX512
+// build always (quant_lanes.h), in the AVX2 build while the rows are short
+// (Q6_K never: 1.22x).  Returns the first row left to row_dot.  step() runs
+// once per row, sink.put stores the sums.
 template <typename Q, typename Rows, typename Sink, typename Step>
 inline int64_t four_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, const XBlock* x,
                          const XScales& xs, const Sink& sink, const Step& step) {
   int64_t n = n0;
+#if defined(PAGEDSERVE_QUANT_LANES)
+  for (; n + 4 <= n1; n += 4) {
+    for (int c = 0; c < 4; ++c) step();
+    float sums[1][4];
+    lanes_rows_dot<Q, 4>(rows.data + (n - first) * rows.row_bytes, rows.row_bytes, rows.blocks, xs.lanes(), sums);
+    sink.template put<1, 4>(sums, 0, n);
+  }
+#else
   if constexpr (!Q::kSplit) {
     if (rows.row_bytes >= kShortRowBytes) return n;
     for (; n + 4 <= n1; n += 4) {
@@ -262,6 +263,7 @@ inline int64_t four_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1
       sink.template put<1, 4>(sums, 0, n);
     }
   }
+#endif
   return n;
 }
 #endif  // __AVX2__

@@ -22,13 +22,13 @@
 // price is the activations' 8-bit rounding, which the tests bound
 // (tests/kernels/test_quant_linear.py).
 //
-// Up to kManyRows - 1 tokens (31 on AVX512-BF16, 47 on AVX2), the AVX2 and
-// AVX512 builds take quant_gemv.h's row path (every type), up to 4 tokens a
-// pass over a row.  The portable build takes tiles: R tokens x C weight rows;
-// a weight sub-block is decoded once per tile and meets the R tokens.  One
-// token takes C = 4 rows (four independent chains), several take R = 4 x
-// C = 2.  Either way threads split the rows in strips; from kManyRows tokens
-// (8 in the portable build), quant_strips.h.
+// Up to kManyRows - 1 tokens (31 on AVX512-BF16, 47 on AVX2), quant_gemv.h's
+// rows (every type; AVX512: quant_lanes.h), up to 4 tokens a pass.  The
+// portable build takes tiles: R tokens x C weight rows; a weight sub-block
+// is decoded once per tile and meets the R tokens.  One token takes C = 4
+// rows (four independent chains), several take R = 4 x C = 2.  Either way
+// threads split the rows in strips; from kManyRows tokens (8 in the
+// portable build), quant_strips.h.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -136,7 +136,7 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
   const int64_t xs = rows.blocks * Q::kSubs;  // XBlocks per token
 #if defined(__AVX2__)
   // Every type, a row at a time, 8 sub-blocks a step: quant_gemv.h.
-  const XScales scales(x, xs, M, Q::kSplit);
+  const XScales scales(x, xs, M, Q::kSplit, kQuantLanes);
   int64_t n = M == 1 ? four_rows<Q>(rows, first, n0, n1, x, scales, sink, step) : n0;
   for (; n < n1; ++n) {
     step();

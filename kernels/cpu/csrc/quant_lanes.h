@@ -1,0 +1,303 @@
+// The quantized linear's rows at a few tokens in 512-bit lanes: the AVX512
+// build's form (with VNNI) of quant_gemv.h's row_dot, for every type.
+//
+// Why its own form: quant_gemv.h sums each sub-block's 8 int32 lanes into
+// one number (hadd rounds, then a cross-lane permute) so that one float
+// product per sub-block applies its scale and the token's.  At one token
+// that reduction was the largest share of the K-quants' instructions: they
+// read at 44-47 % of torch.sum's rate where Q8_0, with 1.9x the bytes per
+// weight, read at 86 % (`python -m bench.kernels.quant_linear --rows 1`).
+// Here nothing is summed across lanes until a row ends.  One dpbusd takes
+// two sub-blocks (64 weights), its 16 int32 lanes go to float as they are,
+// and each lane meets its own sub-block's scale times the token's (the 8 or
+// 16 products of a group computed once a token, then permuted over the
+// lanes they cover) in an FMA into a float accumulator.  A lane holds 4
+// products, so a Q6_K half (16 weights with their own scale) is lanes 0-3 or
+// 4-7 of its sub-block: no separate form for Q6_K.
+//
+// A pair of sub-blocks loads as one vector of codes.  Q4_K and Q5_K store
+// sub-blocks 2p and 2p + 1 as the low and high nibbles of the same 32 bytes:
+// the 32 bytes go to both 256-bit halves and the upper half shifts by 4 (a
+// 64-bit shift; the nibbles that cross bytes are masked off).  Q6_K's pairs
+// are 64 bytes of ql with their 2-bit highs from one 32-byte qh, shifted per
+// half.  A legacy block's 16 nibble bytes go in twice, the second copy
+// shifted.  The codes go in as stored (0..15, 0..31, 0..63): a symmetric
+// type's centre comes off as a min (-8 d, -16 d, met by the token's d *
+// sum(q)), Q6_K's as -32 x the 16-code sums at their scales.  Q8_0's codes
+// are signed: their sign moves onto the token's codes (dpbusd wants the
+// first operand unsigned).
+//
+// The sums are the same products as quant_gemv.h's, added in another order
+// (per lane, then across lanes), within the tests' activation bound.  Rows
+// go four at a time at every length (lanes_rows_dot): one row at a time was
+// 1.02-1.31x the time, the row's end left in the open.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "prefetch.h"
+#include "quant_act.h"
+#include "quant_blocks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAGEDSERVE_QUANT_LANES 1
+
+namespace pagedserve {
+namespace quant {
+
+// A call's tokens as the lanes read them.
+struct LaneView {
+  int64_t subs;     // sub-blocks of 32 a token
+  const int8_t* q;  // [tokens, subs, 32]: the codes, contiguous
+  const float* d;   // a block's scale, stride floats a token (XScales::d)
+  const float* s;   // a block's d * sum(q), the same (XScales::s)
+  int64_t stride;
+  const float* off;  // Q6_K: [tokens, 2 subs]: -32 x each 16 codes' sum
+};
+
+// The 32 bytes at p in both halves of a vector.
+inline __m512i both_halves(const uint8_t* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// v's 64-bit words shifted right by a in the low half, b in the high half.
+inline __m512i shift_halves(__m512i v, int a, int b) {
+  return _mm512_srlv_epi64(v, _mm512_setr_epi64(a, a, a, a, b, b, b, b));
+}
+
+// Lane l of the result: lane 4 i + l / 4 of v, i = 0..3: each of 4 values over 4 lanes.
+inline __m512 spread4(__m512 v, int i) {
+  const int a = 4 * i;
+  return _mm512_permutexvar_ps(
+      _mm512_setr_epi32(a, a, a, a, a + 1, a + 1, a + 1, a + 1, a + 2, a + 2, a + 2, a + 2, a + 3, a + 3, a + 3, a + 3),
+      v);
+}
+
+// Per type, for a group of 8 sub-blocks at g (a K-quant's super-block, or 8
+// blocks of a legacy type, `count` of them where a row's last group is
+// short): codes(g, p, count), the codes of sub-blocks 2p and 2p + 1 as
+// dpbusd's unsigned operand (signed for Q8_0: kSigned); scales(g, count, w,
+// wm), the weight scales (8, or Q6_K's 16) and the 8 sub-blocks' mins
+// (kMins); per_token(w, xd), those scales times the token's 8 block scales;
+// lanes(sx, p), pair p's 16 lanes' scales out of per_token's.
+template <typename Q>
+struct Lanes;
+
+// One scale per sub-block: sub-block 2p over lanes 0-7, 2p + 1 over 8-15.
+struct EightScales {
+  static __m512 per_token(__m512 w, const float* xd) {
+    return _mm512_mul_ps(w, _mm512_zextps256_ps512(_mm256_loadu_ps(xd)));
+  }
+  static __m512 lanes(__m512 sx, int p) {
+    const int a = 2 * p, b = 2 * p + 1;
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b), sx);
+  }
+};
+
+template <>
+struct Lanes<Q4_K> : EightScales {
+  static constexpr bool kSigned = false, kMins = true;
+  static __m512i codes(const uint8_t* g, int p, int) {
+    return _mm512_and_si512(shift_halves(both_halves(g + 16 + 32 * p), 0, 4), _mm512_set1_epi8(0x0F));
+  }
+  static void scales(const uint8_t* g, int, __m512& w, __m256& wm) {
+    __m256 d;
+    k4_scales(g, d, wm);
+    w = _mm512_zextps256_ps512(d);
+  }
+};
+
+template <>
+struct Lanes<Q5_K> : Lanes<Q4_K> {
+  static __m512i codes(const uint8_t* g, int p, int) {
+    const __m512i low = _mm512_and_si512(shift_halves(both_halves(g + 48 + 32 * p), 0, 4), _mm512_set1_epi8(0x0F));
+    const __m512i high = _mm512_and_si512(shift_halves(both_halves(g + 16), 2 * p, 2 * p + 1), _mm512_set1_epi8(1));
+    return _mm512_or_si512(low, _mm512_slli_epi64(high, 4));
+  }
+};
+
+template <>
+struct Lanes<Q6_K> {
+  static constexpr bool kSigned = false, kMins = false;
+  static __m512i codes(const uint8_t* g, int p, int) {
+    const int h = p / 2, upper = p % 2;  // upper: sub-blocks 4h + 2, 4h + 3 (ql's high nibbles)
+    const __m512i ql = _mm512_loadu_si512(g + 64 * h);
+    const __m512i low = _mm512_and_si512(upper ? _mm512_srli_epi64(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+    const __m512i qh = shift_halves(both_halves(g + 128 + 32 * h), 4 * upper, 4 * upper + 2);
+    return _mm512_or_si512(low, _mm512_slli_epi64(_mm512_and_si512(qh, _mm512_set1_epi8(3)), 4));
+  }
+  static void scales(const uint8_t* g, int, __m512& w, __m256& wm) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 192));
+    w = _mm512_mul_ps(_mm512_set1_ps(fp16_to_float(g + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+    wm = _mm256_setzero_ps();
+  }
+  // scale 2j (sub-block j's first 16 weights) and 2j + 1 (its second) meet xd[j]
+  static __m512 per_token(__m512 w, const float* xd) {
+    const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    return _mm512_mul_ps(w, _mm512_permutexvar_ps(twice, _mm512_zextps256_ps512(_mm256_loadu_ps(xd))));
+  }
+  // lanes 4i .. 4i + 3 of pair p: the 16 weights of scale 4p + i
+  static __m512 lanes(__m512 sx, int p) { return spread4(sx, p); }
+};
+
+// Legacy blocks 2p and 2p + 1 of a group (zeros past a short group's
+// `count`): f(block) gives a block's 32 bytes in a 256-bit half.
+template <typename Q, typename F>
+inline __m512i block_pair(const uint8_t* g, int p, int count, const F& f) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i a = 2 * p < count ? f(g + 2 * p * Q::kBytes) : zero;
+  const __m256i b = 2 * p + 1 < count ? f(g + (2 * p + 1) * Q::kBytes) : zero;
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+// A legacy block's fifth bits (a 32-bit word), 0 past `count`.
+template <typename Q>
+inline uint64_t fifth_bits(const uint8_t* g, int j, int count) {
+  uint32_t bits = 0;
+  if (j < count) std::memcpy(&bits, g + j * Q::kBytes + Q::kHigh, 4);
+  return bits;
+}
+
+// Q4_0, Q4_1, Q5_0, Q5_1: the codes as stored (0..15, 0..31); a symmetric
+// type's centre becomes its min, -centre x d, met by the token's d * sum(q).
+template <bool kFifthBit, bool kHasMin>
+struct Lanes<Nibbles<kFifthBit, kHasMin>> : EightScales {
+  using Q = Nibbles<kFifthBit, kHasMin>;
+  static constexpr bool kSigned = false, kMins = true;
+  // [16 nibble bytes twice | the next block's twice]; the second copy of
+  // each shifts by 4 (its high nibbles); bit i of the fifth-bit words is
+  // byte i's 0x10.
+  static __m512i codes(const uint8_t* g, int p, int count) {
+    const __m512i both = block_pair<Q>(g, p, count, [](const uint8_t* b) {
+      return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Q::kQs)));
+    });
+    __m512i q = _mm512_and_si512(_mm512_srlv_epi64(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
+                                 _mm512_set1_epi8(0x0F));
+    if (kFifthBit) {
+      const uint64_t bits = fifth_bits<Q>(g, 2 * p, count) | fifth_bits<Q>(g, 2 * p + 1, count) << 32;
+      q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
+    }
+    return q;
+  }
+  static void scales(const uint8_t* g, int count, __m512& w, __m256& wm) {
+    __m256 d;
+    group_scales<Q>(g, count, d, wm);
+    if (!kHasMin) wm = _mm256_mul_ps(d, _mm256_set1_ps(-float(Q::kCentre)));
+    w = _mm512_zextps256_ps512(d);
+  }
+};
+
+template <>
+struct Lanes<Q8_0> : EightScales {
+  static constexpr bool kSigned = true, kMins = false;
+  static __m512i codes(const uint8_t* g, int p, int count) {
+    return block_pair<Q8_0>(g, p, count, [](const uint8_t* b) { return Q8_0::q_avx2(b, 0); });
+  }
+  static void scales(const uint8_t* g, int count, __m512& w, __m256& wm) {
+    __m256 d;
+    group_scales<Q8_0>(g, count, d, wm);
+    w = _mm512_zextps256_ps512(d);
+  }
+};
+
+// The group at g (`count` sub-blocks, all 8 when kFull; sub-blocks sub0 ..)
+// times tokens m0 .. m0 + R - 1.
+template <typename Q, bool kFull, int R>
+inline void lanes_step(const uint8_t* g, int count, const LaneView& x, int64_t m0, int64_t sub0,
+                       __m512 (&acc)[R][2], __m256 (&mins)[R]) {
+  using L = Lanes<Q>;
+  __m512i c[4];
+  __mmask64 negative[4];
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) {
+    if (!kFull && 2 * p >= count) break;
+    c[p] = L::codes(g, p, kFull ? 8 : count);
+    if (L::kSigned) {  // dpbusd's first operand is unsigned: |w|, and w's sign onto x
+      negative[p] = _mm512_movepi8_mask(c[p]);
+      c[p] = _mm512_abs_epi8(c[p]);
+    }
+  }
+  __m512 w;
+  __m256 wm;
+  L::scales(g, kFull ? 8 : count, w, wm);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const int64_t at = (m0 + r) * x.subs + sub0, xat = (m0 + r) * x.stride + sub0;
+    const __m512 sx = L::per_token(w, x.d + xat);
+    if (Q::kSplit)  // the codes' centre: 32 x each 16 codes' sum, at their scales
+      acc[r][0] = _mm512_fmadd_ps(sx, _mm512_loadu_ps(x.off + 2 * at), acc[r][0]);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      if (!kFull && 2 * p >= count) break;
+      __m512i xq = _mm512_loadu_si512(x.q + 32 * at + 64 * p);
+      if (L::kSigned) xq = _mm512_mask_sub_epi8(xq, negative[p], _mm512_setzero_si512(), xq);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[p], xq);
+      acc[r][p % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), L::lanes(sx, p), acc[r][p % 2]);
+    }
+    if (L::kMins) mins[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.s + xat), mins[r]);
+  }
+}
+
+// The C rows' sums out of their accumulators.
+template <int C>
+inline void lanes_sums(const __m512 (&acc)[C][2], const __m256 (&mins)[C], float* out) {
+  for (int c = 0; c < C; ++c) out[c] = _mm512_reduce_add_ps(_mm512_add_ps(acc[c][0], acc[c][1])) + hsum(mins[c]);
+}
+
+// One weight row (`blocks` blocks of Q at w) times tokens m0 .. m0 + R - 1 into out[r].
+template <typename Q, int R>
+inline void lanes_row_dot(const uint8_t* w, int64_t blocks, const LaneView& x, int64_t m0, float (&out)[R][1]) {
+  constexpr int kPer = 8 / Q::kSubs;  // blocks a group
+  __m512 acc[R][2];
+  __m256 mins[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    mins[r] = _mm256_setzero_ps();
+  }
+  int64_t b = 0;
+  for (; b + kPer <= blocks; b += kPer) {
+    prefetch_ahead(w + b * Q::kBytes, kPer * Q::kBytes);
+    lanes_step<Q, true, R>(w + b * Q::kBytes, 8, x, m0, b * Q::kSubs, acc, mins);
+  }
+  if (b < blocks)  // a legacy row of 8 k + 1 .. 8 k + 7 blocks
+    lanes_step<Q, false, R>(w + b * Q::kBytes, int(blocks - b), x, m0, b, acc, mins);
+  float sums[R];
+  lanes_sums<R>(acc, mins, sums);
+  for (int r = 0; r < R; ++r) out[r][0] = sums[r];
+}
+
+// C weight rows (`row_bytes` apart from w) times one token: out[0][c], each
+// row's sum lanes_row_dot's to the bit.  C rows side by side are C
+// independent chains (quant_gemv.h's rows_dot says why that pays; here it
+// paid at every row length).
+template <typename Q, int C>
+inline void lanes_rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const LaneView& x,
+                           float (&out)[1][C]) {
+  constexpr int kPer = 8 / Q::kSubs;
+  __m512 acc[C][2];
+  __m256 mins[C];
+  for (int c = 0; c < C; ++c) {
+    acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+    mins[c] = _mm256_setzero_ps();
+  }
+  auto step = [&](auto full, int64_t b, int count) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* g = w + c * row_bytes + b * Q::kBytes;
+      if (full) prefetch_ahead(g, kPer * Q::kBytes);
+      __m512(&a)[1][2] = reinterpret_cast<__m512(&)[1][2]>(acc[c]);
+      __m256(&m)[1] = reinterpret_cast<__m256(&)[1]>(mins[c]);
+      lanes_step<Q, decltype(full)::value, 1>(g, count, x, 0, b * Q::kSubs, a, m);
+    }
+  };
+  int64_t b = 0;
+  for (; b + kPer <= blocks; b += kPer) step(std::true_type{}, b, 8);
+  if (b < blocks) step(std::false_type{}, b, int(blocks - b));
+  lanes_sums<C>(acc, mins, out[0]);
+}
+
+}  // namespace quant
+}  // namespace pagedserve
+#endif
