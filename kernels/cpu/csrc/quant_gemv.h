@@ -36,11 +36,19 @@
 namespace pagedserve {
 namespace quant {
 
+// Whether this build's rows take quant_lanes.h (AVX512 + VNNI) rather than
+// the 256-bit forms below (AVX2).
+#if defined(PAGEDSERVE_QUANT_LANES)
+constexpr bool kQuantLanes = true;
+#else
+constexpr bool kQuantLanes = false;
+#endif
+
 // The tokens' block scales d and sums s side by side: 8 of them load as one
 // vector (zeros past a token's last, which a row's last group reads).  With
 // `halves` (Q6_K) also each block's two 16-code sums, in split_step's lane
 // order per 8 blocks: first halves of blocks 0-3, their second halves, the
-// same of blocks 4-7.  With `lanes` (the AVX512 build: quant_lanes.h) the
+// same of blocks 4-7.  In the AVX512 build (kQuantLanes: quant_lanes.h) the
 // codes contiguous instead, and Q6_K's half sums times -32 in block order.
 struct XScales {
   int64_t stride, padded;  // XBlocks a token; floats a token here
@@ -48,8 +56,9 @@ struct XScales {
   std::vector<int32_t> half;  // 2 stride a token
   std::vector<int8_t> lane_q;   // the codes, contiguous
   std::vector<float> lane_off;  // Q6_K: -32 x each 16 codes' sum
-  XScales(const XBlock* x, int64_t n, int64_t tokens, bool halves = false, bool lanes = false)
+  XScales(const XBlock* x, int64_t n, int64_t tokens, bool halves = false)
       : stride(n), padded(n + 8), d(size_t(tokens * padded)), s(size_t(tokens * padded)) {
+    constexpr bool lanes = kQuantLanes;
     if (halves && !lanes) half.resize(size_t(tokens * 2 * n));
     if (lanes) lane_q.resize(size_t((tokens * n + 8) * 32));  // a last partial group reads past
     if (lanes && halves) lane_off.resize(size_t(tokens * n * 2));
@@ -76,14 +85,6 @@ struct XScales {
   }
 #endif
 };
-
-// Whether this build's rows take quant_lanes.h (AVX512 + VNNI) rather than
-// the 256-bit forms below (AVX2).
-#if defined(PAGEDSERVE_QUANT_LANES)
-constexpr bool kQuantLanes = true;
-#else
-constexpr bool kQuantLanes = false;
-#endif
 
 #if defined(__AVX2__)
 // Lane j of the result: the sum of v[j]'s 8 lanes.
@@ -202,12 +203,13 @@ inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XSc
 }
 
 // Rows shorter than this go four at a time through a one-token call (the
-// AVX2 build; the AVX512 build's lanes take every row four at a time).  Measured alternated in one process, 2-vCPU Xeon
-// (docs/performance.md): 0.87-0.95x the time for rows of 360-1,152 bytes
-// (SmolLM2's Q4_1 and Q8_0, Qwen3-0.6B's Q4_K and Q8_0 up and qkv), no
-// change at 960-1,632, but 1.06-1.19x for rows of 1,728-4,608 bytes (Q4_K
-// and Q8_0 at 2,048-8,192 inputs), where a row's own chain is long enough and
-// four rows apart are four streams.
+// AVX2 build; the AVX512 build's lanes take every row four at a time).
+// Measured alternated in one process, 2-vCPU Xeon (docs/performance.md):
+// 0.87-0.95x the time for rows of 360-1,152 bytes (SmolLM2's Q4_1 and Q8_0,
+// Qwen3-0.6B's Q4_K and Q8_0 up and qkv), no change at 960-1,632, but
+// 1.06-1.19x for rows of 1,728-4,608 bytes (Q4_K and Q8_0 at 2,048-8,192
+// inputs), where a row's own chain is long enough and four rows apart are
+// four streams.
 constexpr int64_t kShortRowBytes = 1536;
 
 // C weight rows (`row_bytes` apart from w) times one token: out[0][c].  Each
