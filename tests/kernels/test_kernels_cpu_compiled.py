@@ -97,6 +97,32 @@ def test_splitting_a_long_context_changes_no_bit(ops, session_seed):
     assert error is None, f"seed {session_seed}: {error}"
 
 
+@pytest.mark.parametrize("cache", ["bfloat16", "int8"])
+@pytest.mark.parametrize("lengths", [(300,), (300, 5), (1000,)], ids=str)
+def test_cutting_a_short_batch_by_kv_head_changes_no_bit(ops, cache, lengths, session_seed):
+    """One or two sequences over two threads: each item's kv heads are cut
+    into parts (decode.h's split_heads, past kSplitHeadsMin elements), the
+    1000-token row's two partitions too; with one thread nothing is cut."""
+    from kernels.kv_quant import quantize_rows
+
+    x = _long_batch(session_seed, lengths=lengths)
+    if cache == "int8":
+        x = dict(x, k_cache=quantize_rows(x["k_cache"]), v_cache=quantize_rows(x["v_cache"]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = _decode(ops.paged_decode_attention, x)
+        torch.set_num_threads(2)
+        cut = _decode(ops.paged_decode_attention, x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, cut)
+    if cache == "int8":  # the cache's own values, and the query as the int8 path rounds it
+        return
+    error = compare(whole, naive_decode(x).to(whole.dtype), "bfloat16")
+    assert error is None, f"seed {session_seed}: {error}"
+
+
 @pytest.mark.parametrize("features", [{}] + feature_sets("both", 16) + feature_sets("window", 64))
 def test_chunked_prefill_and_decode_agree_bit_for_bit(ops, features, session_seed):
     """A prompt prefilled at once, in chunks over its own cached prefix, or

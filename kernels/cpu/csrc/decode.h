@@ -6,6 +6,9 @@
 //   short batch or one long row:  long contexts split into kPartition items
 //     item -> (max, sum, acc) per query row in `partials`
 //     merge_partials folds them in order, exactly as one whole item would.
+//   fewer items than threads (one stream):  each item's kv heads cut into
+//     parts, so every thread reads some of the K/V; heads are independent,
+//     so no bit changes.
 //   sliding window W: a sequence's items start at the tile holding its
 //     (L - W)th token; the blocks before it are never read.
 #pragma once
@@ -21,8 +24,9 @@
 namespace pagedserve {
 
 struct DecodeItem {
-  int64_t seq, begin, end;  // tokens [begin, end) of the context, every kv head
+  int64_t seq, begin, end;  // tokens [begin, end) of the context
   int64_t partial;          // where a split item leaves its state; -1: it writes the output
+  int head0, heads;         // its kv heads [head0, head0 + heads)
 };
 
 struct DecodePlan {
@@ -32,10 +36,37 @@ struct DecodePlan {
   int64_t num_partials = 0;
 };
 
+// K/V elements (tokens x kv heads x head_dim) below which a step's decode
+// stays whole: a second thread's start costs what it saves.  Measured on the
+// 2-vCPU Xeon, 28 layers' caches read cold, cut / whole: SmolLM2's 3 x 64 at
+// 128-160 tokens (24-31K) 0.96-1.05x, at 256 (49K) 0.81x; Qwen3-0.6B's
+// 8 x 128 at 32 tokens (32K) 0.85x, at 256 0.67x.
+constexpr int64_t kSplitHeadsMin = 1 << 15;
+
+// Each item's kv heads cut into parts, where the items are fewer than twice
+// the threads: two items a thread keep them even.  Why: a one-stream step's
+// attention was one item, so one thread read the whole K/V while the other
+// waited (6 % of a Qwen3-0.6B step's samples at 128-528 tokens, 2 threads).
+inline void split_heads(std::vector<DecodeItem>& items, int64_t threads, int kv_heads, int64_t head_dim) {
+  const int64_t n = int64_t(items.size());
+  int64_t work = 0;
+  for (const DecodeItem& it : items) work += (it.end - it.begin) * kv_heads * head_dim;
+  if (threads < 2 || n == 0 || n >= 2 * threads || work < kSplitHeadsMin) return;
+  const int parts = int(std::min<int64_t>(kv_heads, (2 * threads + n - 1) / n));
+  std::vector<DecodeItem> cut;
+  for (const DecodeItem& it : items)
+    for (int p = 0; p < parts; ++p) {
+      const int h0 = kv_heads * p / parts, h1 = kv_heads * (p + 1) / parts;
+      cut.push_back({it.seq, it.begin, it.end, it.partial, h0, h1 - h0});
+    }
+  items.swap(cut);
+}
+
 // Whole sequences as items, unless one is more than half of a thread's fair
 // share of the work: then long contexts are cut into partitions too.  A
 // sequence's work starts at `first` (0, or the tile its window starts in).
-inline DecodePlan plan_decode(const int32_t* lens, int64_t seqs, int64_t threads, int64_t window) {
+inline DecodePlan plan_decode(const int32_t* lens, int64_t seqs, int64_t threads, int64_t window,
+                              int kv_heads, int64_t head_dim) {
   DecodePlan plan;
   std::vector<int64_t> first(seqs);
   int64_t total = 0, longest = 0;
@@ -50,7 +81,7 @@ inline DecodePlan plan_decode(const int32_t* lens, int64_t seqs, int64_t threads
   for (int64_t i = 0; i < seqs; ++i) {
     const int64_t len = lens[i];
     if (!split || len - first[i] <= kPartition) {
-      plan.items.push_back({i, first[i], len, -1});
+      plan.items.push_back({i, first[i], len, -1, 0, kv_heads});
       continue;
     }
     const int64_t p0 = first[i] / kPartition, parts = (len + kPartition - 1) / kPartition - p0;
@@ -59,12 +90,13 @@ inline DecodePlan plan_decode(const int32_t* lens, int64_t seqs, int64_t threads
     plan.split_seqs.push_back(i);
     for (int64_t p = 0; p < parts; ++p)
       plan.items.push_back({i, std::max(first[i], (p0 + p) * kPartition),
-                            std::min(len, (p0 + p + 1) * kPartition), plan.num_partials + p});
+                            std::min(len, (p0 + p + 1) * kPartition), plan.num_partials + p, 0, kv_heads});
     plan.num_partials += parts;
   }
   std::stable_sort(plan.items.begin(), plan.items.end(), [](const DecodeItem& a, const DecodeItem& b) {
     return a.end - a.begin > b.end - b.begin;
   });
+  split_heads(plan.items, threads, kv_heads, head_dim);
   return plan;
 }
 
@@ -74,33 +106,35 @@ struct DecodeArgs : OpArgs<T> {
   float* part_acc;  // [num_partials, heads, head_dim]
 };
 
-// Rows are the query heads, in order: head h reads kv head h / group.
+// Rows are the item's query heads, in order: head h0 + r (h0 = head0 x
+// group) is row r and reads kv head (h0 + r) / group.
 // T: the query and output type; C: the cache's (T, or q8_t<T> for int8).
 template <typename T, typename C, typename QT>
 void decode_item(Scratch<C, QT>& s, const DecodeArgs<T>& a, const DecodeItem& it) {
-  const int heads = int(a.l.heads), head_dim = int(a.l.head_dim);
-  const T* query = a.query + it.seq * heads * head_dim;
-  for (int h = 0; h < heads; ++h) prepare_row(s, size_t(h), query + h * head_dim, head_dim);
-  for (int g = 0; g < a.l.group; ++g) {
+  const int heads = int(a.l.heads), head_dim = int(a.l.head_dim), group = int(a.l.group);
+  const int rows = it.heads * group;
+  const int64_t h0 = int64_t(it.head0) * group;  // the item's first query head
+  const T* query = a.query + (it.seq * heads + h0) * head_dim;
+  for (int r = 0; r < rows; ++r) prepare_row(s, size_t(r), query + r * head_dim, head_dim);
+  for (int g = 0; g < group; ++g) {
     s.visible[g] = a.lens[it.seq];
     s.lo[g] = window_lo(a.lens[it.seq], a.window);
   }
-  const Work<C> w = make_work(a, kv_view<C>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, 0,
-                                            int(a.l.kv_heads)),
-                              int(a.l.group), s.visible.data(), s.lo.data());
+  const Work<C> w = make_work(a, kv_view<C>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, it.head0, it.heads),
+                              group, s.visible.data(), s.lo.data());
   attend(s, w, it.begin, it.end, a.convert);
   if (it.partial < 0) {
-    T* out = a.out + it.seq * heads * head_dim;
-    for (int h = 0; h < heads; ++h)
-      finish_row(&s.tot_acc[size_t(h) * head_dim], s.tot_l[h], head_dim, out + h * head_dim);
+    T* out = a.out + (it.seq * heads + h0) * head_dim;
+    for (int r = 0; r < rows; ++r)
+      finish_row(&s.tot_acc[size_t(r) * head_dim], s.tot_l[r], head_dim, out + r * head_dim);
     return;
   }
-  float* ml = a.part_ml + it.partial * heads * 2;
-  for (int h = 0; h < heads; ++h) {
-    ml[2 * h] = s.tot_m[h];
-    ml[2 * h + 1] = s.tot_l[h];
+  float* ml = a.part_ml + (it.partial * heads + h0) * 2;
+  for (int r = 0; r < rows; ++r) {
+    ml[2 * r] = s.tot_m[r];
+    ml[2 * r + 1] = s.tot_l[r];
   }
-  std::copy_n(s.tot_acc.data(), size_t(heads) * head_dim, a.part_acc + it.partial * heads * head_dim);
+  std::copy_n(s.tot_acc.data(), size_t(rows) * head_dim, a.part_acc + (it.partial * heads + h0) * head_dim);
 }
 
 // Fold a split sequence's partitions in order (as attend() folds them) and write its rows.
@@ -126,7 +160,8 @@ void decode_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_c
                   double scale, const Features& f, at::Tensor& out) {
   using QT = QueryFor<T, C>;
   const DecodePlan plan =
-      plan_decode(lens.data_ptr<int32_t>(), query.size(0), at::get_num_threads(), f.window);
+      plan_decode(lens.data_ptr<int32_t>(), query.size(0), at::get_num_threads(), f.window, int(l.kv_heads),
+                  l.head_dim);
   at::Tensor part_ml, part_acc;  // only where the plan split a sequence
   float *ml = nullptr, *acc = nullptr;
   if (plan.num_partials > 0) {
