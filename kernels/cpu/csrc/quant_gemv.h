@@ -43,7 +43,7 @@ constexpr bool kQuantLanes = true;
 #else
 constexpr bool kQuantLanes = false;
 template <typename Q>
-constexpr const int* lane_order() {
+constexpr const int* lane_slots() {
   return nullptr;
 }
 #endif
@@ -53,16 +53,16 @@ constexpr const int* lane_order() {
 // `halves` (Q6_K) also each block's two 16-code sums, in split_step's lane
 // order per 8 blocks: first halves of blocks 0-3, their second halves, the
 // same of blocks 4-7.  In the AVX512 build (kQuantLanes: quant_lanes.h) the
-// codes contiguous instead, each group of 8 in the type's `order`
-// (quant_lanes.h's lane_order; nullptr: as they come), and Q6_K's half sums
-// times -32 in block order.
+// codes contiguous instead, sub-block i of each group of 8 in slot
+// slots[i] (quant_lanes.h's lane_slots; nullptr: as they come), and Q6_K's
+// half sums times -32 in block order.
 struct XScales {
   int64_t stride, padded;  // XBlocks a token; floats a token here
   std::vector<float> d, s;
   std::vector<int32_t> half;  // 2 stride a token
   std::vector<int8_t> lane_q;   // the codes, contiguous
   std::vector<float> lane_off;  // Q6_K: -32 x each 16 codes' sum
-  XScales(const XBlock* x, int64_t n, int64_t tokens, bool halves = false, const int* order = nullptr)
+  XScales(const XBlock* x, int64_t n, int64_t tokens, bool halves = false, const int* slots = nullptr)
       : stride(n), padded(n + 8), d(size_t(tokens * padded)), s(size_t(tokens * padded)) {
     constexpr bool lanes = kQuantLanes;
     if (halves && !lanes) half.resize(size_t(tokens * 2 * n));
@@ -73,8 +73,8 @@ struct XScales {
         const XBlock& b = x[m * n + i];
         d[size_t(m * padded + i)] = b.d;
         s[size_t(m * padded + i)] = b.s;
-        if (lanes) {  // order is its own inverse: sub-block i goes to slot order[i]
-          const int64_t slot = order ? i - i % 8 + order[i % 8] : i;
+        if (lanes) {
+          const int64_t slot = slots ? i - i % 8 + slots[i % 8] : i;
           std::memcpy(lane_q.data() + 32 * (m * n + slot), b.q, 32);
         }
         if (!halves) continue;

@@ -18,7 +18,7 @@
 // A pair of sub-blocks loads as one vector of codes.  Q4_K and Q5_K store
 // sub-blocks 2i and 2i + 1 as the low and high nibbles of the same 32 bytes,
 // so 64 bytes hold four: their low nibbles are sub-blocks 4h and 4h + 2,
-// their high nibbles 4h + 1 and 4h + 3 (kOrder), and the token's codes are
+// their high nibbles 4h + 1 and 4h + 3 (kSlots), and the token's codes are
 // copied in that order (XScales).  Their 6-bit scales and mins unpack in one
 // vector (k4_scales16) rather than word by word.  Together these took a
 // fifth off a cold Q4_K row (a 2-thread loop over 24 Qwen3-shaped matrices
@@ -127,7 +127,7 @@ inline __m512 k4_scales16(const uint8_t* g) {
 // Q4_K and Q5_K: vector p holds sub-blocks a and a + 2, a = 4 (p / 2) + p % 2
 // (the low or the high nibbles of 64 bytes).
 struct NibblePairs {
-  static constexpr int kOrder[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // slot s of the token's codes: sub-block kOrder[s]
+  static constexpr int kSlots[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // sub-block i: slot kSlots[i] of the token's codes
   static int first(int p) { return 4 * (p / 2) + p % 2; }
   // nibbles of the 64 code bytes at q holding vector p
   static __m512i nibbles(const uint8_t* q, int p) {
@@ -245,11 +245,11 @@ struct Lanes<Q8_0> : EightScales {
   }
 };
 
-// The token's sub-blocks in the order a type's vectors take them: slot s of
-// each group of 8 holds sub-block order[s] (nullptr: as they come).
+// Where a type's vectors take the token's sub-blocks from: sub-block i of
+// each group of 8 in slot lane_slots()[i] (nullptr: slot i).
 template <typename Q>
-constexpr const int* lane_order() {
-  if constexpr (std::is_base_of_v<NibblePairs, Lanes<Q>>) return NibblePairs::kOrder;
+constexpr const int* lane_slots() {
+  if constexpr (std::is_base_of_v<NibblePairs, Lanes<Q>>) return NibblePairs::kSlots;
   return nullptr;
 }
 

@@ -136,7 +136,7 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
   const int64_t xs = rows.blocks * Q::kSubs;  // XBlocks per token
 #if defined(__AVX2__)
   // Every type, a row at a time, 8 sub-blocks a step: quant_gemv.h.
-  const XScales scales(x, xs, M, Q::kSplit, lane_order<Q>());
+  const XScales scales(x, xs, M, Q::kSplit, lane_slots<Q>());
   int64_t n = M == 1 ? four_rows<Q>(rows, first, n0, n1, x, scales, sink, step) : n0;
   for (; n < n1; ++n) {
     step();

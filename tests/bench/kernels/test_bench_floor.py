@@ -102,6 +102,10 @@ def test_floor_numbers_by_hand():
     assert numbers["ratio"] == pytest.approx(1.6) and not numbers["meets_target"]
     numbers = floor.floor_numbers(read, 250_000_000, {"ms_per_token": 7.5})
     assert numbers["ratio"] == pytest.approx(1.5) and numbers["meets_target"]
+    numbers = floor.floor_numbers(read, 250_000_000, {"ms_per_token": 7.5}, gguf=True)
+    assert numbers["target_ratio"] == 1.3 and not numbers["meets_target"]
+    numbers = floor.floor_numbers(read, 250_000_000, {"ms_per_token": 6.5}, gguf=True)
+    assert numbers["meets_target"]
 
 
 def test_read_bandwidth_reads_the_whole_buffer():
