@@ -80,18 +80,22 @@ def _long_batch(seed, dtype=torch.bfloat16, lengths=(2600, 40, 0, 700)):
                 context_lens=torch.tensor(lengths, dtype=torch.int32), scale=0.125)
 
 
-def test_splitting_a_long_context_changes_no_bit(ops, session_seed):
-    """With two threads the 2600-token row is cut into partitions and merged;
-    with one it is not: the op folds partitions the same way in both."""
-    x = _long_batch(session_seed)
+def _decode_on_one_and_two_threads(ops, x):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         whole = _decode(ops.paged_decode_attention, x)
         torch.set_num_threads(2)
-        split = _decode(ops.paged_decode_attention, x)
+        return whole, _decode(ops.paged_decode_attention, x)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_splitting_a_long_context_changes_no_bit(ops, session_seed):
+    """With two threads the 2600-token row is cut into partitions and merged;
+    with one it is not: the op folds partitions the same way in both."""
+    x = _long_batch(session_seed)
+    whole, split = _decode_on_one_and_two_threads(ops, x)
     assert torch.equal(whole, split)
     error = compare(whole, naive_decode(x).to(whole.dtype), "bfloat16")
     assert error is None, f"seed {session_seed}: {error}"
@@ -108,14 +112,7 @@ def test_cutting_a_short_batch_by_kv_head_changes_no_bit(ops, cache, lengths, se
     x = _long_batch(session_seed, lengths=lengths)
     if cache == "int8":
         x = dict(x, k_cache=quantize_rows(x["k_cache"]), v_cache=quantize_rows(x["v_cache"]))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        whole = _decode(ops.paged_decode_attention, x)
-        torch.set_num_threads(2)
-        cut = _decode(ops.paged_decode_attention, x)
-    finally:
-        torch.set_num_threads(threads)
+    whole, cut = _decode_on_one_and_two_threads(ops, x)
     assert torch.equal(whole, cut)
     if cache == "int8":  # the cache's own values, and the query as the int8 path rounds it
         return
