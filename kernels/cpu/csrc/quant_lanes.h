@@ -160,7 +160,6 @@ struct Lanes<Q5_K> : Lanes<Q4_K> {
   }
 };
 
-
 template <>
 struct Lanes<Q6_K> {
   static constexpr bool kSigned = false, kMins = false;
