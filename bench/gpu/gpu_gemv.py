@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.gemv_triton import DecodeGemv
 
     device = torch.device(args.device)
-    timer = make_timer(device)
+    timer = make_timer(device, cpu_repeats=1)  # a CPU run is the interpreter's smoke run
     copy_gbps = copy_bandwidth_gbps(device, timer, 1 << 30 if not args.small else 1 << 20)
     shapes, dtype = (SMALL_SHAPES, torch.float32) if args.small else (SHAPES, torch.bfloat16)
     tuner = DecodeGemv() if device.type == "cuda" else _CpuTuner()
