@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 	# The compiled CPU ops, ahead of first use (else the first request builds
 	# them), compiled while the package, the test tools and the model install:
 	# the build needs only ninja beside torch, and importing `kernels` numpy and
-	# gguf (pyproject.toml pins all three). Without a compiler the torch paths
+	# gguf (pyproject.toml sets their floors). Without a compiler the torch paths
 	# serve, after a warning. `make test` builds every build this CPU runs (its
 	# kernel tests load them all), `make install` the best.
 	$(PY) -m pip install -q ninja numpy gguf
