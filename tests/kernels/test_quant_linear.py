@@ -141,6 +141,23 @@ def test_bf16_tokens_against_whole_blocks_of_rows(builds, type_name, rows, sessi
         assert worst <= 1, f"{isa} {type_name} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
 
 
+@pytest.mark.parametrize("rows", (40, 150))
+@pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K", "Q4_1"))
+def test_strips_of_every_part_land_in_their_columns(builds, type_name, rows, session_seed):
+    """Parts of 11 blocks (176 rows: a whole strip of 128 and a short one in
+    every strip form), two of them: the threads take strips of both parts
+    from one counter (kernels/cpu/csrc/work_items.h), and each strip's sums
+    land in its own part's columns."""
+    generator = torch.Generator().manual_seed(session_seed + rows)
+    blob, weight, x, bias = _inputs(generator, [type_name, "Q8_0"], rows, 176, 512, torch.bfloat16)
+    expected = quant_linear_reference(x, blob, bias, float_out=True)
+    bound = _bound(x, weight, torch.float32, expected)
+    for isa, ops in builds.items():
+        got = ops.quant_linear(x, blob, bias, True)
+        worst = ((got - expected).abs() / bound).max().item()
+        assert worst <= 1, f"{isa} {type_name} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
+
+
 @pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K", "Q8_0"))
 def test_a_token_gets_the_same_sums_in_a_decode_batch_and_a_prefill(builds, type_name, session_seed):
     """40 tokens (a decode batch) and 150 (a prefill) take different strip

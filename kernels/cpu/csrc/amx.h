@@ -48,6 +48,7 @@
 
 #include "prefetch.h"
 #include "vec.h"
+#include "work_items.h"
 
 #define PAGEDSERVE_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 
@@ -254,11 +255,8 @@ void run(const bf16_t* x, const B& w, const float* bias, int64_t M, TOut* out) {
   const Rows rows = rows_of(x, M, w.K, storage);
   for (int64_t m0 = 0; m0 < M; m0 += step) {
     const int64_t m1 = std::min(M, m0 + step);
-    at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-      const Tiles tiles;
-      for (int64_t s = s0; s < s1; ++s)
-        rows_times_strip(rows, w, m0, m1, s * kStripBlocks, std::min(w.blocks, (s + 1) * kStripBlocks),
-                         bias, out, N);
+    run_items(strips, [] { return Tiles(); }, [&](const Tiles&, int64_t s) {
+      rows_times_strip(rows, w, m0, m1, s * kStripBlocks, std::min(w.blocks, (s + 1) * kStripBlocks), bias, out, N);
     });
   }
 }

@@ -42,6 +42,7 @@
 #include <type_traits>
 
 #include "vec.h"
+#include "work_items.h"
 
 namespace pagedserve {
 namespace linear {
@@ -202,10 +203,8 @@ void all_strips(const X* x, const bf16_t* w, const float* bias, int64_t M, int64
   const int64_t strips = (N + kStripCols - 1) / kStripCols;
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t m1 = std::min(M, m0 + kChunkRows);
-    at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-      for (int64_t s = s0; s < s1; ++s)
-        rows_times_strip(x, w, bias, K, m0, m1, s * kStripCols,
-                         std::min(N, (s + 1) * kStripCols), out, N);
+    run_items(strips, [] { return 0; }, [&](int, int64_t s) {
+      rows_times_strip(x, w, bias, K, m0, m1, s * kStripCols, std::min(N, (s + 1) * kStripCols), out, N);
     });
   }
 }

@@ -64,6 +64,7 @@
 
 #include "amx.h"
 #include "prefetch.h"
+#include "work_items.h"
 
 namespace pagedserve {
 namespace packed_linear {
@@ -244,10 +245,8 @@ void run(const XT* x, const Packed& pw, const float* bias, int64_t M, TOut* out)
   const int64_t step = chunk_rows(M, pw.K);
   for (int64_t m0 = 0; m0 < M; m0 += step) {
     const int64_t m1 = std::min(M, m0 + step);
-    at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-      for (int64_t s = s0; s < s1; ++s)
-        rows_times_strip(x, pw, m0, m1, s * kStripBlocks,
-                         std::min(pw.blocks, (s + 1) * kStripBlocks), bias, out, N);
+    run_items(strips, [] { return 0; }, [&](int, int64_t s) {
+      rows_times_strip(x, pw, m0, m1, s * kStripBlocks, std::min(pw.blocks, (s + 1) * kStripBlocks), bias, out, N);
     });
   }
 }

@@ -1,14 +1,14 @@
-// What both ops share: input checks, the work-item scheduler, cache views.
+// What both ops share: input checks, cache views.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
-#include <atomic>
 #include <type_traits>
 
 #include "attention.h"
+#include "work_items.h"
 
 namespace pagedserve {
 
@@ -114,18 +114,6 @@ inline void check_tables(const Layer& l, const int32_t* tables, const int32_t* l
       TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < l.num_blocks, "sequence ", i, ": block id ",
                         row[b], " out of range [0, ", l.num_blocks, ")");
   }
-}
-
-// Items longest first, handed out one at a time; each thread makes its own scratch.
-template <typename Make, typename Run>
-void run_items(int64_t count, const Make& make, const Run& run) {
-  if (count == 0) return;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    auto scratch = make();
-    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) run(scratch, i);
-  });
 }
 
 template <typename C>

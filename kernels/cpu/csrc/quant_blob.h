@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -40,6 +41,25 @@ inline Blob parse(const at::Tensor& blob) {
   }
   TORCH_CHECK(rows == b.N, "quant_linear: the parts hold ", rows, " rows, the header says ", b.N);
   return b;
+}
+
+// Rows [n0, n1) of one part, whose row 0 is output row `first`.
+struct Strip {
+  const Part* part;
+  int64_t first, n0, n1;
+};
+
+// Every part's rows in strips of `rows` (a part's last one may be shorter),
+// one list for the blob: a region's threads then take q's, k's and v's strips
+// alike (work_items.h), where a region per part split each in two.
+inline std::vector<Strip> strips_of(const Blob& b, int64_t rows) {
+  std::vector<Strip> out;
+  int64_t first = 0;
+  for (const Part& p : b.parts) {
+    for (int64_t n0 = 0; n0 < p.rows; n0 += rows) out.push_back({&p, first, n0, std::min(p.rows, n0 + rows)});
+    first += p.rows;
+  }
+  return out;
 }
 
 }  // namespace quant

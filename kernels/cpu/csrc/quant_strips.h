@@ -15,6 +15,7 @@
 #include "quant_blob.h"
 #include "quant_blocks.h"
 #include "types.h"
+#include "work_items.h"
 
 namespace pagedserve {
 namespace quant {
@@ -141,25 +142,18 @@ inline void dequantize_rows_bf16(const Part& p, int64_t K, int64_t n0, int64_t n
 // Every token against every part, a strip of de-quantized rows at a time.
 template <typename X, typename TOut>
 inline void run_dequantized(const Blob& blob, const X* xp, int64_t M, const float* bias, TOut* out) {
-  const int64_t K = blob.K, N = blob.N, strip = linear::kStripCols;
-  int64_t first = 0;
-  for (const Part& p : blob.parts) {
-    with_type(p.type, [&](auto q) {
-      using Q = decltype(q);
-      at::parallel_for(0, (p.rows + strip - 1) / strip, 1, [&](int64_t s0, int64_t s1) {
-        const std::unique_ptr<bf16_t[]> buf(new bf16_t[size_t(strip * K)]);  // written before read
-        for (int64_t s = s0; s < s1; ++s) {
-          const int64_t n0 = s * strip, n1 = std::min(p.rows, n0 + strip);
-          dequantize_rows_bf16<Q>(p, K, n0, n1, buf.get());
-          const int64_t at = first + n0;
-          for (int64_t m0 = 0; m0 < M; m0 += linear::kChunkRows)
-            linear::rows_times_strip(xp, buf.get(), bias ? bias + at : nullptr, K, m0,
-                                     std::min(M, m0 + linear::kChunkRows), 0, n1 - n0, out + at, N);
-        }
-      });
-    });
-    first += p.rows;
-  }
+  const int64_t K = blob.K, N = blob.N;
+  const std::vector<Strip> strips = strips_of(blob, linear::kStripCols);
+  // Not zeroed: every element is written before it is read.
+  auto make = [&] { return std::unique_ptr<bf16_t[]>(new bf16_t[size_t(linear::kStripCols * K)]); };
+  run_items(int64_t(strips.size()), make, [&](std::unique_ptr<bf16_t[]>& buf, int64_t i) {
+    const Strip& s = strips[i];
+    with_type(s.part->type, [&](auto q) { dequantize_rows_bf16<decltype(q)>(*s.part, K, s.n0, s.n1, buf.get()); });
+    const int64_t at = s.first + s.n0;
+    for (int64_t m0 = 0; m0 < M; m0 += linear::kChunkRows)
+      linear::rows_times_strip(xp, buf.get(), bias ? bias + at : nullptr, K, m0,
+                               std::min(M, m0 + linear::kChunkRows), 0, s.n1 - s.n0, out + at, N);
+  });
 }
 
 #if defined(PAGEDSERVE_HAS_AMX)
@@ -197,32 +191,32 @@ inline void dequantize_block_packed(const Part& p, int64_t K, int64_t n0, bf16_t
   }
 }
 
+// A thread's buffer for a strip of de-quantized rows, and its tile configuration.
+struct AmxScratch {
+  std::unique_ptr<bf16_t[]> buf;  // not zeroed: every element is written before it is read
+  amx::Tiles tiles;
+};
+
 // Every token against every part, a strip of blocks de-quantized at a time.
 template <typename TOut>
 inline void run_amx(const Blob& blob, const bf16_t* x, int64_t M, const float* bias, TOut* out) {
-  const int64_t K = blob.K, N = blob.N, strip = amx::kStripBlocks;
+  const int64_t K = blob.K, N = blob.N, strip = amx::kStripBlocks * amx::kTile;
   std::vector<bf16_t> storage;
   const amx::Rows rows = amx::rows_of(x, M, K, storage);
-  int64_t first = 0;
-  for (const Part& p : blob.parts) {
-    with_type(p.type, [&](auto q) {
-      using Q = decltype(q);
-      const int64_t blocks = p.rows / 16;
-      at::parallel_for(0, (blocks + strip - 1) / strip, 1, [&](int64_t s0, int64_t s1) {
-        const std::unique_ptr<bf16_t[]> buf(new bf16_t[size_t(strip * 16 * K)]);  // written before read
-        const amx::Tiles tiles;
-        for (int64_t s = s0; s < s1; ++s) {
-          const int64_t b0 = s * strip, b1 = std::min(blocks, b0 + strip);
-          for (int64_t b = b0; b < b1; ++b)
-            dequantize_block_packed<Q>(p, K, 16 * b, buf.get() + (b - b0) * 16 * K);
-          const int64_t at = first + 16 * b0;
-          amx::rows_times_strip(rows, amx::B{buf.get(), b1 - b0, K}, 0, M, 0, b1 - b0,
-                                bias ? bias + at : nullptr, out + at, N);
-        }
-      });
+  const std::vector<Strip> strips = strips_of(blob, strip);
+  auto make = [&] { return AmxScratch{std::unique_ptr<bf16_t[]>(new bf16_t[size_t(strip * K)])}; };
+  run_items(int64_t(strips.size()), make, [&](AmxScratch& scratch, int64_t i) {
+    const Strip& s = strips[i];
+    const int64_t blocks = (s.n1 - s.n0) / amx::kTile;
+    bf16_t* buf = scratch.buf.get();
+    with_type(s.part->type, [&](auto q) {
+      for (int64_t b = 0; b < blocks; ++b)
+        dequantize_block_packed<decltype(q)>(*s.part, K, s.n0 + amx::kTile * b, buf + b * amx::kTile * K);
     });
-    first += p.rows;
-  }
+    const int64_t at = s.first + s.n0;
+    amx::rows_times_strip(rows, amx::B{buf, blocks, K}, 0, M, 0, blocks,
+                          bias ? bias + at : nullptr, out + at, N);
+  });
 }
 
 // Every token against every part, a strip of rows de-quantized at a time
@@ -231,23 +225,13 @@ template <typename TOut>
 inline void run_amx_rows(const Blob& blob, const bf16_t* x, int64_t M, const float* bias, TOut* out) {
   const int64_t K = blob.K, N = blob.N, strip = amx::kStripBlocks * amx::kTile;
   const amx::Pairs pairs = amx::pairs_of(x, M, K);
-  int64_t first = 0;
-  for (const Part& p : blob.parts) {
-    with_type(p.type, [&](auto q) {
-      using Q = decltype(q);
-      at::parallel_for(0, (p.rows + strip - 1) / strip, 1, [&](int64_t s0, int64_t s1) {
-        // Not zeroed: every element is written before it is read.
-        const std::unique_ptr<bf16_t[]> buf(new bf16_t[size_t(strip * K)]);
-        const amx::Tiles tiles;
-        for (int64_t s = s0; s < s1; ++s) {
-          const int64_t n0 = s * strip, n1 = std::min(p.rows, n0 + strip);
-          dequantize_rows_bf16<Q>(p, K, n0, n1, buf.get());
-          amx::strip_times_pairs(buf.get(), n1 - n0, pairs, M, first + n0, bias, out, N);
-        }
-      });
-    });
-    first += p.rows;
-  }
+  const std::vector<Strip> strips = strips_of(blob, strip);
+  auto make = [&] { return AmxScratch{std::unique_ptr<bf16_t[]>(new bf16_t[size_t(strip * K)])}; };
+  run_items(int64_t(strips.size()), make, [&](AmxScratch& scratch, int64_t i) {
+    const Strip& s = strips[i];
+    with_type(s.part->type, [&](auto q) { dequantize_rows_bf16<decltype(q)>(*s.part, K, s.n0, s.n1, scratch.buf.get()); });
+    amx::strip_times_pairs(scratch.buf.get(), s.n1 - s.n0, pairs, M, s.first + s.n0, bias, out, N);
+  });
 }
 
 // AMX takes a call of bf16 tokens whose parts are whole blocks of 16 rows.
