@@ -132,13 +132,7 @@ def test_bf16_tokens_against_whole_blocks_of_rows(builds, type_name, rows, sessi
     layout for amx.h's tiles; two parts (3 blocks each: a 2-block tile and one)
     and a bias land in their columns."""
     generator = torch.Generator().manual_seed(session_seed + 7 * rows)
-    blob, weight, x, bias = _inputs(generator, [type_name, "Q8_0"], rows, 48, 512, torch.bfloat16)
-    expected = quant_linear_reference(x, blob, bias, float_out=True)
-    bound = _bound(x, weight, torch.float32, expected)
-    for isa, ops in builds.items():
-        got = ops.quant_linear(x, blob, bias, True)
-        worst = ((got - expected).abs() / bound).max().item()
-        assert worst <= 1, f"{isa} {type_name} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
+    _two_parts_within_the_bound(builds, generator, type_name, rows, 48, session_seed)
 
 
 @pytest.mark.parametrize("rows", (40, 150))
@@ -149,7 +143,13 @@ def test_strips_of_every_part_land_in_their_columns(builds, type_name, rows, ses
     from one counter (kernels/cpu/csrc/work_items.h), and each strip's sums
     land in its own part's columns."""
     generator = torch.Generator().manual_seed(session_seed + rows)
-    blob, weight, x, bias = _inputs(generator, [type_name, "Q8_0"], rows, 176, 512, torch.bfloat16)
+    _two_parts_within_the_bound(builds, generator, type_name, rows, 176, session_seed)
+
+
+def _two_parts_within_the_bound(builds, generator, type_name, rows, out_features, session_seed):
+    """Parts of `type_name` and Q8_0, `out_features` rows each, times `rows`
+    bf16 tokens (and a bias): every build within the activation bound."""
+    blob, weight, x, bias = _inputs(generator, [type_name, "Q8_0"], rows, out_features, 512, torch.bfloat16)
     expected = quant_linear_reference(x, blob, bias, float_out=True)
     bound = _bound(x, weight, torch.float32, expected)
     for isa, ops in builds.items():
