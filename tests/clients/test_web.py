@@ -76,27 +76,40 @@ def _answer_states(page, text: str) -> list[str]:
 
 
 def _stop_a_long_answer(page, live) -> None:
-    """Stop mid-answer: the engine thread is held once text has appeared, so the
-    answer cannot finish before the click."""
+    """Stop mid-answer: each engine step is slowed while the browser catches up
+    (a busy Chromium can show its first word after the tiny model has filled
+    its whole context), then the engine thread is held, so the answer cannot
+    finish before the click."""
     engine = live.state.engine
     page.get_by_test_id("new-chat").click()
     page.get_by_test_id("message-input").fill("Count to a thousand.")
     generated = engine.stats.counters["generation_tokens"]
-    page.get_by_test_id("send").click()
-    answer = page.get_by_test_id("message-assistant").last
-    answer.filter(has_text=" ").wait_for(timeout=30_000)
-    gate = threading.Event()
-    engine._submit(Command(lambda: gate.wait(30)))
+    slow, gate = threading.Event(), threading.Event()
+    _pause_between_steps(engine, slow, seconds=0.05)
     try:
+        page.get_by_test_id("send").click()
+        answer = page.get_by_test_id("message-assistant").last
+        answer.filter(has_text=" ").wait_for(timeout=30_000)
+        engine._submit(Command(lambda: gate.wait(30)))
         assert engine.num_open == 1
         page.get_by_test_id("stop").click()
         page.get_by_test_id("status").filter(has_text="Stopped").wait_for(timeout=10_000)
     finally:
+        slow.set()
         gate.set()
     assert wait_until(lambda: engine.num_open == 0 and engine.stats.counters[
         "num_requests_running"] == 0, 10)
     room = live.state.config.engine.max_model_len
     assert engine.stats.counters["generation_tokens"] - generated < room - 20
+
+
+def _pause_between_steps(engine, done: threading.Event, seconds: float) -> None:
+    """Until `done` is set, the engine thread sleeps `seconds` before every step:
+    a command that queues itself again runs once per pass of the engine loop."""
+    def pause() -> None:
+        if not done.wait(seconds):
+            engine._submit(Command(pause))
+    engine._submit(Command(pause))
 
 
 def test_the_page_asks_for_a_key_when_the_server_needs_one(browser, tiny_llama_path):
