@@ -4,6 +4,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "amx.h"
+
 namespace pagedserve {
 
 // One work item: for each of kv.heads kv heads, `rows` query rows (already in
@@ -19,6 +21,7 @@ struct Work {
                                 // lo non-decreasing in r too.  nullptr: no window
   float cap_scale = 0.0f, cap2 = 0.0f;  // soft cap: scale / c and c * log2(e); 0: none
   bool full = false;  // non-causal (an encoder's rows): every row sees every token
+  bool amx = false;   // full rows' Q.K on AMX tiles: this thread holds them (prefill.h)
 };
 
 // One tile of the loop: tokens [t0, t0 + n), which rows [first, last) see
@@ -74,13 +77,64 @@ inline void full_scores(const bf16_t* q, const uint32_t* kt, int head_dim, int n
   }
 }
 
-// Rows [first, last) of one head: K packed once, then four rows at a time.
+#if defined(PAGEDSERVE_HAS_AMX)
+// The same scores for 16 R rows on AMX (amx.h): the packed K pairs are
+// already B tiles (row p: pair p of 16 tokens, a tile per 16 of the tile's
+// tokens), the query rows A tiles, and the sums land as the score rows.
+// A BERT-base call spent ~13 % of its samples in full_scores and its K
+// packing; tdpbf16ps does 16 rows x 16 tokens x 32 inputs in one instruction.
+// Its sums round differently from full_scores', which keeps the last rows of
+// an item: which path a row takes depends on its place in its own sequence,
+// never on the batch around it.
+template <int R>
+PAGEDSERVE_AMX_TARGET inline void amx_scores(const bf16_t* q, const uint32_t* kt, int head_dim, int n,
+                                             float scale2, float* s) {
+  constexpr int kCols = int(kTile / amx::kTile);  // B tiles across the tile's tokens
+  static_assert(kCols == 2, "AMX's tiles take a 32-token attention tile");
+  const int64_t q_stride = head_dim * int64_t(sizeof(bf16_t)), row = kTile * int64_t(sizeof(float));
+  const bf16_t* q1 = q + amx::kTile * head_dim;
+  amx::zero_sums();
+  for (int p = 0; p < head_dim / 2; p += int(amx::kPairs)) {
+    _tile_loadd(4, q + 2 * p, q_stride);
+    _tile_loadd(6, kt + p * kTile, row);
+    _tile_loadd(7, kt + p * kTile + amx::kTile, row);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (R == 2) {
+      _tile_loadd(5, q1 + 2 * p, q_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  amx::store_sums<R, kCols>(s);
+  const vec::F scale = vec::set1(scale2);
+  for (int r = 0; r < R * int(amx::kTile); ++r) {
+    float* out = s + r * kTile;
+    vec::store(out, vec::mul(vec::load(out), scale));
+    vec::store(out + vec::W, vec::mul(vec::load(out + vec::W), scale));
+    for (int i = n; i < kTile; ++i) out[i] = kNegInf;
+  }
+}
+#endif
+
+// Rows [first, last) of one head: K packed once, then 32 or 16 rows at a
+// time on AMX where the thread holds its tiles, four rows at a time else.
 template <typename T, typename QT>
 void full_tile_scores(Scratch<T, QT>& s, size_t base, const bf16_t* const* k, const Tile& t,
-                      int head_dim, float scale2) {
+                      int head_dim, float scale2, bool amx) {
   auto* kt = reinterpret_cast<uint32_t*>(s.kf.data());  // a tile of fp32 rows holds a tile of pairs
   pack_k_pairs(k, head_dim, kt);
   int r = t.first;
+#if defined(PAGEDSERVE_HAS_AMX)
+  if (amx) {
+    for (; r + 2 * amx::kTile <= t.last; r += 2 * amx::kTile)
+      amx_scores<2>(&s.q[(base + r) * head_dim], kt, head_dim, t.n, scale2, &s.scores[(base + r) * kTile]);
+    for (; r + amx::kTile <= t.last; r += amx::kTile)
+      amx_scores<1>(&s.q[(base + r) * head_dim], kt, head_dim, t.n, scale2, &s.scores[(base + r) * kTile]);
+  }
+#else
+  (void)amx;
+#endif
   for (; r + 4 <= t.last; r += 4)
     full_scores<4>(&s.q[(base + r) * head_dim], kt, head_dim, t.n, scale2, &s.scores[(base + r) * kTile]);
   for (; r < t.last; ++r)
@@ -108,7 +162,7 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
 #ifdef PAGEDSERVE_HAS_DPBF16
   if constexpr (std::is_same_v<QT, bf16_t> && std::is_same_v<KT, bf16_t>) {
     if (w.full && w.lo == nullptr && w.cap2 == 0.0f && ks == nullptr && s.kf.data() != nullptr) {
-      full_tile_scores(s, base, k, t, head_dim, w.scale2);
+      full_tile_scores(s, base, k, t, head_dim, w.scale2, w.amx);
       scored = true;
     }
   }

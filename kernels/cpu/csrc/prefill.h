@@ -23,6 +23,7 @@
 #include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "ops_common.h"
@@ -66,8 +67,32 @@ inline std::vector<PrefillItem> plan_prefill(const Layer& l, const int32_t* cu, 
   return items;
 }
 
+// A thread's scratch, and AMX's tiles once an item of encoder rows asks for
+// them (attention_tile.h's amx_scores): configured on the thread that uses
+// them, released when its region ends.
+template <typename C, typename QT>
+struct PrefillScratch {
+  Scratch<C, QT> s;
+#if defined(PAGEDSERVE_HAS_AMX)
+  std::optional<amx::Tiles> tiles;
+#endif
+};
+
+// Whether an encoder's Q.K goes to AMX: bf16 queries and cache, no window or
+// cap (full_tile_scores' own conditions), whole 32-input tile steps.
 template <typename T, typename C, typename QT>
-void prefill_item(Scratch<C, QT>& s, const PrefillArgs<T>& a, const PrefillItem& it) {
+bool amx_scores_for(const PrefillArgs<T>& a) {
+#if defined(PAGEDSERVE_HAS_AMX)
+  if constexpr (std::is_same_v<T, bf16_t> && std::is_same_v<C, bf16_t> && std::is_same_v<QT, bf16_t>)
+    return !a.causal && a.convert && a.window == 0 && a.cap2 == 0.0f && a.l.head_dim % 32 == 0 &&
+           amx::available();
+#endif
+  (void)a;
+  return false;
+}
+
+template <typename T, typename C, typename QT>
+void prefill_item(Scratch<C, QT>& s, const PrefillArgs<T>& a, const PrefillItem& it, bool amx) {
   const int group = int(a.l.group), head_dim = int(a.l.head_dim);
   const int64_t nq = a.cu[it.seq + 1] - a.cu[it.seq], len = a.lens[it.seq];
   const int rows = int(it.j1 - it.j0) * group;
@@ -83,6 +108,7 @@ void prefill_item(Scratch<C, QT>& s, const PrefillArgs<T>& a, const PrefillItem&
   Work<C> w = make_work(a, kv_view<C>(a.l, a.k_cache, a.v_cache, a.tables, it.seq, int(it.head), 1),
                         rows, s.visible.data(), s.lo.data());
   w.full = !a.causal;
+  w.amx = amx;
   attend(s, w, s.lo[0] / kTile * kTile, s.visible[rows - 1], a.convert);
   for (int64_t j = it.j0; j < it.j1; ++j) {
     const int64_t row0 = (a.cu[it.seq] + j) * a.l.heads + it.head * group;
@@ -125,9 +151,16 @@ void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_
                           is_q8<C> || is_fp8<C> || (!std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock),
                           f.window, f.cap_scale, f.cap2},
                          cu.data_ptr<int32_t>(), causal};
-  auto make = [&] { return Scratch<C, QT>(int(tokens_per_item * l.group), int(l.head_dim), a.convert); };
-  run_items(int64_t(items.size()), make,
-            [&](Scratch<C, QT>& s, int64_t i) { prefill_item<T, C, QT>(s, a, items[i]); });
+  const bool amx = amx_scores_for<T, C, QT>(a);
+  auto make = [&] {
+    return PrefillScratch<C, QT>{Scratch<C, QT>(int(tokens_per_item * l.group), int(l.head_dim), a.convert)};
+  };
+  run_items(int64_t(items.size()), make, [&](PrefillScratch<C, QT>& p, int64_t i) {
+#if defined(PAGEDSERVE_HAS_AMX)
+    if (amx && !p.tiles) p.tiles.emplace();
+#endif
+    prefill_item<T, C, QT>(p.s, a, items[i], amx);
+  });
 }
 
 inline at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
