@@ -193,6 +193,7 @@ inline void dequantize_block_packed(const Part& p, int64_t K, int64_t n0, bf16_t
 
 // A thread's buffer for a strip of de-quantized rows, and its tile configuration.
 struct AmxScratch {
+  explicit AmxScratch(int64_t elements) : buf(new bf16_t[size_t(elements)]) {}
   std::unique_ptr<bf16_t[]> buf;  // not zeroed: every element is written before it is read
   amx::Tiles tiles;
 };
@@ -204,8 +205,7 @@ inline void run_amx(const Blob& blob, const bf16_t* x, int64_t M, const float* b
   std::vector<bf16_t> storage;
   const amx::Rows rows = amx::rows_of(x, M, K, storage);
   const std::vector<Strip> strips = strips_of(blob, strip);
-  auto make = [&] { return AmxScratch{std::unique_ptr<bf16_t[]>(new bf16_t[size_t(strip * K)])}; };
-  run_items(int64_t(strips.size()), make, [&](AmxScratch& scratch, int64_t i) {
+  run_items(int64_t(strips.size()), [&] { return AmxScratch(strip * K); }, [&](AmxScratch& scratch, int64_t i) {
     const Strip& s = strips[i];
     const int64_t blocks = (s.n1 - s.n0) / amx::kTile;
     bf16_t* buf = scratch.buf.get();
@@ -226,8 +226,7 @@ inline void run_amx_rows(const Blob& blob, const bf16_t* x, int64_t M, const flo
   const int64_t K = blob.K, N = blob.N, strip = amx::kStripBlocks * amx::kTile;
   const amx::Pairs pairs = amx::pairs_of(x, M, K);
   const std::vector<Strip> strips = strips_of(blob, strip);
-  auto make = [&] { return AmxScratch{std::unique_ptr<bf16_t[]>(new bf16_t[size_t(strip * K)])}; };
-  run_items(int64_t(strips.size()), make, [&](AmxScratch& scratch, int64_t i) {
+  run_items(int64_t(strips.size()), [&] { return AmxScratch(strip * K); }, [&](AmxScratch& scratch, int64_t i) {
     const Strip& s = strips[i];
     with_type(s.part->type, [&](auto q) { dequantize_rows_bf16<decltype(q)>(*s.part, K, s.n0, s.n1, scratch.buf.get()); });
     amx::strip_times_pairs(scratch.buf.get(), s.n1 - s.n0, pairs, M, s.first + s.n0, bias, out, N);
