@@ -4,7 +4,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "amx.h"
+#include "attention_amx.h"
 
 namespace pagedserve {
 
@@ -77,46 +77,6 @@ inline void full_scores(const bf16_t* q, const uint32_t* kt, int head_dim, int n
   }
 }
 
-#if defined(PAGEDSERVE_HAS_AMX)
-// The same scores for 16 R rows on AMX (amx.h): the packed K pairs are
-// already B tiles (row p: pair p of 16 tokens, a tile per 16 of the tile's
-// tokens), the query rows A tiles, and the sums land as the score rows.
-// A BERT-base call spent ~13 % of its samples in full_scores and its K
-// packing; tdpbf16ps does 16 rows x 16 tokens x 32 inputs in one instruction.
-// Its sums round differently from full_scores', which keeps the last rows of
-// an item: which path a row takes depends on its place in its own sequence,
-// never on the batch around it.
-template <int R>
-PAGEDSERVE_AMX_TARGET inline void amx_scores(const bf16_t* q, const uint32_t* kt, int head_dim, int n,
-                                             float scale2, float* s) {
-  constexpr int kCols = int(kTile / amx::kTile);  // B tiles across the tile's tokens
-  static_assert(kCols == 2, "AMX's tiles take a 32-token attention tile");
-  const int64_t q_stride = head_dim * int64_t(sizeof(bf16_t)), row = kTile * int64_t(sizeof(float));
-  const bf16_t* q1 = q + amx::kTile * head_dim;
-  amx::zero_sums();
-  for (int p = 0; p < head_dim / 2; p += int(amx::kPairs)) {
-    _tile_loadd(4, q + 2 * p, q_stride);
-    _tile_loadd(6, kt + p * kTile, row);
-    _tile_loadd(7, kt + p * kTile + amx::kTile, row);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if constexpr (R == 2) {
-      _tile_loadd(5, q1 + 2 * p, q_stride);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  amx::store_sums<R, kCols>(s);
-  const vec::F scale = vec::set1(scale2);
-  for (int r = 0; r < R * int(amx::kTile); ++r) {
-    float* out = s + r * kTile;
-    vec::store(out, vec::mul(vec::load(out), scale));
-    vec::store(out + vec::W, vec::mul(vec::load(out + vec::W), scale));
-    for (int i = n; i < kTile; ++i) out[i] = kNegInf;
-  }
-}
-#endif
-
 // Rows [first, last) of one head: K packed once, then 32 or 16 rows at a
 // time on AMX where the thread holds its tiles, four rows at a time else.
 template <typename T, typename QT>
@@ -183,8 +143,18 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
       for (int i = 0; i < kTile; i += vec::W)
         vec::store(scores + i, vec::mul(vec::load(scores + i), vec::load(vs + i)));
   }
-  pv_tile(&s.scores[base * kTile], v, t.first, t.last, n_for, &s.part_acc[base * head_dim], head_dim,
-          s.ahead);
+  int r = t.first;
+#if defined(PAGEDSERVE_HAS_AMX)
+  if constexpr (std::is_same_v<QT, bf16_t> && std::is_same_v<VT, bf16_t>) {
+    if (w.amx && vs == nullptr) {  // an encoder's rows: whole 16-row blocks on AMX
+      auto* vt = reinterpret_cast<bf16_t*>(s.vf.data());  // a tile of fp32 rows holds its pairs
+      pack_v_pairs(v, head_dim, vt);
+      for (; r + amx::kTile <= t.last; r += amx::kTile)
+        amx_pv(&s.scores[(base + r) * kTile], vt, &s.part_acc[(base + r) * head_dim], head_dim);
+    }
+  }
+#endif
+  pv_tile(&s.scores[base * kTile], v, r, t.last, n_for, &s.part_acc[base * head_dim], head_dim, s.ahead);
 }
 
 // An int8 row's codes, unscaled, as fp32 in L's loader layout.
@@ -316,6 +286,11 @@ void run_plain_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t
     vp[i] = w.kv.v + slots[i] + offset;
   }
   for (int i = n; i < kTile; ++i) kp[i] = s.zero_t.data();  // Q.K works in groups of 8
+  if (w.amx) {  // an encoder's rows: V's raw rows, packed into AMX's pairs by tile_step
+    for (int i = n; i < kTile; ++i) vp[i] = s.zero_t.data();
+    tile_step<T, QT, T, T>(s, w, head, kp, vp, t);
+    return;
+  }
   if (!convert) {
     tile_step<T, QT, T, T>(s, w, head, kp, vp, t);
     return;
