@@ -21,7 +21,7 @@ struct Work {
                                 // lo non-decreasing in r too.  nullptr: no window
   float cap_scale = 0.0f, cap2 = 0.0f;  // soft cap: scale / c and c * log2(e); 0: none
   bool full = false;  // non-causal (an encoder's rows): every row sees every token
-  bool amx = false;   // full rows' Q.K on AMX tiles: this thread holds them (prefill.h)
+  bool amx = false;   // full rows' Q.K and P.V on AMX tiles: this thread holds them (prefill.h)
 };
 
 // One tile of the loop: tokens [t0, t0 + n), which rows [first, last) see

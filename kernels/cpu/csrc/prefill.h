@@ -68,8 +68,8 @@ inline std::vector<PrefillItem> plan_prefill(const Layer& l, const int32_t* cu, 
 }
 
 // A thread's scratch, and AMX's tiles once an item of encoder rows asks for
-// them (attention_tile.h's amx_scores): configured on the thread that uses
-// them, released when its region ends.
+// them (attention_amx.h): configured on the thread that uses them, released
+// when its region ends.
 template <typename C, typename QT>
 struct PrefillScratch {
   Scratch<C, QT> s;
@@ -78,8 +78,8 @@ struct PrefillScratch {
 #endif
 };
 
-// Whether an encoder's Q.K goes to AMX: bf16 queries and cache, no window or
-// cap (full_tile_scores' own conditions), whole 32-input tile steps.
+// Whether an encoder's Q.K and P.V go to AMX: bf16 queries and cache, no
+// window or cap (full_tile_scores' own conditions), whole 32-input tile steps.
 template <typename T, typename C, typename QT>
 bool amx_scores_for(const PrefillArgs<T>& a) {
 #if defined(PAGEDSERVE_HAS_AMX)
