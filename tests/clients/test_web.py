@@ -7,6 +7,7 @@ The screenshot goes to tests/artifacts/ (ignored by git) for a person to look at
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 import subprocess
@@ -88,8 +89,11 @@ def _stop_a_long_answer(page, live) -> None:
     _pause_between_steps(engine, slow, seconds=0.05)
     try:
         page.get_by_test_id("send").click()
+        # Some text, so the request is streaming. (Not has_text=" ": playwright
+        # normalizes whitespace, and " " matched the bubble while still empty,
+        # before the page's request had reached the engine.)
         answer = page.get_by_test_id("message-assistant").last
-        answer.filter(has_text=" ").wait_for(timeout=30_000)
+        answer.filter(has_text=re.compile(r"\S")).wait_for(timeout=30_000)
         engine._submit(Command(lambda: gate.wait(30)))
         assert engine.num_open == 1
         page.get_by_test_id("stop").click()
