@@ -60,6 +60,27 @@ def test_attention_matches_the_reference(builds, kernel, shape, dtype, features,
             assert error is None, f"{isa} build, seed {session_seed}, {kwargs}: {error}"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_an_int8_head_of_80_codes_matches_the_reference(builds, kernel, dtype, session_seed):
+    """80 = two 32-byte vectors and a half: the AVX2 build's integer Q.K
+    (vec::dot8_i8) takes the last 16 codes in a half vector. Only the builds
+    whose pairs divide 80 (not AVX-512's 32) take such a head."""
+    import kernels.cpu.ops as cpu_ops
+
+    shape = (80, 8, 2, 16)
+    inputs = build_decode_inputs if kernel == "decode" else build_prefill_inputs
+    x = with_quantized_caches(inputs({"shape": list(shape), "dtype": dtype}, session_seed, "cpu"))
+    run, reference = {"decode": (call_decode, paged_decode_attention_reference),
+                      "prefill": (call_prefill, paged_prefill_attention_reference)}[kernel]
+    expected = run(reference, x)
+    taking = {isa: ops for isa, ops in builds.items() if shape[0] % cpu_ops.PAIR_LENGTH[isa] == 0}
+    assert "portable" in taking
+    for isa, ops in taking.items():
+        error = compare(run(getattr(ops, f"paged_{kernel}_attention"), x), expected, dtype)
+        assert error is None, f"{isa} build, seed {session_seed}: {error}"
+
+
 @pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("shape", [(64, 4, 4, 1), (128, 8, 2, 16), (64, 9, 3, 128)], ids=str)

@@ -155,7 +155,7 @@ struct Scratch {
   Buffer<int64_t> lo;                // per row of a head: its sliding window's first token
   Buffer<float> q_scale;             // an int8 cache's: per row, the scale of its query's codes
   Buffer<int32_t> q_offset;          // the VNNI build's: per row, 128 x its codes' sum (vec::dots_i8)
-  Buffer<int8_t> q_codes;            // an int8 cache's without VNNI: one query row's codes, natural order
+  Buffer<int8_t> q_codes;            // an int8 cache's where Q.K multiplies floats: one query row's codes
   int64_t slots[2][kTile];           // element offsets of this tile's and the next tile's tokens
   Prefetcher ahead;                  // the next tile's lines, issued during P.V
 };

@@ -195,37 +195,47 @@ template <typename T, typename C, typename QT>
 void prepare_row(Scratch<C, QT>& s, size_t r, const T* q, int head_dim) {
   if constexpr (is_q8<C>) {
     s.q_scale[r] = prepare_q8_query<T>(q, head_dim, s.q_codes.data(), &s.q[r * head_dim]);
+#ifdef PAGEDSERVE_HAS_VNNI
     if constexpr (std::is_same_v<QT, int8_t>) {
       int32_t sum = 0;
       for (int d = 0; d < head_dim; ++d) sum += s.q[r * head_dim + d];
       s.q_offset[r] = 128 * sum;
     }
+#endif
   } else {
     prepare_query(q, head_dim, &s.q[r * head_dim]);
   }
 }
 
-#ifdef PAGEDSERVE_HAS_VNNI
-// The VNNI build's Q.K of an int8 tile: K's codes packed once into token
-// lanes (vec::pack_words16, in Scratch::kf), then four query rows at a time
-// take the integer dot product against them (vec::dots_i8), the dots left
-// in Scratch::scores for tile_step.  Rows see tokens in a prefix of the
-// tile, so every lane is computed and tile_step masks what a row may not see.
+#if defined(PAGEDSERVE_HAS_VNNI) || defined(PAGEDSERVE_HAS_I8_DOTS)
+// Q.K of an int8 tile in integers, the dots left in Scratch::scores for
+// tile_step.  The VNNI build packs K's codes once into token lanes
+// (vec::pack_words16, in Scratch::kf), then four query rows at a time take
+// the integer dot product against them (vec::dots_i8); the AVX2 build takes
+// each row against K's rows as they are, eight tokens at a time
+// (vec::dot8_i8).  Rows see tokens in a prefix of the tile, so every lane is
+// computed and tile_step masks what a row may not see.
 template <typename L>
 void q8_tile_dots(Scratch<q8_t<L>, int8_t>& s, const Work<q8_t<L>>& w, size_t base, const int8_t* const* k,
                   const Tile& t) {
-  static_assert(kTile == 2 * vec::W, "a tile is two vectors of tokens");
   const int head_dim = w.kv.head_dim;
+  int r = t.first;
+#ifdef PAGEDSERVE_HAS_VNNI
+  static_assert(kTile == 2 * vec::W, "a tile is two vectors of tokens");
   auto* kt = reinterpret_cast<uint32_t*>(s.kf.data());  // a tile of fp32 rows holds a tile of words
   vec::pack_words16(k, head_dim, kt, kTile);
   vec::pack_words16(k + vec::W, head_dim, kt + vec::W, kTile);
-  int r = t.first;
   for (; r + 4 <= t.last; r += 4)
     vec::dots_i8<4>(&s.q[(base + r) * head_dim], head_dim, &s.q_offset[base + r], kt,
                     &s.scores[(base + r) * kTile]);
   for (; r < t.last; ++r)
     vec::dots_i8<1>(&s.q[(base + r) * head_dim], head_dim, &s.q_offset[base + r], kt,
                     &s.scores[(base + r) * kTile]);
+#else
+  for (; r < t.last; ++r)
+    for (int g = 0; g < kTile; g += 8)
+      vec::dot8_i8(&s.q[(base + r) * head_dim], k + g, head_dim, &s.scores[(base + r) * kTile + g]);
+#endif
 }
 #endif
 
@@ -249,7 +259,7 @@ void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, cons
     ks[i] = row_scale(kp[i], head_dim);
     vs[i] = row_scale(vp[i], head_dim);
   }
-#ifdef PAGEDSERVE_HAS_VNNI
+#if defined(PAGEDSERVE_HAS_VNNI) || defined(PAGEDSERVE_HAS_I8_DOTS)
   if constexpr (std::is_same_v<QT, int8_t>) {
     const int8_t* codes[kTile];
     for (int i = 0; i < kTile; ++i) codes[i] = &kp[i]->bits;
@@ -324,6 +334,29 @@ void run_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t* slot
   }
 }
 
+// One kv head's K and V rows of tokens [begin, n) of a tile, every line
+// each row touches (the last byte's too: an int8 row's scale may sit on a
+// line of its own), into L1.  The Prefetcher brought the tile into L2; a
+// head's rows are then read at L2's latency, which the AVX2 build's tile
+// loop (eight lanes of work per load) does not hide: on a 2-vCPU Zen 5,
+// 16 x 4,096 tokens of Llama-3.2-1B's cache, asking for head h + 1 while
+// head h computes took decode attention from 6.2 to 5.6 ms a layer on a
+// bf16 cache and 5.4-5.7 to 4.7 on an int8 one; the AVX-512 build, bound by
+// the memory already, gained nothing (vec::kPrefetchNextHead).
+template <typename T>
+inline void prefetch_head_rows(const KvView<T>& kv, const int64_t* slots, int begin, int n, int head) {
+  const int64_t offset = int64_t(head) * kv.row, bytes = int64_t(sizeof(T)) * kv.row;
+  for (int i = begin; i < n; ++i) {
+    const char* k = reinterpret_cast<const char*>(kv.k + slots[i] + offset);
+    const char* v = reinterpret_cast<const char*>(kv.v + slots[i] + offset);
+    for (int64_t o = 0; o < bytes + 63; o += 64) {
+      const int64_t at = std::min(o, bytes - 1);
+      prefetch_l1(k + at);
+      prefetch_l1(v + at);
+    }
+  }
+}
+
 // Tokens [begin, end) of the item's kv heads; the result is left, folded over
 // partitions, in Scratch::tot_*.  `begin` is a multiple of kTile (with a
 // window, the tile of the first row's first token; else 0 or a multiple of
@@ -350,8 +383,11 @@ void attend(Scratch<T, QT>& s, const Work<T>& w, int64_t begin, int64_t end, boo
       while (t.last < w.rows && w.lo[t.last] < t0 + t.n) ++t.last;
       t.begin = int(std::max<int64_t>(0, w.lo[t.first] - t0));
     }
-    for (int head = 0; head < w.kv.heads; ++head)
+    for (int head = 0; head < w.kv.heads; ++head) {
+      if (vec::kPrefetchNextHead && head + 1 < w.kv.heads)
+        prefetch_head_rows(w.kv, s.slots[cur], t.begin, t.n, head + 1);
       run_tile(s, w, head, s.slots[cur], t, convert);
+    }
     s.ahead.finish();
     if (next % kPartition == 0 || next >= end) fold_partition(s, all_rows, head_dim);
     cur ^= 1;

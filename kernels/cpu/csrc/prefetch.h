@@ -21,6 +21,16 @@ inline void prefetch_l2(const char* p) {
 #endif
 }
 
+// The same into L1 (attention's next head: attention_tile.h, prefetch_head_rows).
+inline void prefetch_l1(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
+#else
+  __builtin_prefetch(p, 0, 3);
+  asm volatile("" : : "r"(p));
+#endif
+}
+
 // How far ahead of the group being decoded a row's loop asks for weights
 // (into L2).  Why: at one token this loop is a single stream through the
 // weights with little work per byte, and on the 2-vCPU Xeon the hardware

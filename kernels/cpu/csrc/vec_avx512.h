@@ -21,6 +21,9 @@
 namespace pagedserve::vec {
 
 constexpr int W = 16;
+// attention_tile.h, prefetch_head_rows: ask for the next kv head's rows while
+// one computes (bound by the memory already: no gain measured).
+constexpr bool kPrefetchNextHead = false;
 
 struct F {
   __m512 v;

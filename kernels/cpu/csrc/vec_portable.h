@@ -14,6 +14,9 @@
 namespace pagedserve::vec {
 
 constexpr int W = 8;
+// attention_tile.h, prefetch_head_rows: ask for the next kv head's rows while
+// one computes (not measured).
+constexpr bool kPrefetchNextHead = false;
 
 struct F {
   float v[W];
