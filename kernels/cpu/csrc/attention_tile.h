@@ -207,7 +207,7 @@ void prepare_row(Scratch<C, QT>& s, size_t r, const T* q, int head_dim) {
   }
 }
 
-#if defined(PAGEDSERVE_HAS_VNNI) || defined(PAGEDSERVE_HAS_I8_DOTS)
+#ifdef PAGEDSERVE_HAS_I8_DOTS
 // Q.K of an int8 tile in integers, the dots left in Scratch::scores for
 // tile_step.  The VNNI build packs K's codes once into token lanes
 // (vec::pack_words16, in Scratch::kf), then four query rows at a time take
@@ -259,7 +259,7 @@ void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, cons
     ks[i] = row_scale(kp[i], head_dim);
     vs[i] = row_scale(vp[i], head_dim);
   }
-#if defined(PAGEDSERVE_HAS_VNNI) || defined(PAGEDSERVE_HAS_I8_DOTS)
+#ifdef PAGEDSERVE_HAS_I8_DOTS
   if constexpr (std::is_same_v<QT, int8_t>) {
     const int8_t* codes[kTile];
     for (int i = 0; i < kTile; ++i) codes[i] = &kp[i]->bits;
@@ -340,7 +340,7 @@ void run_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t* slot
 // head's rows are then read at L2's latency, which the AVX2 build's tile
 // loop (eight lanes of work per load) does not hide: on a 2-vCPU Zen 5,
 // 16 x 4,096 tokens of Llama-3.2-1B's cache, asking for head h + 1 while
-// head h computes took decode attention from 6.2 to 5.6 ms a layer on a
+// head h computes took decode attention from 6.2 to 5.5 ms a layer on a
 // bf16 cache and 5.4-5.7 to 4.7 on an int8 one; the AVX-512 build, bound by
 // the memory already, gained nothing (vec::kPrefetchNextHead).
 template <typename T>

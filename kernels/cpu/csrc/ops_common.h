@@ -129,7 +129,7 @@ KvView<C> kv_view(const Layer& l, const at::Tensor& k_cache, const at::Tensor& v
 // cache the query's own int8 codes where the build multiplies integers (VNNI,
 // or AVX2's vpmaddubsw: attention_tile.h, prepare_q8_query), elsewhere their
 // values in QueryOf (exact); else QueryOf.
-#if defined(PAGEDSERVE_HAS_VNNI) || defined(PAGEDSERVE_HAS_I8_DOTS)
+#ifdef PAGEDSERVE_HAS_I8_DOTS
 template <typename T, typename C>
 using QueryFor = std::conditional_t<is_fp8<C>, float, std::conditional_t<is_q8<C>, int8_t, QueryOf<T>>>;
 #else

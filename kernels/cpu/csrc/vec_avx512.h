@@ -17,6 +17,7 @@
 
 #define PAGEDSERVE_HAS_DPBF16 1
 #define PAGEDSERVE_HAS_VNNI 1  // the build's -mavx512vnni: every AVX512-BF16 CPU has it
+#define PAGEDSERVE_HAS_I8_DOTS 1  // an int8 cache's Q.K in integers (pack_words16, dots_i8)
 
 namespace pagedserve::vec {
 
