@@ -81,7 +81,7 @@ struct PrefillScratch {
 // Whether an encoder's Q.K and P.V go to AMX: bf16 queries and cache, no
 // window or cap (full_tile_scores' own conditions), whole 32-input tile steps.
 template <typename T, typename C, typename QT>
-bool amx_scores_for(const PrefillArgs<T>& a) {
+bool amx_attention_for(const PrefillArgs<T>& a) {
 #if defined(PAGEDSERVE_HAS_AMX)
   if constexpr (std::is_same_v<T, bf16_t> && std::is_same_v<C, bf16_t> && std::is_same_v<QT, bf16_t>)
     return !a.causal && a.convert && a.window == 0 && a.cap2 == 0.0f && a.l.head_dim % 32 == 0 &&
@@ -151,7 +151,7 @@ void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_
                           is_q8<C> || is_fp8<C> || (!std::is_same_v<T, float> && tokens_per_item * l.group > kRowBlock),
                           f.window, f.cap_scale, f.cap2},
                          cu.data_ptr<int32_t>(), causal};
-  const bool amx = amx_scores_for<T, C, QT>(a);
+  const bool amx = amx_attention_for<T, C, QT>(a);
   auto make = [&] {
     return PrefillScratch<C, QT>{Scratch<C, QT>(int(tokens_per_item * l.group), int(l.head_dim), a.convert)};
   };
