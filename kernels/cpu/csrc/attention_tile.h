@@ -169,19 +169,29 @@ inline void convert_codes(const q8_t<L>* src, float* dst, int head_dim) {
 // returned.  `out` gets what Q.K multiplies: the codes themselves (the VNNI
 // build; `scratch` unused) or their fp32 values in L's loader layout (the
 // codes first in `scratch`).  A query holding inf or NaN gets zero codes and
-// a NaN scale: its row comes out NaN, as the reference's does.
+// a NaN scale.  (The reference's row then comes out NaN; this op's comes out
+// zeros, as it did before these codes were vectorized: a known difference.)
 template <typename L, typename T, typename QT>
 float prepare_q8_query(const T* q, int head_dim, int8_t* scratch, QT* out) {
   int8_t* const codes = std::is_same_v<QT, int8_t> ? reinterpret_cast<int8_t*>(out) : scratch;
-  float top = 0.0f;
-  for (int d = 0; d < head_dim; ++d) {
-    const float x = std::fabs(to_float(q[d]));
-    top = x > top || x != x ? x : top;
+  // max |q| in vectors; x * 0 sums to NaN where some x is inf or NaN, and
+  // both make the scale below NaN (no codes), so one sum marks them.
+  vec::F top_v = vec::zero(), poison = vec::zero();
+  for (int d = 0; d < head_dim; d += kPair) {
+    vec::F a, b;
+    vec::load_pair(q + d, a, b);
+    const vec::F abs_ab = vec::max(vec::max(a, vec::sub(vec::zero(), a)), vec::max(b, vec::sub(vec::zero(), b)));
+    top_v = vec::max(top_v, abs_ab);
+    poison = vec::add(poison, vec::add(vec::mul(a, vec::zero()), vec::mul(b, vec::zero())));
   }
+  const float sum = vec::reduce_add(poison);
+  const float top = sum != sum ? std::numeric_limits<float>::quiet_NaN() : vec::reduce_max(top_v);
   float scale = top / 127.0f;
   const bool finite = scale > 0.0f && std::isfinite(scale);
-  for (int d = 0; d < head_dim; ++d)
-    codes[d] = finite ? int8_t(std::clamp(std::nearbyint(to_float(q[d]) / scale), -127.0f, 127.0f)) : 0;
+  if (finite)
+    vec::codes_of(q, head_dim, scale, codes);
+  else
+    std::memset(codes, 0, size_t(head_dim));
   if (!finite && scale != 0.0f) scale = std::numeric_limits<float>::quiet_NaN();
   if constexpr (!std::is_same_v<QT, int8_t>)
     convert_codes(reinterpret_cast<const q8_t<L>*>(codes), out, head_dim);
@@ -241,9 +251,11 @@ void q8_tile_dots(Scratch<q8_t<L>, int8_t>& s, const Work<q8_t<L>>& w, size_t ba
 
 // One head of an int8 tile: K's codes read once for every query row (packed
 // into token lanes where the build multiplies int8, else converted to fp32),
-// V's read in place by P.V (each code is loaded once per block of rows
-// anyway), and every token's two scales set aside for tile_step to fold in.
-// Tokens before t.begin and past the tile's end get zero rows and zero scales.
+// V's read in place by P.V where one block of kRowBlock rows reads them
+// (decode) and converted once into Scratch::vf where more do (prefill: else
+// each block converts them again; the same fp32 values, so the same sums),
+// and every token's two scales set aside for tile_step to fold in.  Tokens
+// before t.begin and past the tile's end get zero rows and zero scales.
 template <typename L, typename QT>
 void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, const int64_t* slots,
                  const Tile& t) {
@@ -259,13 +271,21 @@ void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, cons
     ks[i] = row_scale(kp[i], head_dim);
     vs[i] = row_scale(vp[i], head_dim);
   }
+  const float* vf[kTile];
+  const bool convert_v = t.last - t.first > kRowBlock;
+  if (convert_v)
+    for (int i = 0; i < kTile; ++i) {
+      vf[i] = &s.vf[size_t(i) * head_dim];
+      convert_codes(vp[i], &s.vf[size_t(i) * head_dim], head_dim);
+    }
 #ifdef PAGEDSERVE_HAS_I8_DOTS
   if constexpr (std::is_same_v<QT, int8_t>) {
     const int8_t* codes[kTile];
     for (int i = 0; i < kTile; ++i) codes[i] = &kp[i]->bits;
     q8_tile_dots(s, w, size_t(head) * w.rows, codes, t);
-    tile_step<q8_t<L>, QT, int8_t, q8_t<L>>(s, w, head, nullptr, vp, t, ks, vs);
-    return;
+    if (convert_v)
+      return tile_step<q8_t<L>, QT, int8_t, float>(s, w, head, nullptr, vf, t, ks, vs);
+    return tile_step<q8_t<L>, QT, int8_t, q8_t<L>>(s, w, head, nullptr, vp, t, ks, vs);
   }
 #endif
   float* const scratch = s.kf.data();
@@ -274,6 +294,7 @@ void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, cons
     kf[i] = scratch + size_t(i) * head_dim;
     convert_codes(kp[i], scratch + size_t(i) * head_dim, head_dim);
   }
+  if (convert_v) return tile_step<q8_t<L>, QT, float, float>(s, w, head, kf, vf, t, ks, vs);
   tile_step<q8_t<L>, QT, float, q8_t<L>>(s, w, head, kf, vp, t, ks, vs);
 }
 

@@ -92,10 +92,10 @@ inline void quantize_row(const T* x, int64_t head_dim, int8_t* out) {
   for (int64_t d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::fabs(to_float(x[d])));
   const c10::Half half(std::min(absmax / 127.0f, 65504.0f));
   const float scale = float(half);
-  for (int64_t d = 0; d < head_dim; ++d) {
-    const float c = scale > 0.0f ? std::nearbyint(to_float(x[d]) / scale) : 0.0f;
-    out[d] = int8_t(std::min(127.0f, std::max(-127.0f, c)));
-  }
+  if (scale > 0.0f)
+    vec::codes_of(x, head_dim, scale, out);
+  else
+    std::memset(out, 0, size_t(head_dim));
   std::memcpy(out + head_dim, &half.x, kQ8ScaleBytes);
 }
 

@@ -3,6 +3,10 @@
 // F and the same small set of operations, so the kernels are written once.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
 #include "exp2_poly.h"  // kLog2e for every build
 
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
@@ -28,6 +32,23 @@ inline F round_to(F a) {
 template <>
 inline F round_to<bf16_t>(F a) {
   return round_bf16(a);
+}
+
+// n values of a row of type T as int8 codes under one scale > 0 (round_codes):
+// through a float buffer W lanes at a time, the last n % W one by one the
+// same way (a store's head_dim need not be a multiple of W).
+template <typename T>
+inline void codes_of(const T* x, int64_t n, float scale, int8_t* out) {
+  constexpr int64_t kChunk = 64;  // a multiple of every build's W
+  float buf[kChunk];
+  int64_t d = 0;
+  while (n - d >= W) {
+    const int64_t m = std::min<int64_t>(kChunk, (n - d) / W * W);
+    for (int64_t i = 0; i < m; ++i) buf[i] = to_float(x[d + i]);
+    round_codes(buf, int(m), scale, out + d);
+    d += m;
+  }
+  for (; d < n; ++d) out[d] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(to_float(x[d]) / scale))));
 }
 
 }  // namespace pagedserve::vec

@@ -234,4 +234,21 @@ inline void dot8_i8(const int8_t* q, const int8_t* const* k, int head_dim, float
   reduce8(sums, out);
 }
 
+// int8 codes of n values (n a multiple of W) under one scale > 0:
+// clamp(round(x / scale), -127, 127), the fp32 division and half-to-even
+// rounding of std::nearbyint, NaN to -127 as std::max(-127.0f, NaN) gives
+// (kv_store.h's quantize_row, attention_tile.h's prepare_q8_query). Why
+// vectors: a prefill quantizes every query row and every new K and V row,
+// and the scalar loop was a third of the AVX2 build's int8 prefill attention.
+inline void round_codes(const float* x, int n, float scale, int8_t* out) {
+  const __m256 s = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  for (int d = 0; d < n; d += W) {
+    __m256 c = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + d), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm256_min_ps(_mm256_max_ps(c, lo), hi);  // max(NaN, lo) is lo
+    const __m256i i = _mm256_cvtps_epi32(c);
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + d), _mm_packs_epi16(words, words));
+  }
+}
+
 }  // namespace pagedserve::vec

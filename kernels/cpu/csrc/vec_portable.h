@@ -141,4 +141,14 @@ inline void store_pair(fp16_t* p, F a, F b) {
   }
 }
 
+// int8 codes of n values (n a multiple of W) under one scale > 0:
+// clamp(round(x / scale), -127, 127), the fp32 division and half-to-even
+// rounding of std::nearbyint, NaN to -127 as std::max(-127.0f, NaN) gives
+// (kv_store.h's quantize_row, attention_tile.h's prepare_q8_query). Why
+// vectors: a prefill quantizes every query row and every new K and V row,
+// and the scalar loop was a third of the AVX2 build's int8 prefill attention.
+inline void round_codes(const float* x, int n, float scale, int8_t* out) {
+  for (int d = 0; d < n; ++d) out[d] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[d] / scale))));
+}
+
 }  // namespace pagedserve::vec
