@@ -5,31 +5,29 @@
 
 namespace pagedserve {
 
-// One software prefetch into L2.  Volatile asm on x86 because GCC counts
-// __builtin_prefetch as free of side effects: a function that only
-// prefetches is then "const", and its calls are deleted (C++ loops are
-// assumed to finish): that is how attention.h's first prefetches compiled
-// to nothing.  The address goes in a register, not as a memory operand: with
-// "m", GCC kept the packed linear's 24 accumulators on the stack (40 % of
-// the tile's speed).
-inline void prefetch_l2(const char* p) {
+// One software prefetch, into L1 (Level 1: attention's next head,
+// attention_tile.h) or L2 (Level 2: the weights, the next attention tile).
+// Volatile asm on x86 because GCC counts __builtin_prefetch as free of side
+// effects: a function that only prefetches is then "const", and its calls
+// are deleted (C++ loops are assumed to finish): that is how attention.h's
+// first prefetches compiled to nothing.  The address goes in a register, not
+// as a memory operand: with "m", GCC kept the packed linear's 24
+// accumulators on the stack (40 % of the tile's speed).
+template <int Level>
+inline void prefetch_into(const char* p) {
+  static_assert(Level == 1 || Level == 2, "L1 or L2");
 #if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht1 (%0)" : : "r"(p));
+  if constexpr (Level == 1)
+    asm volatile("prefetcht0 (%0)" : : "r"(p));
+  else
+    asm volatile("prefetcht1 (%0)" : : "r"(p));
 #else
-  __builtin_prefetch(p, 0, 2);
+  __builtin_prefetch(p, 0, Level == 1 ? 3 : 2);
   asm volatile("" : : "r"(p));
 #endif
 }
-
-// The same into L1 (attention's next head: attention_tile.h, prefetch_head_rows).
-inline void prefetch_l1(const char* p) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht0 (%0)" : : "r"(p));
-#else
-  __builtin_prefetch(p, 0, 3);
-  asm volatile("" : : "r"(p));
-#endif
-}
+inline void prefetch_l1(const char* p) { prefetch_into<1>(p); }
+inline void prefetch_l2(const char* p) { prefetch_into<2>(p); }
 
 // How far ahead of the group being decoded a row's loop asks for weights
 // (into L2).  Why: at one token this loop is a single stream through the

@@ -4,6 +4,8 @@
 // bf16 <-> fp32 conversion (the vector ones are in the vec_*.h headers).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -86,6 +88,13 @@ inline float to_float(bf16_t x) {  // a bf16 is the top half of an fp32
 }
 
 inline float to_float(fp16_t x) { return fp16_to_float(x.bits); }
+
+// One int8 code under a scale > 0: clamp(round(x / scale), -127, 127), the
+// fp32 division and half-to-even rounding of std::nearbyint, NaN to -127
+// (vec::round_codes does the same W lanes at a time).
+inline int8_t code_of(float x, float scale) {
+  return int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(x / scale))));
+}
 
 inline void store_scalar(float* p, float v) { *p = v; }
 inline void store_scalar(bf16_t* p, float v) {  // round to nearest even; NaN stays NaN

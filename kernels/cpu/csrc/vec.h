@@ -48,7 +48,7 @@ inline void codes_of(const T* x, int64_t n, float scale, int8_t* out) {
     round_codes(buf, int(m), scale, out + d);
     d += m;
   }
-  for (; d < n; ++d) out[d] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(to_float(x[d]) / scale))));
+  for (; d < n; ++d) out[d] = code_of(to_float(x[d]), scale);
 }
 
 }  // namespace pagedserve::vec

@@ -148,7 +148,7 @@ inline void store_pair(fp16_t* p, F a, F b) {
 // vectors: a prefill quantizes every query row and every new K and V row,
 // and the scalar loop was a third of the AVX2 build's int8 prefill attention.
 inline void round_codes(const float* x, int n, float scale, int8_t* out) {
-  for (int d = 0; d < n; ++d) out[d] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[d] / scale))));
+  for (int d = 0; d < n; ++d) out[d] = code_of(x[d], scale);
 }
 
 }  // namespace pagedserve::vec
