@@ -86,32 +86,6 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 
-// out[c] = (r[0][c], ..., r[15][c]) for 16 vectors of 16 32-bit lanes.
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // b[4i + k], 128-bit lane L: rows 4i..4i+3 of column 4L + k.
-  for (int i = 0; i < 4; ++i)
-    for (int h = 0; h < 2; ++h) {
-      b[4 * i + 2 * h] = _mm512_unpacklo_epi64(a[4 * i + h], a[4 * i + 2 + h]);
-      b[4 * i + 2 * h + 1] = _mm512_unpackhi_epi64(a[4 * i + h], a[4 * i + 2 + h]);
-    }
-  for (int k = 0; k < 4; ++k) {
-    // 0x88: 128-bit lanes 0, 2 of each source; 0xdd: lanes 1, 3.
-    const __m512i c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88);
-    const __m512i c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xdd);
-    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
-    const __m512i d1 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xdd);
-    r[k] = _mm512_shuffle_i32x4(c0, d0, 0x88);
-    r[8 + k] = _mm512_shuffle_i32x4(c0, d0, 0xdd);
-    r[4 + k] = _mm512_shuffle_i32x4(c1, d1, 0x88);
-    r[12 + k] = _mm512_shuffle_i32x4(c1, d1, 0xdd);
-  }
-}
-
 // The weights, packed: `blocks` blocks of 16 features, K / 2 pairs each.
 struct B {
   const bf16_t* w;

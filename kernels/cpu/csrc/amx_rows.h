@@ -45,7 +45,7 @@ inline void pair_groups(const bf16_t* x, int64_t M, Pairs& out, int64_t g0, int6
         const int64_t row = g * kTile + t;
         r[t] = row < M ? _mm512_loadu_si512(x + row * K + 2 * p) : _mm512_setzero_si512();
       }
-      transpose16(r);
+      vec::transpose16(r);
       bf16_t* dst = out.data.data() + (g * K / 2 + p) * 2 * kTile;
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * 2 * kTile, r[i]);
     }
@@ -95,7 +95,7 @@ inline void finish_rows(const float* stage, int64_t g, int64_t M, int64_t n0, co
       __m512i r[16];
       for (int i = 0; i < 16; ++i)
         r[i] = _mm512_castps_si512(_mm512_loadu_ps(stage + (f * kTile + i) * T * kTile + t * kTile));
-      transpose16(r);
+      vec::transpose16(r);
       const int64_t n = n0 + f * kTile, first = (g + t) * kTile;
       const int64_t rows = std::min<int64_t>(kTile, M - first);
       for (int64_t i = 0; i < rows; ++i) {

@@ -28,7 +28,8 @@
 // is decoded once per tile and meets the R tokens.  One token takes C = 4
 // rows (four independent chains), several take R = 4 x C = 2.  Either way
 // threads split the rows in strips; from kManyRows tokens (8 in the
-// portable build), quant_strips.h.
+// portable build), quant_strips.h: on AVX512-VNNI without AMX, int8 tokens
+// against int8 strips (quant_vnni.h), elsewhere bf16 strips.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -51,8 +52,8 @@
 namespace pagedserve {
 namespace quant {
 
-// From this many tokens a call de-quantizes strips to bf16 (run_many) instead
-// of quantizing the tokens.  Measured per build (docs/performance.md, "The
+// From this many tokens a call decodes strips (run_many) instead of going
+// a row at a time.  Measured per build (docs/performance.md, "The
 // one-token path prefetched"): with the weights prefetched and the last 1-3
 // tokens of a row in one pass, the integer path beat the strips at up to 24
 // tokens (and split the shapes at 32) where the strips have the bf16 dot
@@ -61,6 +62,10 @@ namespace quant {
 // tiles' old crossover.
 // Where AMX multiplies the strips (amx.h; bf16 tokens) they win from 12-16 tokens (a Q4_K/Q6_K
 // 0.6B stack, 2-vCPU Xeon: 22-28 ms at 8-32, the integer path 15 at 8, 22-29 at 12-16, 60 at 32).
+// The int8 strips (quant_vnni.h) beat the rows from 16 tokens in
+// `bench.kernels.quant_linear` (1,194 against 1,668 us for Llama-1B's Q4_K
+// up at 16), but a 32-stream Qwen3-0.6B Q4_K_M run took 172-177 tok/s from
+// 16 against 185 from 32 (Zen 5): 32 stays.
 constexpr int64_t kAmxManyRows = 16;
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
 constexpr int64_t kManyRows = 32;

@@ -1,5 +1,8 @@
 // The quantized linear past a few tokens: strips of weight rows de-quantized
-// to bf16 and multiplied by the bf16 linear's tiles (linear.h).
+// to bf16 and multiplied by the bf16 linear's tiles (linear.h), or by AMX
+// (amx.h); on AVX512-VNNI where AMX does not take the call, int8 strips
+// (quant_vnni.h).  PAGEDSERVE_QUANT_STRIPS=bf16 keeps the bf16 strips there
+// (for side-by-side runs).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -14,6 +17,7 @@
 #include "linear.h"
 #include "quant_blob.h"
 #include "quant_blocks.h"
+#include "quant_vnni.h"
 #include "types.h"
 #include "work_items.h"
 
@@ -184,7 +188,7 @@ inline void dequantize_block_packed(const Part& p, int64_t K, int64_t n0, bf16_t
       for (int l = 0; l < 16; ++l)
         r[l] = dequantize32_bf16_vec<Q>(p.data + (n0 + l) * p.row_bytes + b * Q::kBytes, j, wd[l] + 2 * j,
                                         wm[l][j]);
-      amx::transpose16(r);
+      vec::transpose16(r);
       bf16_t* pairs = out + (b * Q::kElems + 32 * j) * 16;  // 16 pairs x 16 features x 2
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(pairs + 32 * i, r[i]);
     }
@@ -250,6 +254,9 @@ inline void run_many(const Blob& blob, const TX* x, int64_t M, const float* bias
 #if defined(PAGEDSERVE_HAS_AMX)
     if (amx_takes(blob))
       return M <= kAmxRowsUpTo ? run_amx_rows(blob, x, M, bias, out) : run_amx(blob, x, M, bias, out);
+#endif
+#if defined(PAGEDSERVE_QUANT_VNNI)
+    if (!vnni::bf16_asked()) return vnni::run(blob, x, M, bias, out);
 #endif
     run_dequantized(blob, x, M, bias, out);
   } else {

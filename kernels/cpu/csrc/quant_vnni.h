@@ -1,0 +1,336 @@
+// The quantized linear past a few tokens where the CPU has AVX512-VNNI (and
+// AMX does not take the call): the tokens quantized to 8 bits per 32 inputs as at a few tokens
+// (quant_act.h), a strip of weight rows decoded once into its int8 codes,
+// and every token meets the strip in integers.
+//
+// Why: the other form (quant_strips.h) de-quantizes the strip to bf16 and
+// runs the bf16 tiles, whose vdpbf16ps does 32 multiply-adds.  vpdpbusd does
+// 64 in the same slot (both two a cycle on Zen 5), and decoding codes to
+// bytes is cheaper than scaling them to bf16.  Serving 32 streams of a
+// Qwen3-0.6B Q4_K_M file on Zen 5, the bf16 tiles were 46 % of the samples
+// and the de-quantizing 15 %; with this form the same offline run gave
+// 185-186 output tok/s against 140-141 (docs/performance.md).  At 128
+// tokens Llama-1B's linears took 0.55-0.67x the bf16 strips' time.
+//
+// Blocking: a work item is a strip of kStripRows rows.  It is decoded once
+// (the scales of 16 rows transposed into vectors, the codes of two groups
+// of 16 rows transposed in one 16 x 16 of 4-byte words), then every token
+// meets it in tiles of kTileTokens x kTileColumns columns (4 x 2 ran 1.16x
+// faster than 6 x 2 at 128 tokens).  The next item's bytes are prefetched
+// into L2 while the tiles run (work_items.h's run_items_ahead): the decode
+// walks 16 rows at once, which the hardware prefetchers do not follow.
+//
+// A strip's layout, 16 weight rows a column (one int32 lane a row):
+//
+//   codes [column][group of 32 inputs][k = 0..7][16 rows][4 bytes]
+//     one 64-byte vector: inputs 4k .. 4k + 3 of the group for 16 rows,
+//     what one vpdpbusd meets with a token's 4 codes in every lane
+//   meta  [column][group]: each row's scale (per 16 inputs for Q6_K), its
+//     min, and -128 x the sum of its codes (per 16 for Q6_K)
+//
+// Signs: vpdpbusd multiplies unsigned bytes by signed ones.  The weights'
+// codes are signed (q_avx2: the type's centre taken off), so the tokens'
+// codes go in unsigned, u = q + 128.  Then sum u w = sum q w + 128 sum w,
+// and each accumulator starts at -128 sum w, so it ends on the exact integer
+// sum q w of the few-token path.  Per group a token's sum then takes
+// (wd * xd) * dot + wm * s: quant_linear.h's formula in the same integers,
+// summed group after group in fp32.
+#pragma once
+
+#include "quant_lanes.h"
+
+#if defined(PAGEDSERVE_QUANT_LANES) && defined(PAGEDSERVE_ISA_AVX512BF16)
+#define PAGEDSERVE_QUANT_VNNI 1
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "prefetch.h"
+#include "quant_act.h"
+#include "quant_blob.h"
+#include "quant_blocks.h"
+#include "types.h"
+#include "vec.h"
+#include "work_items.h"
+
+namespace pagedserve {
+namespace quant {
+namespace vnni {
+
+// PAGEDSERVE_QUANT_STRIPS=bf16 asks for the bf16 strips instead; read once
+// per process, as amx::available() is.
+inline bool bf16_asked() {
+  static const bool yes = [] {
+    const char* env = std::getenv("PAGEDSERVE_QUANT_STRIPS");
+    return env && std::strcmp(env, "bf16") == 0;
+  }();
+  return yes;
+}
+
+constexpr int64_t kColumns = 4;                  // columns of 16 rows per strip (work item)
+constexpr int64_t kStripRows = 16 * kColumns;
+constexpr int kTileTokens = 4;                   // tokens per tile
+constexpr int kTileColumns = 2;                  // columns per tile: 8 int32 + 8 fp32 accumulators
+
+// One group's numbers for one column's 16 rows (lane l: row l).
+struct alignas(64) GroupMeta {
+  int32_t init[2][16];  // -128 x the sum of the codes: the whole group, or each half (Q6_K)
+  float wd[2][16];      // the scale: the whole group in [0], or each half (Q6_K)
+  float wm[16];         // the min (types with one)
+};
+
+// The tokens as the tiles read them: codes + 128, and each group's d and d * sum(q).
+struct Tokens {
+  int64_t K, groups;
+  std::vector<uint8_t> u;  // [tokens, K]
+  std::vector<float> d, s;  // [tokens, groups]
+};
+
+template <typename TX>
+inline Tokens quantize_tokens(const TX* x, int64_t M, int64_t K) {
+  Tokens t{K, K / 32, std::vector<uint8_t>(size_t(M * K)), std::vector<float>(size_t(M * K / 32)),
+           std::vector<float>(size_t(M * K / 32))};
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<XBlock> row(size_t(t.groups));
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row_avx2(x + m * K, K, row.data());
+      for (int64_t g = 0; g < t.groups; ++g) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[size_t(g)].q));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.u.data() + m * K + 32 * g),
+                            _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))));
+        t.d[size_t(m * t.groups + g)] = row[size_t(g)].d;
+        t.s[size_t(m * t.groups + g)] = row[size_t(g)].s;
+      }
+    }
+  });
+  return t;
+}
+
+// A thread's strip: kColumns columns' codes and meta.
+struct Strip {
+  explicit Strip(int64_t groups)
+      : codes(new int8_t[size_t(kColumns * groups * 512)]), meta(new GroupMeta[size_t(kColumns * groups)]) {}
+  std::unique_ptr<int8_t[]> codes;
+  std::unique_ptr<GroupMeta[]> meta;
+};
+
+// Lane l: -128 x the sum of the signed bytes of v[k] over k in [k0, k1), lane l.
+inline __m512i minus_128_sums(const __m512i* v, int k0, int k1) {
+  __m512i sum = _mm512_setzero_si512();
+  for (int k = k0; k < k1; ++k) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), v[k]);
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
+}
+
+// A super-block's 16 floats for one row: Q4_K's and Q5_K's 8 scales then
+// 8 mins, Q6_K's 16 scales (one per 16 inputs).
+template <typename Q>
+inline __m512 super_scales(const uint8_t* b) {
+  if constexpr (Q::kSplit) {
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    return _mm512_mul_ps(_mm512_set1_ps(fp16_to_float(b + 208)), _mm512_cvtepi32_ps(sc));
+  } else {
+    __m256 wd, wm;
+    k4_scales(b, wd, wm);
+    return _mm512_insertf32x8(_mm512_castps256_ps512(wd), wm, 1);
+  }
+}
+
+// The scales and mins of one column's 16 rows (the lanes past `rows` zero),
+// in vectors: a super-block's 16 floats a row, transposed so that each is
+// one vector across the rows.  A legacy block's fp16 d (and m after it) for
+// 16 rows is one gather.
+template <typename Q>
+inline void column_scales(const uint8_t* first, int64_t row_bytes, int64_t rows, int64_t K, GroupMeta* meta) {
+  const __mmask16 live = __mmask16((1u << rows) - 1);
+  if constexpr (Q::kSubs == 1) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(int32_t(row_bytes)));
+    for (int64_t g = 0; g < K / 32; ++g) {
+      const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, first + g * Q::kBytes, 1);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+      _mm512_store_ps(meta[g].wd[0], d);
+      if (Q::kMin) _mm512_store_ps(meta[g].wm, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+    }
+  } else {
+    for (int64_t b = 0; b < K / Q::kElems; ++b) {
+      __m512i v[16];
+      for (int64_t l = 0; l < 16; ++l)
+        v[l] = l < rows ? _mm512_castps_si512(super_scales<Q>(first + l * row_bytes + b * Q::kBytes))
+                        : _mm512_setzero_si512();
+      vec::transpose16(v);
+      for (int j = 0; j < 8; ++j) {
+        GroupMeta& m = meta[b * 8 + j];
+        if (Q::kSplit) {
+          _mm512_store_si512(m.wd[0], v[2 * j]);
+          _mm512_store_si512(m.wd[1], v[2 * j + 1]);
+        } else {
+          _mm512_store_si512(m.wd[0], v[j]);
+          _mm512_store_si512(m.wm, v[8 + j]);
+        }
+      }
+    }
+  }
+}
+
+// Rows [r0, r0 + rows) of a part (rows <= 16; the lanes past them zero) into
+// one column: its codes (groups x 512 bytes) and meta (groups).
+template <typename Q>
+inline void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, int8_t* codes, GroupMeta* meta) {
+  const int64_t groups = K / 32;
+  auto block = [&](int64_t l, int64_t g) { return p.data + (r0 + l) * p.row_bytes + g / Q::kSubs * Q::kBytes; };
+  column_scales<Q>(p.data + r0 * p.row_bytes, p.row_bytes, rows, K, meta);
+  // Two groups at a time: row l's 64 codes in one vector, then a 16 x 16
+  // transpose of their 4-byte words gives vector k the k-th word of every row.
+  for (int64_t g = 0; g < groups; g += 2) {
+    __m512i v[16];
+    for (int64_t l = 0; l < 16; ++l) {
+      const bool live = l < rows, second = g + 1 < groups;
+      const __m256i lo = live ? Q::q_avx2(block(l, g), int(g % Q::kSubs)) : _mm256_setzero_si256();
+      const __m256i hi =
+          live && second ? Q::q_avx2(block(l, g + 1), int((g + 1) % Q::kSubs)) : _mm256_setzero_si256();
+      v[l] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    vec::transpose16(v);
+    for (int64_t h = 0; h < 2 && g + h < groups; ++h) {
+      for (int k = 0; k < 8; ++k) _mm512_storeu_si512(codes + (g + h) * 512 + 64 * k, v[8 * h + k]);
+      GroupMeta& m = meta[g + h];
+      if (Q::kSplit) {
+        _mm512_store_si512(m.init[0], minus_128_sums(v + 8 * h, 0, 4));
+        _mm512_store_si512(m.init[1], minus_128_sums(v + 8 * h, 4, 8));
+      } else {
+        _mm512_store_si512(m.init[0], minus_128_sums(v + 8 * h, 0, 8));
+      }
+    }
+  }
+}
+
+// T tokens (from m) against C columns (codes and meta `c` columns apart):
+// f[t][c] lane l = the sum for token m + t and the column's row l.
+template <bool kSplit, bool kMin, int T, int C>
+inline void tile(const Tokens& x, int64_t m, const int8_t* codes, const GroupMeta* meta, int64_t groups,
+                 __m512 (&out)[T][C]) {
+  constexpr int kHalves = kSplit ? 2 : 1, kSteps = 8 / kHalves;
+  __m512 f[T][C];  // here, not in `out`: written through the reference, GCC kept them in memory
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < C; ++c) f[t][c] = _mm512_setzero_ps();
+  const uint8_t* xu = x.u.data() + m * x.K;
+  for (int64_t g = 0; g < groups; ++g) {
+#pragma GCC unroll 2
+    for (int h = 0; h < kHalves; ++h) {
+      __m512i acc[T][C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m512i init = _mm512_load_si512(meta[c * groups + g].init[h]);
+        for (int t = 0; t < T; ++t) acc[t][c] = init;
+      }
+#pragma GCC unroll 8
+      for (int k = h * kSteps; k < (h + 1) * kSteps; ++k) {
+        __m512i w[C];
+        for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(codes + (c * groups + g) * 512 + 64 * k);
+        for (int t = 0; t < T; ++t) {
+          int32_t word;
+          std::memcpy(&word, xu + t * x.K + 32 * g + 4 * k, 4);
+          const __m512i xb = _mm512_set1_epi32(word);
+          for (int c = 0; c < C; ++c) acc[t][c] = _mm512_dpbusd_epi32(acc[t][c], xb, w[c]);
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512 xd = _mm512_set1_ps(x.d[size_t((m + t) * groups + g)]);
+        for (int c = 0; c < C; ++c) {
+          const __m512 scale = _mm512_mul_ps(_mm512_load_ps(meta[c * groups + g].wd[h]), xd);
+          f[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][c]), scale, f[t][c]);
+        }
+      }
+    }
+    if (kMin)
+      for (int t = 0; t < T; ++t) {
+        const __m512 s = _mm512_set1_ps(x.s[size_t((m + t) * groups + g)]);
+        for (int c = 0; c < C; ++c) f[t][c] = _mm512_fmadd_ps(_mm512_load_ps(meta[c * groups + g].wm), s, f[t][c]);
+      }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < C; ++c) out[t][c] = f[t][c];
+}
+
+// 16 sums (+ bias) into out, the first `live` lanes.
+inline void store16(float* out, __m512 v, __mmask16 live) { _mm512_mask_storeu_ps(out, live, v); }
+inline void store16(bf16_t* out, __m512 v, __mmask16 live) {
+  const __m512i high = _mm512_srli_epi32(vec::round_to_bf16_high(v), 16);
+  _mm256_mask_storeu_epi16(out, live, _mm512_cvtepi32_epi16(high));
+}
+
+// Tokens [m, m + T) against the strip's columns [c0, c0 + C), into out
+// (row `at` of the output is the strip's row 0).
+template <typename Q, int T, int C, typename TOut>
+inline void tile_out(const Tokens& x, int64_t m, const Strip& s, int64_t c0, int64_t rows, int64_t groups,
+                     const float* bias, int64_t at, TOut* out, int64_t N) {
+  __m512 f[T][C];
+  tile<Q::kSplit, Q::kMin, T, C>(x, m, s.codes.get() + c0 * groups * 512, s.meta.get() + c0 * groups, groups, f);
+  for (int c = 0; c < C; ++c) {
+    const int64_t r = 16 * (c0 + c), live = std::min<int64_t>(16, rows - r);
+    const __mmask16 mask = __mmask16((1u << live) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + at + r) : _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) store16(out + (m + t) * N + at + r, _mm512_add_ps(f[t][c], b), mask);
+  }
+}
+
+// Every token against one strip's `columns` columns.
+template <typename Q, int T, typename TOut>
+inline void tokens_times_strip(const Tokens& x, int64_t m, const Strip& s, int64_t columns, int64_t rows,
+                               int64_t groups, const float* bias, int64_t at, TOut* out, int64_t N) {
+  int64_t c = 0;
+  for (; c + kTileColumns <= columns; c += kTileColumns)
+    tile_out<Q, T, kTileColumns>(x, m, s, c, rows, groups, bias, at, out, N);
+  for (; c < columns; ++c) tile_out<Q, T, 1>(x, m, s, c, rows, groups, bias, at, out, N);
+}
+
+// y = x W^T (+ bias) for M tokens: each strip decoded once, then every token.
+template <typename TX, typename TOut>
+inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
+  const int64_t K = blob.K, N = blob.N, groups = K / 32;
+  const Tokens tokens = quantize_tokens(x, M, K);
+  const std::vector<quant::Strip> strips = strips_of(blob, kStripRows);
+  // The first strip's bytes, in the background.
+  auto fetch = [&](int64_t i) {
+    const quant::Strip& item = strips[size_t(i)];
+    const char* bytes = reinterpret_cast<const char*>(item.part->data + item.n0 * item.part->row_bytes);
+    for (int64_t o = 0; o < (item.n1 - item.n0) * item.part->row_bytes; o += 64) prefetch_l2(bytes + o);
+  };
+  if (!strips.empty()) fetch(0);
+  run_items_ahead(int64_t(strips.size()), [&] { return Strip(groups); }, [&](Strip& s, int64_t i, int64_t next) {
+    const quant::Strip& item = strips[size_t(i)];
+    const int64_t rows = item.n1 - item.n0, columns = (rows + 15) / 16, at = item.first + item.n0;
+    with_type(item.part->type, [&](auto q) {
+      using Q = decltype(q);
+      for (int64_t c = 0; c < columns; ++c)
+        decode_column<Q>(*item.part, K, item.n0 + 16 * c, std::min<int64_t>(16, rows - 16 * c),
+                         s.codes.get() + c * groups * 512, s.meta.get() + c * groups);
+      // The strip's 16-row columns walk 16 rows at once, which the hardware
+      // prefetchers did not keep ahead of: the next strip's bytes come in
+      // while this one's tiles run.
+      if (next >= 0) fetch(next);
+      int64_t m = 0;
+      for (; m + kTileTokens <= M; m += kTileTokens)
+        tokens_times_strip<Q, kTileTokens>(tokens, m, s, columns, rows, groups, bias, at, out, N);
+      switch (M - m) {
+        case 5: tokens_times_strip<Q, 5>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
+        case 4: tokens_times_strip<Q, 4>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
+        case 3: tokens_times_strip<Q, 3>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
+        case 2: tokens_times_strip<Q, 2>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
+        case 1: tokens_times_strip<Q, 1>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
+        default: break;
+      }
+    });
+  });
+}
+
+}  // namespace vnni
+}  // namespace quant
+}  // namespace pagedserve
+
+#endif  // PAGEDSERVE_QUANT_VNNI
