@@ -279,6 +279,15 @@ inline void tile_out(const Tokens& x, int64_t m, const Strip& s, int64_t c0, int
   }
 }
 
+// Lines of weights still to prefetch into L2.
+struct Ahead {
+  const char* p = nullptr;
+  int64_t lines = 0;
+  void fetch(int64_t n) {
+    for (; n > 0 && lines > 0; --n, --lines, p += 64) prefetch_l2(p);
+  }
+};
+
 // Every token against one strip's `columns` columns.
 template <typename Q, int T, typename TOut>
 inline void tokens_times_strip(const Tokens& x, int64_t m, const Strip& s, int64_t columns, int64_t rows,
@@ -295,13 +304,13 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
   const int64_t K = blob.K, N = blob.N, groups = K / 32;
   const Tokens tokens = quantize_tokens(x, M, K);
   const std::vector<quant::Strip> strips = strips_of(blob, kStripRows);
-  // The first strip's bytes, in the background.
-  auto fetch = [&](int64_t i) {
+  auto bytes_of = [&](int64_t i) {
     const quant::Strip& item = strips[size_t(i)];
-    const char* bytes = reinterpret_cast<const char*>(item.part->data + item.n0 * item.part->row_bytes);
-    for (int64_t o = 0; o < (item.n1 - item.n0) * item.part->row_bytes; o += 64) prefetch_l2(bytes + o);
+    return Ahead{reinterpret_cast<const char*>(item.part->data + item.n0 * item.part->row_bytes),
+                 ((item.n1 - item.n0) * item.part->row_bytes + 63) / 64};
   };
-  if (!strips.empty()) fetch(0);
+  if (!strips.empty()) bytes_of(0).fetch(INT64_MAX);
+  const int64_t panels = (M + kTileTokens - 1) / kTileTokens;
   run_items_ahead(int64_t(strips.size()), [&] { return Strip(groups); }, [&](Strip& s, int64_t i, int64_t next) {
     const quant::Strip& item = strips[size_t(i)];
     const int64_t rows = item.n1 - item.n0, columns = (rows + 15) / 16, at = item.first + item.n0;
@@ -310,16 +319,18 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
       for (int64_t c = 0; c < columns; ++c)
         decode_column<Q>(*item.part, K, item.n0 + 16 * c, std::min<int64_t>(16, rows - 16 * c),
                          s.codes.get() + c * groups * 512, s.meta.get() + c * groups);
-      // The strip's 16-row columns walk 16 rows at once, which the hardware
-      // prefetchers did not keep ahead of: the next strip's bytes come in
-      // while this one's tiles run.
-      if (next >= 0) fetch(next);
+      // The decode walks 16 rows at once, which the hardware prefetchers did
+      // not keep ahead of: the next strip's bytes come into L2 a slice per
+      // panel of tokens while this strip's tiles run.
+      Ahead ahead = next >= 0 ? bytes_of(next) : Ahead{};
+      const int64_t slice = (ahead.lines + panels - 1) / panels;
       int64_t m = 0;
-      for (; m + kTileTokens <= M; m += kTileTokens)
+      for (; m + kTileTokens <= M; m += kTileTokens) {
+        ahead.fetch(slice);
         tokens_times_strip<Q, kTileTokens>(tokens, m, s, columns, rows, groups, bias, at, out, N);
+      }
+      ahead.fetch(INT64_MAX);
       switch (M - m) {
-        case 5: tokens_times_strip<Q, 5>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
-        case 4: tokens_times_strip<Q, 4>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
         case 3: tokens_times_strip<Q, 3>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
         case 2: tokens_times_strip<Q, 2>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
         case 1: tokens_times_strip<Q, 1>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
