@@ -26,30 +26,43 @@
 
 namespace pagedserve {
 
-// Items 0 .. count - 1 taken one at a time from a shared counter (callers
-// put the longest first); each thread makes its own scratch once.  A thread
-// claims its next item before it runs the one in hand, and run(scratch, i,
-// next) is told it (-1: none), so an item can prefetch the next one's bytes
-// while it computes (quant_vnni.h).
-template <typename Make, typename Run>
-void run_items_ahead(int64_t count, const Make& make, const Run& run) {
+// Each of min(threads, count) threads makes its own scratch once and runs
+// take(scratch, next) with the counter the threads share.
+template <typename Make, typename Take>
+void with_counter(int64_t count, const Make& make, const Take& take) {
   if (count == 0) return;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     auto scratch = make();
+    take(scratch, next);
+  });
+}
+
+// Items 0 .. count - 1 taken one at a time from a shared counter (callers
+// put the longest first).
+template <typename Make, typename Run>
+void run_items(int64_t count, const Make& make, const Run& run) {
+  with_counter(count, make, [&](auto& scratch, std::atomic<int64_t>& next) {
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) run(scratch, i);
+  });
+}
+
+// The same, but a thread claims its next item before it runs the one in
+// hand, and run(scratch, i, next) is told it (-1: none), so an item can
+// prefetch the next one's bytes while it computes (quant_vnni.h).  The
+// price: a thread may hold the last item while another has run out of work
+// (up to one item's imbalance at the end), so only the int8 strips, whose
+// prefetch measured worth it, take this form.
+template <typename Make, typename Run>
+void run_items_ahead(int64_t count, const Make& make, const Run& run) {
+  with_counter(count, make, [&](auto& scratch, std::atomic<int64_t>& next) {
     for (int64_t i = next.fetch_add(1); i < count;) {
       const int64_t after = next.fetch_add(1);
       run(scratch, i, after < count ? after : -1);
       i = after;
     }
   });
-}
-
-// The same, for items that do not look ahead.
-template <typename Make, typename Run>
-void run_items(int64_t count, const Make& make, const Run& run) {
-  run_items_ahead(count, make, [&](auto& scratch, int64_t i, int64_t) { run(scratch, i); });
 }
 
 }  // namespace pagedserve
