@@ -37,12 +37,15 @@ inline void prefetch_l2(const char* p) { prefetch_into<2>(p); }
 // best of 1, 2, 4 and 8 KiB (docs/performance.md).
 constexpr int64_t kAhead = 4096;
 
-// The lines of the `bytes` at g + kAhead: a later group of this row or of the
-// rows after it (a part's rows are contiguous).  Prefetches never fault, so
-// the last rows may ask past the blob.
-inline void prefetch_ahead(const uint8_t* g, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(g) + kAhead;
-  for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(p + o);
+// The lines of the `bytes` at p, into L2.  Prefetches never fault, so the
+// last rows may ask past the blob.
+inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(c + o);
 }
+
+// The lines of the `bytes` at g + kAhead: a later group of this row or of the
+// rows after it (a part's rows are contiguous).
+inline void prefetch_ahead(const uint8_t* g, int64_t bytes) { prefetch_bytes(g + kAhead, bytes); }
 
 }  // namespace pagedserve

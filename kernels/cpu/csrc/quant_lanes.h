@@ -321,7 +321,11 @@ inline void lanes_row_dot(const uint8_t* w, int64_t blocks, const LaneView& x, i
 // C weight rows (`row_bytes` apart from w) times one token: out[0][c], each
 // row's sum lanes_row_dot's to the bit.  C rows side by side are C
 // independent chains (quant_gemv.h's rows_dot says why that pays; here it
-// paid at every row length).
+// paid at every row length).  Each group asks for the same group of the
+// next C rows: a whole panel ahead of the C streams, where prefetch_ahead's
+// fixed 4 KiB fell inside the panel being read once rows pass ~1 KiB
+// (Llama-1B's 8,192-input Q4_K rows, 4,608 bytes, read at 0.53x torch.sum's
+// rate, 0.92x with this; docs/performance.md).
 template <typename Q, int C>
 inline void lanes_rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const LaneView& x,
                            float (&out)[1][C]) {
@@ -336,7 +340,7 @@ inline void lanes_rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, 
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
       const uint8_t* g = w + c * row_bytes + b * Q::kBytes;
-      if (full) prefetch_ahead(g, kPer * Q::kBytes);
+      if (full) prefetch_bytes(g + C * row_bytes, kPer * Q::kBytes);
       __m512(&a)[1][2] = reinterpret_cast<__m512(&)[1][2]>(acc[c]);
       __m256(&m)[1] = reinterpret_cast<__m256(&)[1]>(mins[c]);
       lanes_step<Q, decltype(full)::value, 1>(g, count, x, 0, b * Q::kSubs, a, m);
