@@ -111,9 +111,10 @@ inline Tokens quantize_tokens(const TX* x, int64_t M, int64_t K) {
   return t;
 }
 
-// A thread's strip: kColumns columns' codes and meta.
-struct Strip {
-  explicit Strip(int64_t groups)
+// A thread's decoded strip: kColumns columns' codes and meta (quant::Strip
+// names which rows of the blob a strip is; this holds them decoded).
+struct Decoded {
+  explicit Decoded(int64_t groups)
       : codes(new int8_t[size_t(kColumns * groups * 512)]), meta(new GroupMeta[size_t(kColumns * groups)]) {}
   std::unique_ptr<int8_t[]> codes;
   std::unique_ptr<GroupMeta[]> meta;
@@ -267,7 +268,7 @@ inline void store16(bf16_t* out, __m512 v, __mmask16 live) {
 // Tokens [m, m + T) against the strip's columns [c0, c0 + C), into out
 // (row `at` of the output is the strip's row 0).
 template <typename Q, int T, int C, typename TOut>
-inline void tile_out(const Tokens& x, int64_t m, const Strip& s, int64_t c0, int64_t rows, int64_t groups,
+inline void tile_out(const Tokens& x, int64_t m, const Decoded& s, int64_t c0, int64_t rows, int64_t groups,
                      const float* bias, int64_t at, TOut* out, int64_t N) {
   __m512 f[T][C];
   tile<Q::kSplit, Q::kMin, T, C>(x, m, s.codes.get() + c0 * groups * 512, s.meta.get() + c0 * groups, groups, f);
@@ -290,7 +291,7 @@ struct Ahead {
 
 // Every token against one strip's `columns` columns.
 template <typename Q, int T, typename TOut>
-inline void tokens_times_strip(const Tokens& x, int64_t m, const Strip& s, int64_t columns, int64_t rows,
+inline void tokens_times_strip(const Tokens& x, int64_t m, const Decoded& s, int64_t columns, int64_t rows,
                                int64_t groups, const float* bias, int64_t at, TOut* out, int64_t N) {
   int64_t c = 0;
   for (; c + kTileColumns <= columns; c += kTileColumns)
@@ -311,7 +312,7 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
   };
   if (!strips.empty()) bytes_of(0).fetch(INT64_MAX);
   const int64_t panels = (M + kTileTokens - 1) / kTileTokens;
-  run_items_ahead(int64_t(strips.size()), [&] { return Strip(groups); }, [&](Strip& s, int64_t i, int64_t next) {
+  run_items_ahead(int64_t(strips.size()), [&] { return Decoded(groups); }, [&](Decoded& s, int64_t i, int64_t next) {
     const quant::Strip& item = strips[size_t(i)];
     const int64_t rows = item.n1 - item.n0, columns = (rows + 15) / 16, at = item.first + item.n0;
     with_type(item.part->type, [&](auto q) {
