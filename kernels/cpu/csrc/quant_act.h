@@ -56,34 +56,37 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The vector path of quantize_row: same numbers (round to nearest even).
+// One block of quantize_row, in vectors: the same numbers (round to nearest
+// even).  Returns the 32 codes in order; d and d * sum(q) into d, s.
+template <typename T>
+inline __m256i quantize_block_avx2(const T* x, float& d, float& s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    v[k] = load8(x + 8 * k);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  d = _mm_cvtss_f32(m) / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  __m256i q[4];
+  for (int k = 0; k < 4; ++k)
+    q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(id)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  s = d * float(int(hsum(_mm256_cvtepi32_ps(sum32))));
+  // int32 -> int8 in order: packs interleave the 128-bit lanes, the permute undoes it.
+  const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The vector path of quantize_row: same numbers.
 template <typename T>
 inline void quantize_row_avx2(const T* x, int64_t K, XBlock* out) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int k = 0; k < 4; ++k) {
-      v[k] = load8(x + 32 * b + 8 * k);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    __m256i q[4];
-    for (int k = 0; k < 4; ++k)
-      q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(id)),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    const int sum = int(hsum(_mm256_cvtepi32_ps(sum32)));
-    // int32 -> int8 in order: packs interleave the 128-bit lanes, the permute undoes it.
-    const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
-    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b),
-                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q), q8);
-    out[b].d = d;
-    out[b].s = d * float(sum);
-  }
+  for (int64_t b = 0; b < K / 32; ++b)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q), quantize_block_avx2(x + 32 * b, out[b].d, out[b].s));
 }
 
 // sum of w[i] * x[i] over 32 bytes, as 8 int32 lanes (lane l: bytes 4l .. 4l + 3).

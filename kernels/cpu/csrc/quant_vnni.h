@@ -87,26 +87,24 @@ struct alignas(64) GroupMeta {
 // The tokens as the tiles read them: codes + 128, and each group's d and d * sum(q).
 struct Tokens {
   int64_t K, groups;
-  std::vector<uint8_t> u;  // [tokens, K]
-  std::vector<float> d, s;  // [tokens, groups]
+  std::unique_ptr<uint8_t[]> u;  // [tokens, K], every byte written by quantize_tokens
+  std::vector<float> d, s;        // [tokens, groups]
 };
 
+// quant_act.h's blocks, written straight into the tiles' layout (no zeroing
+// of the codes first, no copy out of an XBlock row).
 template <typename TX>
 inline Tokens quantize_tokens(const TX* x, int64_t M, int64_t K) {
-  Tokens t{K, K / 32, std::vector<uint8_t>(size_t(M * K)), std::vector<float>(size_t(M * K / 32)),
-           std::vector<float>(size_t(M * K / 32))};
+  Tokens t{K, K / 32, std::unique_ptr<uint8_t[]>(new uint8_t[size_t(M * K)]),
+           std::vector<float>(size_t(M * K / 32)), std::vector<float>(size_t(M * K / 32))};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    std::vector<XBlock> row(size_t(t.groups));
-    for (int64_t m = m0; m < m1; ++m) {
-      quantize_row_avx2(x + m * K, K, row.data());
+    for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < t.groups; ++g) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[size_t(g)].q));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.u.data() + m * K + 32 * g),
+        const size_t at = size_t(m * t.groups + g);
+        const __m256i q = quantize_block_avx2(x + m * K + 32 * g, t.d[at], t.s[at]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.u.get() + m * K + 32 * g),
                             _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))));
-        t.d[size_t(m * t.groups + g)] = row[size_t(g)].d;
-        t.s[size_t(m * t.groups + g)] = row[size_t(g)].s;
       }
-    }
   });
   return t;
 }
@@ -219,7 +217,7 @@ inline void tile(const Tokens& x, int64_t m, const int8_t* codes, const GroupMet
   __m512 f[T][C];  // here, not in `out`: written through the reference, GCC kept them in memory
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) f[t][c] = _mm512_setzero_ps();
-  const uint8_t* xu = x.u.data() + m * x.K;
+  const uint8_t* xu = x.u.get() + m * x.K;
   for (int64_t g = 0; g < groups; ++g) {
 #pragma GCC unroll 2
     for (int h = 0; h < kHalves; ++h) {
