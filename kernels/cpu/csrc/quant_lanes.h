@@ -321,34 +321,49 @@ inline void lanes_row_dot(const uint8_t* w, int64_t blocks, const LaneView& x, i
 // C weight rows (`row_bytes` apart from w) times one token: out[0][c], each
 // row's sum lanes_row_dot's to the bit.  C rows side by side are C
 // independent chains (quant_gemv.h's rows_dot says why that pays; here it
-// paid at every row length).  Each group asks for the same group of the
-// next C rows: a whole panel ahead of the C streams, where prefetch_ahead's
-// fixed 4 KiB fell inside the panel being read once rows pass ~1 KiB
-// (Llama-1B's 8,192-input Q4_K rows, 4,608 bytes, read at 0.53x torch.sum's
-// rate, 0.92x with this; docs/performance.md).
+// paid at every row length).
+//
+// The prefetch: a part's rows are contiguous, so the next C rows are the
+// next panel of C x row_bytes bytes, and each step asks for its 1 / steps
+// share of that panel in address order (C groups' bytes, the lines after
+// the last step's).  Why address order: asking for the same group of each
+// of the next C rows (the panel in the order it is read) kept C + C
+// streams open at once, and a Llama-3.2-1B Q4_K_M token took 21.1-21.8 ms
+// against 18.9-20.7 this way, when the VM's memory read ~52 GB/s (equal
+// at ~80 GB/s, where the rows are bound by their instructions); the Q6_K
+// head's 1,680-byte rows went from 0.74-0.78x torch.sum's rate to
+// 0.87-0.96x.  Two panels ahead measured the same, no prefetch 1.4x the
+// time (docs/performance.md).  A fixed distance (prefetch_ahead) is wrong
+// here: past ~1 KiB a row, 4 KiB lands in the panel being read.
 template <typename Q, int C>
 inline void lanes_rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const LaneView& x,
                            float (&out)[1][C]) {
   constexpr int kPer = 8 / Q::kSubs;
+  constexpr int64_t kShare = C * kPer * Q::kBytes;  // a step's share of the next panel
   __m512 acc[C][2];
   __m256 mins[C];
   for (int c = 0; c < C; ++c) {
     acc[c][0] = acc[c][1] = _mm512_setzero_ps();
     mins[c] = _mm256_setzero_ps();
   }
+  const uint8_t* next = w + C * row_bytes;
   auto step = [&](auto full, int64_t b, int count) {
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      const uint8_t* g = w + c * row_bytes + b * Q::kBytes;
-      if (full) prefetch_bytes(g + C * row_bytes, kPer * Q::kBytes);
       __m512(&a)[1][2] = reinterpret_cast<__m512(&)[1][2]>(acc[c]);
       __m256(&m)[1] = reinterpret_cast<__m256(&)[1]>(mins[c]);
-      lanes_step<Q, decltype(full)::value, 1>(g, count, x, 0, b * Q::kSubs, a, m);
+      lanes_step<Q, decltype(full)::value, 1>(w + c * row_bytes + b * Q::kBytes, count, x, 0, b * Q::kSubs, a, m);
     }
   };
   int64_t b = 0;
-  for (; b + kPer <= blocks; b += kPer) step(std::true_type{}, b, 8);
-  if (b < blocks) step(std::false_type{}, b, int(blocks - b));
+  for (; b + kPer <= blocks; b += kPer) {
+    prefetch_bytes(next + b / kPer * kShare, kShare);
+    step(std::true_type{}, b, 8);
+  }
+  if (b < blocks) {  // a legacy row's short group: the rest of the next panel
+    prefetch_bytes(next + b / kPer * kShare, C * row_bytes - b / kPer * kShare);
+    step(std::false_type{}, b, int(blocks - b));
+  }
   lanes_sums<C>(acc, mins, out[0]);
 }
 
