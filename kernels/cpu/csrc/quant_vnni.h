@@ -17,8 +17,9 @@
 // of 16 rows transposed in one 16 x 16 of 4-byte words), then every token
 // meets it in tiles of kTileTokens x kTileColumns columns (4 x 2 ran 1.16x
 // faster than 6 x 2 at 128 tokens).  The next item's bytes are prefetched
-// into L2 while the tiles run (work_items.h's run_items_ahead): the decode
-// walks 16 rows at once, which the hardware prefetchers do not follow.
+// into L2 a line or two a group while the tiles run (work_items.h's
+// run_items_ahead): the decode walks 16 rows at once, which the hardware
+// prefetchers do not follow.
 //
 // A strip's layout, 16 weight rows a column (one int32 lane a row):
 //
@@ -208,17 +209,27 @@ inline void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, in
   }
 }
 
+// Lines of weights still to prefetch into L2.
+struct Ahead {
+  const char* p = nullptr;
+  int64_t lines = 0;
+  void fetch(int64_t n) {
+    for (; n > 0 && lines > 0; --n, --lines, p += 64) prefetch_l2(p);
+  }
+};
+
 // T tokens (from m) against C columns (codes and meta `c` columns apart):
 // f[t][c] lane l = the sum for token m + t and the column's row l.
 template <bool kSplit, bool kMin, int T, int C>
 inline void tile(const Tokens& x, int64_t m, const int8_t* codes, const GroupMeta* meta, int64_t groups,
-                 __m512 (&out)[T][C]) {
+                 __m512 (&out)[T][C], Ahead& ahead, int64_t per_group) {
   constexpr int kHalves = kSplit ? 2 : 1, kSteps = 8 / kHalves;
   __m512 f[T][C];  // here, not in `out`: written through the reference, GCC kept them in memory
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) f[t][c] = _mm512_setzero_ps();
   const uint8_t* xu = x.u.get() + m * x.K;
   for (int64_t g = 0; g < groups; ++g) {
+    ahead.fetch(per_group);
 #pragma GCC unroll 2
     for (int h = 0; h < kHalves; ++h) {
       __m512i acc[T][C];
@@ -267,9 +278,10 @@ inline void store16(bf16_t* out, __m512 v, __mmask16 live) {
 // (row `at` of the output is the strip's row 0).
 template <typename Q, int T, int C, typename TOut>
 inline void tile_out(const Tokens& x, int64_t m, const Decoded& s, int64_t c0, int64_t rows, int64_t groups,
-                     const float* bias, int64_t at, TOut* out, int64_t N) {
+                     const float* bias, int64_t at, TOut* out, int64_t N, Ahead& ahead, int64_t per_group) {
   __m512 f[T][C];
-  tile<Q::kSplit, Q::kMin, T, C>(x, m, s.codes.get() + c0 * groups * 512, s.meta.get() + c0 * groups, groups, f);
+  tile<Q::kSplit, Q::kMin, T, C>(x, m, s.codes.get() + c0 * groups * 512, s.meta.get() + c0 * groups, groups, f,
+                                 ahead, per_group);
   for (int c = 0; c < C; ++c) {
     const int64_t r = 16 * (c0 + c), live = std::min<int64_t>(16, rows - r);
     const __mmask16 mask = __mmask16((1u << live) - 1);
@@ -278,23 +290,15 @@ inline void tile_out(const Tokens& x, int64_t m, const Decoded& s, int64_t c0, i
   }
 }
 
-// Lines of weights still to prefetch into L2.
-struct Ahead {
-  const char* p = nullptr;
-  int64_t lines = 0;
-  void fetch(int64_t n) {
-    for (; n > 0 && lines > 0; --n, --lines, p += 64) prefetch_l2(p);
-  }
-};
-
 // Every token against one strip's `columns` columns.
 template <typename Q, int T, typename TOut>
 inline void tokens_times_strip(const Tokens& x, int64_t m, const Decoded& s, int64_t columns, int64_t rows,
-                               int64_t groups, const float* bias, int64_t at, TOut* out, int64_t N) {
+                               int64_t groups, const float* bias, int64_t at, TOut* out, int64_t N, Ahead& ahead,
+                               int64_t per_group) {
   int64_t c = 0;
   for (; c + kTileColumns <= columns; c += kTileColumns)
-    tile_out<Q, T, kTileColumns>(x, m, s, c, rows, groups, bias, at, out, N);
-  for (; c < columns; ++c) tile_out<Q, T, 1>(x, m, s, c, rows, groups, bias, at, out, N);
+    tile_out<Q, T, kTileColumns>(x, m, s, c, rows, groups, bias, at, out, N, ahead, per_group);
+  for (; c < columns; ++c) tile_out<Q, T, 1>(x, m, s, c, rows, groups, bias, at, out, N, ahead, per_group);
 }
 
 // y = x W^T (+ bias) for M tokens: each strip decoded once, then every token.
@@ -319,22 +323,28 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
         decode_column<Q>(*item.part, K, item.n0 + 16 * c, std::min<int64_t>(16, rows - 16 * c),
                          s.codes.get() + c * groups * 512, s.meta.get() + c * groups);
       // The decode walks 16 rows at once, which the hardware prefetchers did
-      // not keep ahead of: the next strip's bytes come into L2 a slice per
-      // panel of tokens while this strip's tiles run.
+      // not keep ahead of: the next strip's bytes come into L2 while this
+      // strip's tiles run, a line or two at each group of each tile.  Why so
+      // spread: a slice per panel of tokens (at 32 tokens, 144 prefetches
+      // back to back) left decode_column waiting on a quarter of its loads,
+      // and a 32-token Llama-3.2-1B Q4_K_M step took 121-131 ms against
+      // 108-120 this way (docs/performance.md).
       Ahead ahead = next >= 0 ? bytes_of(next) : Ahead{};
-      const int64_t slice = (ahead.lines + panels - 1) / panels;
+      const int64_t tiles = panels * (columns / kTileColumns + columns % kTileColumns);
+      const int64_t per_group = (ahead.lines + tiles * groups - 1) / (tiles * groups);
+      auto times = [&](auto tokens_a_tile, int64_t m) {
+        tokens_times_strip<Q, decltype(tokens_a_tile)::value>(tokens, m, s, columns, rows, groups, bias, at, out, N,
+                                                              ahead, per_group);
+      };
       int64_t m = 0;
-      for (; m + kTileTokens <= M; m += kTileTokens) {
-        ahead.fetch(slice);
-        tokens_times_strip<Q, kTileTokens>(tokens, m, s, columns, rows, groups, bias, at, out, N);
-      }
-      ahead.fetch(INT64_MAX);
+      for (; m + kTileTokens <= M; m += kTileTokens) times(std::integral_constant<int, kTileTokens>{}, m);
       switch (M - m) {
-        case 3: tokens_times_strip<Q, 3>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
-        case 2: tokens_times_strip<Q, 2>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
-        case 1: tokens_times_strip<Q, 1>(tokens, m, s, columns, rows, groups, bias, at, out, N); break;
+        case 3: times(std::integral_constant<int, 3>{}, m); break;
+        case 2: times(std::integral_constant<int, 2>{}, m); break;
+        case 1: times(std::integral_constant<int, 1>{}, m); break;
         default: break;
       }
+      ahead.fetch(INT64_MAX);
     });
   });
 }
