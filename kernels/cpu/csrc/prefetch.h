@@ -44,6 +44,14 @@ inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(c + o);
 }
 
+// Step k's share of the `bytes` at p, `share` bytes a step (the last step
+// the rest): a panel of contiguous rows asked for in address order over the
+// steps that read the panel before it (quant_lanes.h's lanes_rows_dot says
+// why address order).
+inline void prefetch_share(const uint8_t* p, int64_t k, int64_t share, int64_t bytes) {
+  prefetch_bytes(p + k * share, share < bytes - k * share ? share : bytes - k * share);
+}
+
 // The lines of the `bytes` at g + kAhead: a later group of this row or of the
 // rows after it (a part's rows are contiguous).
 inline void prefetch_ahead(const uint8_t* g, int64_t bytes) { prefetch_bytes(g + kAhead, bytes); }

@@ -211,23 +211,18 @@ inline void row_dot(const uint8_t* w, int64_t blocks, const XBlock* x, const XSc
 #endif
 }
 
-// Rows shorter than this go four at a time through a one-token call (the
-// AVX2 build; the AVX512 build's lanes take every row four at a time).
-// Measured alternated in one process, 2-vCPU Xeon (docs/performance.md):
-// 0.87-0.95x the time for rows of 360-1,152 bytes (SmolLM2's Q4_1 and Q8_0,
-// Qwen3-0.6B's Q4_K and Q8_0 up and qkv), no change at 960-1,632, but
-// 1.06-1.19x for rows of 1,728-4,608 bytes (Q4_K and Q8_0 at 2,048-8,192
-// inputs), where a row's own chain is long enough and four rows apart are
-// four streams.
-constexpr int64_t kShortRowBytes = 1536;
-
 // C weight rows (`row_bytes` apart from w) times one token: out[0][c].  Each
 // row's sum is row_dot's to the bit (its groups in the same order, the same
 // steps); C rows side by side are C independent chains.  Why: a row of a
 // small model is short (SmolLM2's 576 inputs: two groups and a tail), and
 // one row at a time left its chain's latency, its sum across lanes and its
 // store in the open between rows (~7 % of a one-stream SmolLM2 step's
-// samples on the store alone).
+// samples on the store alone).  The next four rows are asked for in address
+// order, a step's share at a time, as quant_lanes.h's lanes_rows_dot says;
+// with that, rows of every length go four at a time (below 1,536 bytes only
+// while each row asked for 4 KiB past its own group, which past ~1 KiB a
+// row lands in the panel being read): a Llama-3.2-1B Q4_K_M token on the
+// AVX2 build took 17.9-18.9 ms against 20.4-25.6 (Zen 5, alternated).
 template <typename Q, int C>
 inline void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const XBlock* x, const XScales& xs,
                      float (&out)[1][C]) {
@@ -235,24 +230,27 @@ inline void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const 
   constexpr int kPer = 8 / Q::kSubs;  // blocks a group
   __m256 acc[C][1], mins[C][1];
   for (int c = 0; c < C; ++c) acc[c][0] = mins[c][0] = _mm256_setzero_ps();
+  constexpr int64_t kShare = C * kPer * Q::kBytes;
+  const uint8_t* next = w + C * row_bytes;
   int64_t b = 0;
-  for (; b + kPer <= blocks; b += kPer)
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* g = w + c * row_bytes + b * Q::kBytes;
-      prefetch_ahead(g, kPer * Q::kBytes);
-      group_step<Q, true, 1>(g, 8, x, xs, 0, b * Q::kSubs, acc[c], mins[c]);
-    }
-  if (b < blocks)
+  for (; b + kPer <= blocks; b += kPer) {
+    prefetch_share(next, b / kPer, kShare, C * row_bytes);
+    for (int c = 0; c < C; ++c)
+      group_step<Q, true, 1>(w + c * row_bytes + b * Q::kBytes, 8, x, xs, 0, b * Q::kSubs, acc[c], mins[c]);
+  }
+  if (b < blocks) {
+    prefetch_share(next, b / kPer, kShare, C * row_bytes);
     for (int c = 0; c < C; ++c)
       group_step<Q, false, 1>(w + c * row_bytes + b * Q::kBytes, int(blocks - b), x, xs, 0, b, acc[c], mins[c]);
+  }
   for (int c = 0; c < C; ++c) out[0][c] = hsum(_mm256_add_ps(acc[c][0], mins[c][0]));
 }
 
 // One token against rows [n0, n1) of a part whose rows start at global row
 // `first` (quant_linear.h's Rows and Sink), four at a time: in the AVX512
-// build always (quant_lanes.h), in the AVX2 build while the rows are short
-// (Q6_K never: 1.22x).  Returns the first row left to row_dot.  step() runs
-// once per row, sink.put stores the sums.
+// build every type (quant_lanes.h), in the AVX2 build every type but Q6_K
+// (1.22x the time four at a time).  Returns the first row left to row_dot.
+// step() runs once per row, sink.put stores the sums.
 template <typename Q, typename Rows, typename Sink, typename Step>
 inline int64_t four_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, const XBlock* x,
                          const XScales& xs, const Sink& sink, const Step& step) {
@@ -266,7 +264,6 @@ inline int64_t four_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1
   }
 #else
   if constexpr (!Q::kSplit) {
-    if (rows.row_bytes >= kShortRowBytes) return n;
     for (; n + 4 <= n1; n += 4) {
       for (int c = 0; c < 4; ++c) step();
       float sums[1][4];

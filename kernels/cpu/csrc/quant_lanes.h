@@ -357,11 +357,11 @@ inline void lanes_rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, 
   };
   int64_t b = 0;
   for (; b + kPer <= blocks; b += kPer) {
-    prefetch_bytes(next + b / kPer * kShare, kShare);
+    prefetch_share(next, b / kPer, kShare, C * row_bytes);
     step(std::true_type{}, b, 8);
   }
   if (b < blocks) {  // a legacy row's short group: the rest of the next panel
-    prefetch_bytes(next + b / kPer * kShare, C * row_bytes - b / kPer * kShare);
+    prefetch_share(next, b / kPer, kShare, C * row_bytes);
     step(std::false_type{}, b, int(blocks - b));
   }
   lanes_sums<C>(acc, mins, out[0]);
