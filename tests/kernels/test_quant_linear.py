@@ -124,6 +124,24 @@ def test_product_is_within_the_activation_bound(builds, type_name, rows, session
             assert worst <= 1, f"{isa} {type_name} {dtype} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_one_token_against_long_rows(builds, type_name, session_seed):
+    """Rows of 1.7-4.4 KB (Llama-1B's widths and past them) go four at a time
+    at one token on both AVX builds, the next four asked for while these
+    are read (quant_gemv.h's rows_dot, quant_lanes.h's lanes_rows_dot); a
+    legacy row of 125 blocks ends on a partial group, and 37 rows leave one
+    row after nine panels."""
+    generator = torch.Generator().manual_seed(session_seed + 11)
+    legacy = QUANT_TYPES[type_name].block_elems == 32
+    in_features = _width(type_name, 125 if legacy else 12)
+    blob, weight, x, bias = _inputs(generator, [type_name], 1, 37, in_features, torch.bfloat16)
+    expected = quant_linear_reference(x, blob, bias, float_out=True)
+    bound = _bound(x, weight, torch.float32, expected)
+    for isa, ops in builds.items():
+        worst = ((ops.quant_linear(x, blob, bias, True) - expected).abs() / bound).max().item()
+        assert worst <= 1, f"{isa} {type_name} seed {session_seed}: {worst:.2f}x the bound"
+
+
 @pytest.mark.parametrize("rows", (16, 42, 150))
 @pytest.mark.parametrize("type_name", TYPES)
 def test_bf16_tokens_against_whole_blocks_of_rows(builds, type_name, rows, session_seed):

@@ -44,13 +44,20 @@ inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(c + o);
 }
 
-// Step k's share of the `bytes` at p, `share` bytes a step (the last step
-// the rest): a panel of contiguous rows asked for in address order over the
-// steps that read the panel before it (quant_lanes.h's lanes_rows_dot says
-// why address order).
-inline void prefetch_share(const uint8_t* p, int64_t k, int64_t share, int64_t bytes) {
-  prefetch_bytes(p + k * share, share < bytes - k * share ? share : bytes - k * share);
-}
+// Lines still to prefetch into L2, in address order, a few at each step of
+// the loop that reads the bytes before them: the next panel of contiguous
+// rows (quant_lanes.h's lanes_rows_dot says why address order) or the next
+// int8 strip (quant_vnni.h).  Spread, because a burst of a hundred or more
+// prefetches outruns the core's miss buffers.
+struct Ahead {
+  const char* p = nullptr;
+  int64_t lines = 0;
+  Ahead() = default;
+  Ahead(const uint8_t* start, int64_t bytes) : p(reinterpret_cast<const char*>(start)), lines((bytes + 63) / 64) {}
+  void fetch(int64_t n) {
+    for (; n > 0 && lines > 0; --n, --lines, p += 64) prefetch_l2(p);
+  }
+};
 
 // The lines of the `bytes` at g + kAhead: a later group of this row or of the
 // rows after it (a part's rows are contiguous).

@@ -230,16 +230,16 @@ inline void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const 
   constexpr int kPer = 8 / Q::kSubs;  // blocks a group
   __m256 acc[C][1], mins[C][1];
   for (int c = 0; c < C; ++c) acc[c][0] = mins[c][0] = _mm256_setzero_ps();
-  constexpr int64_t kShare = C * kPer * Q::kBytes;
-  const uint8_t* next = w + C * row_bytes;
+  constexpr int64_t kLines = (C * kPer * Q::kBytes + 63) / 64;  // a step's share of the next panel
+  Ahead next(w + C * row_bytes, C * row_bytes);
   int64_t b = 0;
   for (; b + kPer <= blocks; b += kPer) {
-    prefetch_share(next, b / kPer, kShare, C * row_bytes);
+    next.fetch(kLines);
     for (int c = 0; c < C; ++c)
       group_step<Q, true, 1>(w + c * row_bytes + b * Q::kBytes, 8, x, xs, 0, b * Q::kSubs, acc[c], mins[c]);
   }
   if (b < blocks) {
-    prefetch_share(next, b / kPer, kShare, C * row_bytes);
+    next.fetch(INT64_MAX);
     for (int c = 0; c < C; ++c)
       group_step<Q, false, 1>(w + c * row_bytes + b * Q::kBytes, int(blocks - b), x, xs, 0, b, acc[c], mins[c]);
   }

@@ -352,14 +352,14 @@ template <typename Q, int C>
 inline void lanes_rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const LaneView& x,
                            float (&out)[1][C]) {
   constexpr int kPer = 8 / Q::kSubs;
-  constexpr int64_t kShare = C * kPer * Q::kBytes;  // a step's share of the next panel
+  constexpr int64_t kLines = (C * kPer * Q::kBytes + 63) / 64;  // a step's share of the next panel
   __m512 acc[C][2];
   __m256 mins[C];
   for (int c = 0; c < C; ++c) {
     acc[c][0] = acc[c][1] = _mm512_setzero_ps();
     mins[c] = _mm256_setzero_ps();
   }
-  const uint8_t* next = w + C * row_bytes;
+  Ahead next(w + C * row_bytes, C * row_bytes);
   auto step = [&](auto full, int64_t b, int count) {
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
@@ -370,11 +370,11 @@ inline void lanes_rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, 
   };
   int64_t b = 0;
   for (; b + kPer <= blocks; b += kPer) {
-    prefetch_share(next, b / kPer, kShare, C * row_bytes);
+    next.fetch(kLines);
     step(std::true_type{}, b, 8);
   }
   if (b < blocks) {  // a legacy row's short group: the rest of the next panel
-    prefetch_share(next, b / kPer, kShare, C * row_bytes);
+    next.fetch(INT64_MAX);
     step(std::false_type{}, b, int(blocks - b));
   }
   lanes_sums<C>(acc, mins, out[0]);

@@ -209,15 +209,6 @@ inline void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, in
   }
 }
 
-// Lines of weights still to prefetch into L2.
-struct Ahead {
-  const char* p = nullptr;
-  int64_t lines = 0;
-  void fetch(int64_t n) {
-    for (; n > 0 && lines > 0; --n, --lines, p += 64) prefetch_l2(p);
-  }
-};
-
 // T tokens (from m) against C columns (codes and meta `c` columns apart):
 // f[t][c] lane l = the sum for token m + t and the column's row l.
 template <bool kSplit, bool kMin, int T, int C>
@@ -309,8 +300,7 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
   const std::vector<quant::Strip> strips = strips_of(blob, kStripRows);
   auto bytes_of = [&](int64_t i) {
     const quant::Strip& item = strips[size_t(i)];
-    return Ahead{reinterpret_cast<const char*>(item.part->data + item.n0 * item.part->row_bytes),
-                 ((item.n1 - item.n0) * item.part->row_bytes + 63) / 64};
+    return Ahead(item.part->data + item.n0 * item.part->row_bytes, (item.n1 - item.n0) * item.part->row_bytes);
   };
   if (!strips.empty()) bytes_of(0).fetch(INT64_MAX);
   const int64_t panels = (M + kTileTokens - 1) / kTileTokens;
