@@ -165,6 +165,22 @@ def test_strips_of_every_part_land_in_their_columns(builds, type_name, rows, ses
     _two_parts_within_the_bound(builds, generator, type_name, rows, 176, session_seed)
 
 
+@pytest.mark.parametrize("in_features", (8192, 16384))
+@pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K", "Q8_0"))
+def test_long_rows_take_narrower_strips(builds, type_name, in_features, session_seed):
+    """Past 4,096 inputs a strip of the int8 form is two columns of 16 rows,
+    past ~10,000 one, so that the decoded strip stays in L2 (quant_vnni.h's
+    columns_for): 37 rows end on a short column of 5, and 50 tokens on a
+    tile of 2 after twelve of 4."""
+    generator = torch.Generator().manual_seed(session_seed + in_features)
+    blob, weight, x, bias = _inputs(generator, [type_name], 50, 37, in_features, torch.bfloat16)
+    expected = quant_linear_reference(x, blob, bias, float_out=True)
+    bound = _bound(x, weight, torch.float32, expected)
+    for isa, ops in builds.items():
+        worst = ((ops.quant_linear(x, blob, bias, True) - expected).abs() / bound).max().item()
+        assert worst <= 1, f"{isa} {type_name} K={in_features} seed {session_seed}: {worst:.2f}x the bound"
+
+
 def _two_parts_within_the_bound(builds, generator, type_name, rows, out_features, session_seed):
     """Parts of `type_name` and Q8_0, `out_features` rows each, times `rows`
     bf16 tokens (and a bias): every build within the activation bound."""

@@ -12,14 +12,14 @@
 // 185-186 output tok/s against 140-141 (docs/performance.md).  At 128
 // tokens Llama-1B's linears took 0.55-0.67x the bf16 strips' time.
 //
-// Blocking: a work item is a strip of kStripRows rows.  It is decoded once
-// (the scales of 16 rows transposed into vectors, the codes of two groups
-// of 16 rows transposed in one 16 x 16 of 4-byte words), then every token
-// meets it in tiles of kTileTokens x kTileColumns columns (4 x 2 ran 1.16x
-// faster than 6 x 2 at 128 tokens).  The next item's bytes are prefetched
-// into L2 a line or two a group while the tiles run (work_items.h's
-// run_items_ahead): the decode walks 16 rows at once, which the hardware
-// prefetchers do not follow.
+// Blocking: a work item is a strip of columns_for(K) columns of 16 rows.
+// It is decoded once (the scales of 16 rows transposed into vectors, the
+// codes of two groups of 16 rows transposed in one 16 x 16 of 4-byte
+// words), then every token meets it in tiles of kTileTokens x kTileColumns
+// columns (4 x 2 ran 1.16x faster than 6 x 2 at 128 tokens).  The next
+// item's bytes are prefetched into L2 a line or two a group while the tiles
+// run (work_items.h's run_items_ahead): the decode walks 16 rows at once,
+// which the hardware prefetchers do not follow.
 //
 // A strip's layout, 16 weight rows a column (one int32 lane a row):
 //
@@ -49,6 +49,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "prefetch.h"
@@ -73,8 +74,7 @@ inline bool bf16_asked() {
   return yes;
 }
 
-constexpr int64_t kColumns = 4;                  // columns of 16 rows per strip (work item)
-constexpr int64_t kStripRows = 16 * kColumns;
+constexpr int64_t kMaxColumns = 4;               // columns of 16 rows per strip (work item)
 constexpr int kTileTokens = 4;                   // tokens per tile
 constexpr int kTileColumns = 2;                  // columns per tile: 8 int32 + 8 fp32 accumulators
 
@@ -84,6 +84,21 @@ struct alignas(64) GroupMeta {
   float wd[2][16];      // the scale: the whole group in [0], or each half (Q6_K)
   float wm[16];         // the min (types with one)
 };
+
+// Columns a strip takes for K inputs: as many as kMaxColumns whose decoded
+// codes and meta fit kStripBudget.  Why: every panel of tokens reads the
+// strip again, from L2, while the next strip's raw bytes come into L2 beside
+// it; at 8,192 inputs four columns decode to ~850 KB, and with the next
+// strip that overran Zen 5's 1 MB L2.  Two columns there took Llama-3.2-1B's
+// down projection (8,192 -> 2,048) 0.83-0.92x the time at 32 and 512 tokens,
+// Q4_K and Q6_K; at 2,048 inputs four columns stay 2-3 % ahead of two
+// (docs/performance.md).  Half of Zen 4/5's L2; a quarter of Sapphire
+// Rapids'.
+constexpr int64_t kStripBudget = int64_t(512) << 10;
+inline int64_t columns_for(int64_t K) {
+  const int64_t column = K / 32 * int64_t(512 + sizeof(GroupMeta));
+  return std::clamp<int64_t>(kStripBudget / column, 1, kMaxColumns);
+}
 
 // The tokens as the tiles read them: codes + 128, and each group's d and d * sum(q).
 struct Tokens {
@@ -110,20 +125,41 @@ inline Tokens quantize_tokens(const TX* x, int64_t M, int64_t K) {
   return t;
 }
 
-// A thread's decoded strip: kColumns columns' codes and meta (quant::Strip
+// A thread's decoded strip: `columns` columns' codes and meta (quant::Strip
 // names which rows of the blob a strip is; this holds them decoded).
 struct Decoded {
-  explicit Decoded(int64_t groups)
-      : codes(new int8_t[size_t(kColumns * groups * 512)]), meta(new GroupMeta[size_t(kColumns * groups)]) {}
+  Decoded(int64_t columns, int64_t groups)
+      : codes(new int8_t[size_t(columns * groups * 512)]), meta(new GroupMeta[size_t(columns * groups)]) {}
   std::unique_ptr<int8_t[]> codes;
   std::unique_ptr<GroupMeta[]> meta;
 };
 
-// Lane l: -128 x the sum of the signed bytes of v[k] over k in [k0, k1), lane l.
+// Lane l: -128 x the sum of the codes of v[k] over k in [k0, k1), lane l.
+// Every type's codes but Q8_0's are small enough that their byte sums over a
+// group (Q6_K: a half) cannot wrap: the types with a min keep codes of 0..31
+// (eight make at most 248, unsigned), Q4_0's, Q5_0's and Q6_K's are centred
+// (eight of -16..15, or four of -32..31, stay in a signed byte).  So the
+// bytes are added first and one vpdpbusd takes each lane's four.  Why: one
+// vpdpbusd a vector, each waiting on the last, was an eighth of a 32-token
+// Llama-3.2-1B step's decode_column<Q4_K> (docs/performance.md).
+template <typename Q>
 inline __m512i minus_128_sums(const __m512i* v, int k0, int k1) {
-  __m512i sum = _mm512_setzero_si512();
-  for (int k = k0; k < k1; ++k) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), v[k]);
-  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
+  const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+  __m512i sum;
+  if constexpr (std::is_same_v<Q, Q8_0>) {
+    __m512i other = zero;  // codes of -128..127: each vector widened, in two chains
+    sum = zero;
+    for (int k = k0; k < k1; k += 2) {
+      sum = _mm512_dpbusd_epi32(sum, ones, v[k]);
+      if (k + 1 < k1) other = _mm512_dpbusd_epi32(other, ones, v[k + 1]);
+    }
+    sum = _mm512_add_epi32(sum, other);
+  } else {
+    __m512i bytes = v[k0];
+    for (int k = k0 + 1; k < k1; ++k) bytes = _mm512_add_epi8(bytes, v[k]);
+    sum = Q::kMin ? _mm512_dpbusd_epi32(zero, bytes, ones) : _mm512_dpbusd_epi32(zero, ones, bytes);
+  }
+  return _mm512_sub_epi32(zero, _mm512_slli_epi32(sum, 7));
 }
 
 // A super-block's 16 floats for one row: Q4_K's and Q5_K's 8 scales then
@@ -200,10 +236,10 @@ inline void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, in
       for (int k = 0; k < 8; ++k) _mm512_storeu_si512(codes + (g + h) * 512 + 64 * k, v[8 * h + k]);
       GroupMeta& m = meta[g + h];
       if (Q::kSplit) {
-        _mm512_store_si512(m.init[0], minus_128_sums(v + 8 * h, 0, 4));
-        _mm512_store_si512(m.init[1], minus_128_sums(v + 8 * h, 4, 8));
+        _mm512_store_si512(m.init[0], minus_128_sums<Q>(v + 8 * h, 0, 4));
+        _mm512_store_si512(m.init[1], minus_128_sums<Q>(v + 8 * h, 4, 8));
       } else {
-        _mm512_store_si512(m.init[0], minus_128_sums(v + 8 * h, 0, 8));
+        _mm512_store_si512(m.init[0], minus_128_sums<Q>(v + 8 * h, 0, 8));
       }
     }
   }
@@ -297,14 +333,16 @@ template <typename TX, typename TOut>
 inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
   const int64_t K = blob.K, N = blob.N, groups = K / 32;
   const Tokens tokens = quantize_tokens(x, M, K);
-  const std::vector<quant::Strip> strips = strips_of(blob, kStripRows);
+  const int64_t strip_columns = columns_for(K);
+  const std::vector<quant::Strip> strips = strips_of(blob, 16 * strip_columns);
   auto bytes_of = [&](int64_t i) {
     const quant::Strip& item = strips[size_t(i)];
     return Ahead(item.part->data + item.n0 * item.part->row_bytes, (item.n1 - item.n0) * item.part->row_bytes);
   };
   if (!strips.empty()) bytes_of(0).fetch(INT64_MAX);
   const int64_t panels = (M + kTileTokens - 1) / kTileTokens;
-  run_items_ahead(int64_t(strips.size()), [&] { return Decoded(groups); }, [&](Decoded& s, int64_t i, int64_t next) {
+  auto make = [&] { return Decoded(strip_columns, groups); };
+  run_items_ahead(int64_t(strips.size()), make, [&](Decoded& s, int64_t i, int64_t next) {
     const quant::Strip& item = strips[size_t(i)];
     const int64_t rows = item.n1 - item.n0, columns = (rows + 15) / 16, at = item.first + item.n0;
     with_type(item.part->type, [&](auto q) {
