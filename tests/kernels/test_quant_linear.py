@@ -134,12 +134,7 @@ def test_one_token_against_long_rows(builds, type_name, session_seed):
     generator = torch.Generator().manual_seed(session_seed + 11)
     legacy = QUANT_TYPES[type_name].block_elems == 32
     in_features = _width(type_name, 125 if legacy else 12)
-    blob, weight, x, bias = _inputs(generator, [type_name], 1, 37, in_features, torch.bfloat16)
-    expected = quant_linear_reference(x, blob, bias, float_out=True)
-    bound = _bound(x, weight, torch.float32, expected)
-    for isa, ops in builds.items():
-        worst = ((ops.quant_linear(x, blob, bias, True) - expected).abs() / bound).max().item()
-        assert worst <= 1, f"{isa} {type_name} seed {session_seed}: {worst:.2f}x the bound"
+    _within_the_bound(builds, generator, [type_name], 1, 37, in_features, f"{type_name} seed {session_seed}")
 
 
 @pytest.mark.parametrize("rows", (16, 42, 150))
@@ -173,24 +168,26 @@ def test_long_rows_take_narrower_strips(builds, type_name, in_features, session_
     columns_for): 37 rows end on a short column of 5, and 50 tokens on a
     tile of 2 after twelve of 4."""
     generator = torch.Generator().manual_seed(session_seed + in_features)
-    blob, weight, x, bias = _inputs(generator, [type_name], 50, 37, in_features, torch.bfloat16)
-    expected = quant_linear_reference(x, blob, bias, float_out=True)
-    bound = _bound(x, weight, torch.float32, expected)
-    for isa, ops in builds.items():
-        worst = ((ops.quant_linear(x, blob, bias, True) - expected).abs() / bound).max().item()
-        assert worst <= 1, f"{isa} {type_name} K={in_features} seed {session_seed}: {worst:.2f}x the bound"
+    _within_the_bound(builds, generator, [type_name], 50, 37, in_features,
+                      f"{type_name} K={in_features} seed {session_seed}")
 
 
 def _two_parts_within_the_bound(builds, generator, type_name, rows, out_features, session_seed):
     """Parts of `type_name` and Q8_0, `out_features` rows each, times `rows`
-    bf16 tokens (and a bias): every build within the activation bound."""
-    blob, weight, x, bias = _inputs(generator, [type_name, "Q8_0"], rows, out_features, 512, torch.bfloat16)
+    bf16 tokens of 512 inputs."""
+    _within_the_bound(builds, generator, [type_name, "Q8_0"], rows, out_features, 512,
+                      f"{type_name} rows={rows} seed {session_seed}")
+
+
+def _within_the_bound(builds, generator, type_names, rows, out_features, in_features, what):
+    """`rows` bf16 tokens (and a bias) against parts of `type_names`,
+    `out_features` rows each: every build within the activation bound."""
+    blob, weight, x, bias = _inputs(generator, type_names, rows, out_features, in_features, torch.bfloat16)
     expected = quant_linear_reference(x, blob, bias, float_out=True)
     bound = _bound(x, weight, torch.float32, expected)
     for isa, ops in builds.items():
-        got = ops.quant_linear(x, blob, bias, True)
-        worst = ((got - expected).abs() / bound).max().item()
-        assert worst <= 1, f"{isa} {type_name} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
+        worst = ((ops.quant_linear(x, blob, bias, True) - expected).abs() / bound).max().item()
+        assert worst <= 1, f"{isa} {what}: {worst:.2f}x the bound"
 
 
 @pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K", "Q8_0"))
