@@ -71,8 +71,7 @@ def _generate(llm, mode: str, monkeypatch, prompts=PROMPTS, lora=None) -> tuple[
     # Every run from an empty prefix cache, so that all schedule the same
     # steps: a cached prefix shortens a prefill, and a quantized linear
     # multiplies a call's tokens with 8-bit activations up to a size
-    # (quant_linear.h's kManyRows: 31 on AVX512-BF16, 47 on AVX2), with bf16
-    # strips past it.
+    # (quant_linear.h's kManyRows and kVnniManyRows), with strips past it.
     assert llm.reset_prefix_cache()
     outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     monkeypatch.setattr(fused_layer, "run", run)

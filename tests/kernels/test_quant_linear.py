@@ -21,10 +21,10 @@ from kernels.quant import (QUANT_TYPES, dequantize_reference, pack_quant_weight,
 
 TYPES = tuple(QUANT_TYPES)
 # 1, 3, 6 and 42 end a row's passes with 1, 3, 2 and 2 tokens (quant_gemv.h);
-# 16 takes the integer path on both AVX builds, 42 the strips on AVX512-BF16
-# (from 32 tokens: int8 strips, quant_vnni.h, where AMX does not take the
-# call; its 2 leftover tokens a tile of 2) and the integer path on AVX2 (up to
-# 47); 128 is a prefill chunk.
+# on AVX512-BF16 bf16 tokens take the int8 strips from 8 (quant_vnni.h, where
+# AMX does not take the call; 42's 2 leftover tokens a tile of 2) and float32
+# tokens from 32, so 16 takes the strips there for bf16 and the integer path
+# for float32; AVX2 takes the integer path up to 47; 128 is a prefill chunk.
 ROWS = (1, 3, 6, 16, 42, 128)
 
 

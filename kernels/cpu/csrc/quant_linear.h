@@ -22,14 +22,15 @@
 // price is the activations' 8-bit rounding, which the tests bound
 // (tests/kernels/test_quant_linear.py).
 //
-// Up to kManyRows - 1 tokens (31 on AVX512-BF16, 47 on AVX2), quant_gemv.h's
-// rows (every type; AVX512: quant_lanes.h), up to 4 tokens a pass.  The
-// portable build takes tiles: R tokens x C weight rows; a weight sub-block
-// is decoded once per tile and meets the R tokens.  One token takes C = 4
-// rows (four independent chains), several take R = 4 x C = 2.  Either way
-// threads split the rows in strips; from kManyRows tokens (8 in the
-// portable build), quant_strips.h: on AVX512-VNNI without AMX, int8 tokens
-// against int8 strips (quant_vnni.h), elsewhere bf16 strips.
+// Up to kManyRows - 1 tokens (31 on AVX512-BF16, 47 on AVX2; bf16 tokens
+// on AVX512-VNNI up to kVnniManyRows - 1, 7), quant_gemv.h's rows (every
+// type; AVX512: quant_lanes.h), up to 4 tokens a pass.  The portable build
+// takes tiles: R tokens x C weight rows; a weight sub-block is decoded once
+// per tile and meets the R tokens.  One token takes C = 4 rows (four
+// independent chains), several take R = 4 x C = 2.  Either way threads
+// split the rows in strips; from there, quant_strips.h: on AVX512-VNNI
+// int8 tokens against int8 strips (quant_vnni.h) below AMX's count,
+// elsewhere AMX or bf16 strips.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -65,8 +66,13 @@ namespace quant {
 // The int8 strips (quant_vnni.h) beat the rows from 16 tokens in
 // `bench.kernels.quant_linear` (1,194 against 1,668 us for Llama-1B's Q4_K
 // up at 16), but a 32-stream Qwen3-0.6B Q4_K_M run took 172-177 tok/s from
-// 16 against 185 from 32 (Zen 5): 32 stays.
-constexpr int64_t kAmxManyRows = 16;
+// 16 against 185 from 32 (Zen 5): 32 stays where the tokens are float32.
+// Since the strips were prefetched and sized to L2, bf16 tokens take them
+// from 8 (kVnniManyRows): at 16 tokens Llama-1B's Q4_K up took 0.64 against
+// the rows' 1.19 ms, at 24 0.83 against 2.25, its Q6_K head 16.5 against
+// 37.2; at 8 the strips won 0.58-0.77x but for the head (1.04x), at 4 they
+// lose (Zen 5, 2026-12-03, docs/performance.md).
+constexpr int64_t kVnniManyRows = 8;  // kAmxManyRows (16): quant_strips.h
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
 constexpr int64_t kManyRows = 32;
 #elif defined(__AVX2__)
@@ -198,6 +204,9 @@ inline bool takes_strips(const Blob& blob, int64_t M, bool bf16_x) {
   if (blob.K % linear::kPairLen) return false;
 #if defined(PAGEDSERVE_HAS_AMX)
   if (bf16_x && M >= kAmxManyRows && amx_takes(blob)) return true;
+#endif
+#if defined(PAGEDSERVE_QUANT_VNNI)
+  if (bf16_x && M >= kVnniManyRows && !vnni::bf16_asked()) return true;
 #endif
   (void)bf16_x;
   return M >= kManyRows;

@@ -175,6 +175,7 @@ inline void run_dequantized(const Blob& blob, const X* xp, int64_t M, const floa
 // On the 2-vCPU AMX Xeon, Qwen3-0.6B's and Llama-3.2-1B's Q4_K/Q6_K linears
 // took 0.63-0.86x the time in the rows form at 16-64 tokens, the same at 96-192
 // (Qwen3) and 128 (Llama), 1.12-1.33x at 256-2048 (docs/performance.md).
+constexpr int64_t kAmxManyRows = 16;  // fewer: the int8 strips or the rows (quant_linear.h)
 constexpr int64_t kAmxRowsUpTo = 128;
 
 // Rows [n0, n0 + 16) of one part, de-quantized into one packed block (K / 2 pairs x 16 x 2).
@@ -252,7 +253,7 @@ template <typename TX, typename TOut>
 inline void run_many(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
   if constexpr (linear::kDotBf16 && std::is_same_v<TX, bf16_t>) {
 #if defined(PAGEDSERVE_HAS_AMX)
-    if (amx_takes(blob))
+    if (M >= kAmxManyRows && amx_takes(blob))
       return M <= kAmxRowsUpTo ? run_amx_rows(blob, x, M, bias, out) : run_amx(blob, x, M, bias, out);
 #endif
 #if defined(PAGEDSERVE_QUANT_VNNI)
