@@ -70,7 +70,7 @@ namespace quant {
 // Since the strips were prefetched and sized to L2, bf16 tokens take them
 // from 8 (kVnniManyRows): at 16 tokens Llama-1B's Q4_K up took 0.64 against
 // the rows' 1.19 ms, at 24 0.83 against 2.25, its Q6_K head 16.5 against
-// 37.2; at 8 the strips won 0.58-0.77x but for the head (1.04x), at 4 they
+// 37.2; at 8 the strips won 0.59-0.79x but for the head (1.04x), at 4 they
 // lose (Zen 5, 2026-12-03, docs/performance.md).
 constexpr int64_t kVnniManyRows = 8;  // kAmxManyRows (16): quant_strips.h
 #if defined(PAGEDSERVE_ISA_AVX512BF16)

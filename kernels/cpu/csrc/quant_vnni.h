@@ -91,7 +91,7 @@ struct alignas(64) GroupMeta {
 // it; at 8,192 inputs four columns decode to ~850 KB, and with the next
 // strip that overran Zen 5's 1 MB L2.  Two columns there took Llama-3.2-1B's
 // down projection (8,192 -> 2,048) 0.83-0.92x the time at 32 and 512 tokens,
-// Q4_K and Q6_K; at 2,048 inputs four columns stay 2-3 % ahead of two
+// Q4_K and Q6_K; at 2,048 inputs four columns stay 0-3 % ahead of two
 // (docs/performance.md).  Half of Zen 4/5's L2; a quarter of Sapphire
 // Rapids'.
 constexpr int64_t kStripBudget = int64_t(512) << 10;
