@@ -9,7 +9,8 @@ Both sides are this engine on the same file:
 
     reference   --quantization none: the file de-quantized to float32 (HF's numbers)
     measured    --quantization gguf: the file's blocks in the compiled op, its
-                activations quantized per 32 to 8 bits, bf16 between layers
+                activations quantized per 32 to 8 bits (K-quants' int8
+                strips: per 256), bf16 between layers
 
 With --kv-cache-dtype the weights are the same on both sides (float32) and
 only the cache differs: the reference keeps float32 K/V, the measured side

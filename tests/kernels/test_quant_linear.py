@@ -9,15 +9,18 @@ fresh random blocks each session, through every build this CPU runs.
 * Bounded: the product quantizes each activation block of 32 to int8
   (x ~ d q, d = max|x| / 127, |x - d q| <= d / 2), and sums in float32. So
   per output  |y - y_ref| <= sum_i |w_i| d_block(i) / 2  (+ float32
-  rounding of the sums, and the output's own rounding to bf16).
+  rounding of the sums, and the output's own rounding to bf16).  Where every
+  part is a K-quant the int8 strips round a block of 256 (as llama.cpp's
+  Q8_K): the bound of such a blob takes the 256-input block's d, never less
+  than those of its eight blocks of 32.
 """
 
 import pytest
 import torch
 
 import kernels
-from kernels.quant import (QUANT_TYPES, dequantize_reference, pack_quant_weight,
-                           quant_linear_reference, random_quant_blocks)
+from kernels.quant import (QUANT_TYPES, dequantize_reference, pack_quant_weight, quant_linear_reference,
+                           quant_parts, random_quant_blocks)
 
 TYPES = tuple(QUANT_TYPES)
 # 1, 3, 6 and 42 end a row's passes with 1, 3, 2 and 2 tokens (quant_gemv.h);
@@ -41,10 +44,17 @@ def _blob(generator, type_names, out_features, in_features, zero_rows=0):
     return pack_quant_weight(parts, in_features)
 
 
-def _bound(x: torch.Tensor, weight: torch.Tensor, out_dtype, expected: torch.Tensor) -> torch.Tensor:
+def _token_block(blob: torch.Tensor) -> int:
+    """Inputs a token's scale covers at most: 256 where every part is a K-quant."""
+    k_quants = all(QUANT_TYPES[name].block_elems == 256 for name, _ in quant_parts(blob))
+    return 256 if k_quants else 32
+
+
+def _bound(x: torch.Tensor, blob: torch.Tensor, out_dtype, expected: torch.Tensor) -> torch.Tensor:
     """The activation quantization's worst case per output, plus float32
     rounding, and for a bf16 output its rounding of `expected` (bias included)."""
-    blocks = x.float().view(x.shape[0], -1, 32)
+    weight = dequantize_reference(blob)
+    blocks = x.float().view(x.shape[0], -1, _token_block(blob))
     step = blocks.abs().amax(-1, keepdim=True) / 127  # d of each activation block
     half_step = (step / 2).expand_as(blocks).reshape(x.shape)
     magnitude = x.float().abs() @ weight.abs().t()
@@ -113,9 +123,9 @@ def test_product_is_within_the_activation_bound(builds, type_name, rows, session
     for dtype, blocks, out_features in ((torch.float32, 5 if legacy else 2, 37),
                                         (torch.bfloat16, 13 if legacy else 3, 101)):
         in_features = _width(type_name, blocks)
-        blob, weight, x, bias = _inputs(generator, [type_name], rows, out_features, in_features, dtype)
+        blob, _, x, bias = _inputs(generator, [type_name], rows, out_features, in_features, dtype)
         expected = quant_linear_reference(x, blob, bias, float_out=True)
-        bound = _bound(x, weight, dtype, expected)
+        bound = _bound(x, blob, dtype, expected)
         for isa, ops in builds.items():
             got = ops.quant_linear(x, blob, bias)
             assert got.dtype == dtype and got.shape == (rows, out_features)
@@ -182,9 +192,9 @@ def _two_parts_within_the_bound(builds, generator, type_name, rows, out_features
 def _within_the_bound(builds, generator, type_names, rows, out_features, in_features, what):
     """`rows` bf16 tokens (and a bias) against parts of `type_names`,
     `out_features` rows each: every build within the activation bound."""
-    blob, weight, x, bias = _inputs(generator, type_names, rows, out_features, in_features, torch.bfloat16)
+    blob, _, x, bias = _inputs(generator, type_names, rows, out_features, in_features, torch.bfloat16)
     expected = quant_linear_reference(x, blob, bias, float_out=True)
-    bound = _bound(x, weight, torch.float32, expected)
+    bound = _bound(x, blob, torch.float32, expected)
     for isa, ops in builds.items():
         worst = ((ops.quant_linear(x, blob, bias, True) - expected).abs() / bound).max().item()
         assert worst <= 1, f"{isa} {what}: {worst:.2f}x the bound"
@@ -207,9 +217,9 @@ def test_a_token_gets_the_same_sums_in_a_decode_batch_and_a_prefill(builds, type
 
 def test_mixed_parts_and_float_out(builds, session_seed):
     generator = torch.Generator().manual_seed(session_seed)
-    blob, weight, x, bias = _inputs(generator, ["Q4_K", "Q6_K", "Q8_0"], 7, 11, 512, torch.bfloat16)
+    blob, _, x, bias = _inputs(generator, ["Q4_K", "Q6_K", "Q8_0"], 7, 11, 512, torch.bfloat16)
     expected = quant_linear_reference(x, blob, bias, float_out=True)
-    bound = _bound(x, weight, torch.float32, expected)
+    bound = _bound(x, blob, torch.float32, expected)
     for ops in builds.values():
         got = ops.quant_linear(x, blob, bias, True)
         assert got.dtype == torch.float32 and got.shape == (7, 33)

@@ -4,8 +4,8 @@ At one stream a CPU decode step is the weight read: SmolLM2's bf16 linears
 moved ~270 MB a token, its Q4_1 file holds them in ~85 MB. So a quantized
 weight is never inflated: it stays in its file's blocks (Q4_0 ... Q6_K, see
 kernels/quant.py) and the compiled op multiplies them directly, each
-activation row quantized per 32 inputs to 8 bits as llama.cpp does
-(kernels/cpu/csrc/quant_linear.h).
+activation row quantized per 32 inputs to 8 bits as llama.cpp does (per
+256 against K-quants' int8 strips, as its Q8_K; kernels/cpu/csrc/quant_linear.h).
 
 One quantized linear serves every source of quantized weights:
 

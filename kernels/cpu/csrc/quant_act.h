@@ -1,6 +1,7 @@
 // The activations of the quantized linear: each row quantized once a call,
 // per 32 inputs, to int8 with a float scale (quant_linear.h says why), and
-// the integer dot product of 32 weights with one such block.
+// the integer dot product of 32 weights with one such block.  The int8
+// strips (quant_vnni.h) take the same rounding over 256 inputs for K-quants.
 #pragma once
 
 #include <algorithm>
@@ -56,30 +57,41 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The largest |x| of n inputs (n a multiple of 8).
+template <typename T>
+inline float abs_max_avx2(const T* x, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load8(x + i)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// 32 inputs times id, rounded to nearest even: the codes in order, their sum into sum.
+template <typename T>
+inline __m256i codes_avx2(const T* x, float id, int& sum) {
+  __m256i q[4];
+  for (int k = 0; k < 4; ++k)
+    q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(load8(x + 8 * k), _mm256_set1_ps(id)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  sum = int(hsum(_mm256_cvtepi32_ps(sum32)));
+  // int32 -> int8 in order: packs interleave the 128-bit lanes, the permute undoes it.
+  const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // One block of quantize_row, in vectors: the same numbers (round to nearest
 // even).  Returns the 32 codes in order; d and d * sum(q) into d, s.
 template <typename T>
 inline __m256i quantize_block_avx2(const T* x, float& d, float& s) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int k = 0; k < 4; ++k) {
-    v[k] = load8(x + 8 * k);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  d = _mm_cvtss_f32(m) / 127.f;
-  const float id = d > 0.f ? 1.f / d : 0.f;
-  __m256i q[4];
-  for (int k = 0; k < 4; ++k)
-    q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(id)),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-  s = d * float(int(hsum(_mm256_cvtepi32_ps(sum32))));
-  // int32 -> int8 in order: packs interleave the 128-bit lanes, the permute undoes it.
-  const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
-  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  d = abs_max_avx2(x, 32) / 127.f;
+  int sum;
+  const __m256i q = codes_avx2(x, d > 0.f ? 1.f / d : 0.f, sum);
+  s = d * float(sum);
+  return q;
 }
 
 // The vector path of quantize_row: same numbers.

@@ -1,6 +1,7 @@
 // The quantized linear past a few tokens where the CPU has AVX512-VNNI (and
-// AMX does not take the call): the tokens quantized to 8 bits per 32 inputs as at a few tokens
-// (quant_act.h), a strip of weight rows decoded once into its int8 codes,
+// AMX does not take the call): the tokens quantized to 8 bits as at a few
+// tokens (quant_act.h; per 256 inputs where every part is a K-quant, see
+// groups_a_scale), a strip of weight rows decoded once into its int8 codes,
 // and every token meets the strip in integers.
 //
 // Why: the other form (quant_strips.h) de-quantizes the strip to bf16 and
@@ -100,26 +101,56 @@ inline int64_t columns_for(int64_t K) {
   return std::clamp<int64_t>(kStripBudget / column, 1, kMaxColumns);
 }
 
-// The tokens as the tiles read them: codes + 128, and each group's d and d * sum(q).
+// Groups of 32 inputs that share a token's scale: a K-quant super-block's
+// eight where every part of the blob is a K-quant, else one.  Why: with one
+// scale across the eight, a group's int32 sums take the weight's scale
+// alone, and the token's once a super-block, not a multiply per group and
+// column.  At 512 tokens Llama-3.2-1B's Q4_K up projection took 0.94-0.97x
+// the time, its Q6_K down projection 0.83-0.85x; at 32 tokens the Q6_K
+// head 0.91-0.92x (Zen 5, docs/performance.md).
+// The price: SmolLM2 re-quantized to Q4_K_M, over scripts/gguf_quality.py's
+// text, mean KL against the float32 model 0.0055 (per 32: 0.0039),
+// perplexity +0.39 % (+0.54 %).  llama.cpp rounds the activations that meet
+// K-quants per 256 (Q8_K) too; the legacy types keep 32, as their weights'
+// scales do.
+inline int groups_a_scale(const Blob& blob) {
+  for (const Part& p : blob.parts)
+    if (p.type != 12 && p.type != 13 && p.type != 14) return 1;  // not Q4_K, Q5_K, Q6_K
+  return 8;
+}
+
+// The tokens as the tiles read them: codes + 128, a scale d per `per`
+// groups, and what a weight's min multiplies per group: the sum of its
+// codes, times d where d is the group's own (per = 1).
 struct Tokens {
-  int64_t K, groups;
+  int64_t K, groups, per;
   std::unique_ptr<uint8_t[]> u;  // [tokens, K], every byte written by quantize_tokens
-  std::vector<float> d, s;        // [tokens, groups]
+  std::vector<float> d;           // [tokens, groups / per]
+  std::vector<float> sums;        // [tokens, groups]
 };
 
-// quant_act.h's blocks, written straight into the tiles' layout (no zeroing
-// of the codes first, no copy out of an XBlock row).
+// quant_act.h's rounding (d = max|x| / 127 over `per` groups, codes to
+// nearest even), written straight into the tiles' layout.  With per = 1
+// these are the few-token path's codes.
 template <typename TX>
-inline Tokens quantize_tokens(const TX* x, int64_t M, int64_t K) {
-  Tokens t{K, K / 32, std::unique_ptr<uint8_t[]>(new uint8_t[size_t(M * K)]),
-           std::vector<float>(size_t(M * K / 32)), std::vector<float>(size_t(M * K / 32))};
+inline Tokens quantize_tokens(const TX* x, int64_t M, int64_t K, int64_t per) {
+  const int64_t groups = K / 32, scales = groups / per;
+  Tokens t{K, groups, per, std::unique_ptr<uint8_t[]>(new uint8_t[size_t(M * K)]),
+           std::vector<float>(size_t(M * scales)), std::vector<float>(size_t(M * groups))};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t g = 0; g < t.groups; ++g) {
-        const size_t at = size_t(m * t.groups + g);
-        const __m256i q = quantize_block_avx2(x + m * K + 32 * g, t.d[at], t.s[at]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.u.get() + m * K + 32 * g),
-                            _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))));
+      for (int64_t b = 0; b < scales; ++b) {
+        const TX* xb = x + m * K + 32 * per * b;
+        const float d = abs_max_avx2(xb, 32 * per) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        t.d[size_t(m * scales + b)] = d;
+        for (int64_t j = 0; j < per; ++j) {
+          const int64_t g = b * per + j;
+          int sum;
+          const __m256i q = codes_avx2(xb + 32 * j, id, sum);
+          t.sums[size_t(m * groups + g)] = per == 1 ? d * float(sum) : float(sum);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.u.get() + m * K + 32 * g),
+                              _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))));
+        }
       }
   });
   return t;
@@ -246,17 +277,28 @@ inline void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, in
 }
 
 // T tokens (from m) against C columns (codes and meta `c` columns apart):
-// f[t][c] lane l = the sum for token m + t and the column's row l.
-template <bool kSplit, bool kMin, int T, int C>
+// f[t][c] lane l = the sum for token m + t and the column's row l.  With a
+// token scale a group (kPer = 1) each group's integer sums take both scales
+// into f; with one per kPer groups they take the weight's into p, and f
+// takes p times the token's once per kPer groups.
+template <bool kSplit, bool kMin, int kPer, int T, int C>
 inline void tile(const Tokens& x, int64_t m, const int8_t* codes, const GroupMeta* meta, int64_t groups,
                  __m512 (&out)[T][C], Ahead& ahead, int64_t per_group) {
   constexpr int kHalves = kSplit ? 2 : 1, kSteps = 8 / kHalves;
-  __m512 f[T][C];  // here, not in `out`: written through the reference, GCC kept them in memory
+  const int64_t scales = groups / kPer;
+  // here, not in `out`: written through the reference, GCC kept them in memory
+  __m512 f[T][C], p[T][C];
+  __m512(&sums)[T][C] = kPer == 1 ? f : p;
   for (int t = 0; t < T; ++t)
-    for (int c = 0; c < C; ++c) f[t][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) f[t][c] = p[t][c] = _mm512_setzero_ps();
   const uint8_t* xu = x.u.get() + m * x.K;
+  // One loop over the groups, the token scale's at its last: a loop over
+  // scales around one over their 8 groups ran Llama-1B's Q6_K down
+  // projection 1.2x slower than this.
   for (int64_t g = 0; g < groups; ++g) {
     ahead.fetch(per_group);
+    __m512 xd[T];  // kPer = 1: the token's scale for this group
+    for (int t = 0; t < T; ++t) xd[t] = _mm512_set1_ps(kPer == 1 ? x.d[size_t((m + t) * scales + g)] : 1.f);
 #pragma GCC unroll 2
     for (int h = 0; h < kHalves; ++h) {
       __m512i acc[T][C];
@@ -276,18 +318,27 @@ inline void tile(const Tokens& x, int64_t m, const int8_t* codes, const GroupMet
           for (int c = 0; c < C; ++c) acc[t][c] = _mm512_dpbusd_epi32(acc[t][c], xb, w[c]);
         }
       }
-      for (int t = 0; t < T; ++t) {
-        const __m512 xd = _mm512_set1_ps(x.d[size_t((m + t) * groups + g)]);
-        for (int c = 0; c < C; ++c) {
-          const __m512 scale = _mm512_mul_ps(_mm512_load_ps(meta[c * groups + g].wd[h]), xd);
-          f[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][c]), scale, f[t][c]);
+      for (int c = 0; c < C; ++c) {
+        const __m512 wd = _mm512_load_ps(meta[c * groups + g].wd[h]);
+        for (int t = 0; t < T; ++t) {
+          const __m512 scale = kPer == 1 ? _mm512_mul_ps(wd, xd[t]) : wd;
+          sums[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][c]), scale, sums[t][c]);
         }
       }
     }
     if (kMin)
       for (int t = 0; t < T; ++t) {
-        const __m512 s = _mm512_set1_ps(x.s[size_t((m + t) * groups + g)]);
-        for (int c = 0; c < C; ++c) f[t][c] = _mm512_fmadd_ps(_mm512_load_ps(meta[c * groups + g].wm), s, f[t][c]);
+        const __m512 s = _mm512_set1_ps(x.sums[size_t((m + t) * groups + g)]);
+        for (int c = 0; c < C; ++c)
+          sums[t][c] = _mm512_fmadd_ps(_mm512_load_ps(meta[c * groups + g].wm), s, sums[t][c]);
+      }
+    if (kPer > 1 && (g + 1) % kPer == 0)
+      for (int t = 0; t < T; ++t) {
+        const __m512 d = _mm512_set1_ps(x.d[size_t((m + t) * scales + g / kPer)]);
+        for (int c = 0; c < C; ++c) {
+          f[t][c] = _mm512_fmadd_ps(p[t][c], d, f[t][c]);
+          p[t][c] = _mm512_setzero_ps();
+        }
       }
   }
   for (int t = 0; t < T; ++t)
@@ -303,11 +354,11 @@ inline void store16(bf16_t* out, __m512 v, __mmask16 live) {
 
 // Tokens [m, m + T) against the strip's columns [c0, c0 + C), into out
 // (row `at` of the output is the strip's row 0).
-template <typename Q, int T, int C, typename TOut>
+template <typename Q, int kPer, int T, int C, typename TOut>
 inline void tile_out(const Tokens& x, int64_t m, const Decoded& s, int64_t c0, int64_t rows, int64_t groups,
                      const float* bias, int64_t at, TOut* out, int64_t N, Ahead& ahead, int64_t per_group) {
   __m512 f[T][C];
-  tile<Q::kSplit, Q::kMin, T, C>(x, m, s.codes.get() + c0 * groups * 512, s.meta.get() + c0 * groups, groups, f,
+  tile<Q::kSplit, Q::kMin, kPer, T, C>(x, m, s.codes.get() + c0 * groups * 512, s.meta.get() + c0 * groups, groups, f,
                                  ahead, per_group);
   for (int c = 0; c < C; ++c) {
     const int64_t r = 16 * (c0 + c), live = std::min<int64_t>(16, rows - r);
@@ -318,21 +369,21 @@ inline void tile_out(const Tokens& x, int64_t m, const Decoded& s, int64_t c0, i
 }
 
 // Every token against one strip's `columns` columns.
-template <typename Q, int T, typename TOut>
+template <typename Q, int kPer, int T, typename TOut>
 inline void tokens_times_strip(const Tokens& x, int64_t m, const Decoded& s, int64_t columns, int64_t rows,
                                int64_t groups, const float* bias, int64_t at, TOut* out, int64_t N, Ahead& ahead,
                                int64_t per_group) {
   int64_t c = 0;
   for (; c + kTileColumns <= columns; c += kTileColumns)
-    tile_out<Q, T, kTileColumns>(x, m, s, c, rows, groups, bias, at, out, N, ahead, per_group);
-  for (; c < columns; ++c) tile_out<Q, T, 1>(x, m, s, c, rows, groups, bias, at, out, N, ahead, per_group);
+    tile_out<Q, kPer, T, kTileColumns>(x, m, s, c, rows, groups, bias, at, out, N, ahead, per_group);
+  for (; c < columns; ++c) tile_out<Q, kPer, T, 1>(x, m, s, c, rows, groups, bias, at, out, N, ahead, per_group);
 }
 
 // y = x W^T (+ bias) for M tokens: each strip decoded once, then every token.
 template <typename TX, typename TOut>
 inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
   const int64_t K = blob.K, N = blob.N, groups = K / 32;
-  const Tokens tokens = quantize_tokens(x, M, K);
+  const Tokens tokens = quantize_tokens(x, M, K, groups_a_scale(blob));
   const int64_t strip_columns = columns_for(K);
   const std::vector<quant::Strip> strips = strips_of(blob, 16 * strip_columns);
   auto bytes_of = [&](int64_t i) {
@@ -361,8 +412,11 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
       const int64_t tiles = panels * (columns / kTileColumns + columns % kTileColumns);
       const int64_t per_group = (ahead.lines + tiles * groups - 1) / (tiles * groups);
       auto times = [&](auto tokens_a_tile, int64_t m) {
-        tokens_times_strip<Q, decltype(tokens_a_tile)::value>(tokens, m, s, columns, rows, groups, bias, at, out, N,
-                                                              ahead, per_group);
+        constexpr int T = decltype(tokens_a_tile)::value;
+        if (tokens.per == 1)
+          tokens_times_strip<Q, 1, T>(tokens, m, s, columns, rows, groups, bias, at, out, N, ahead, per_group);
+        else if constexpr (Q::kElems == 256)
+          tokens_times_strip<Q, 8, T>(tokens, m, s, columns, rows, groups, bias, at, out, N, ahead, per_group);
       };
       int64_t m = 0;
       for (; m + kTileTokens <= M; m += kTileTokens) times(std::integral_constant<int, kTileTokens>{}, m);
