@@ -244,23 +244,63 @@ inline void column_scales(const uint8_t* first, int64_t row_bytes, int64_t rows,
   }
 }
 
-// Rows [r0, r0 + rows) of a part (rows <= 16; the lanes past them zero) into
-// one column: its codes (groups x 512 bytes) and meta (groups).
+// Row `row`'s codes of groups g and g + 1 (g even): group g's 32 in the
+// low half, g + 1's in the high half.  In Q4_K, Q5_K and Q6_K a pair of
+// groups shares its bytes (Q4_K: the low and high nibbles of the same 32;
+// Q6_K: the low or high nibbles of 64 bytes, the 2-bit highs of the same
+// 32), so one load and per-half shifts take both, where a group at a time
+// loads and masks each and inserts one into the other.
+template <typename Q>
+inline __m512i two_groups(const uint8_t* row, int64_t g) {
+  const uint8_t* b = row + g / Q::kSubs * Q::kBytes;
+  const int j = int(g % Q::kSubs);
+  auto broadcast = [](const uint8_t* p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  auto halves = [](int lo, int hi) {  // a shift count per 16-bit lane: lo in the low half, hi in the high
+    return _mm512_inserti64x4(_mm512_set1_epi16(short(lo)), _mm256_set1_epi16(short(hi)), 1);
+  };
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  if constexpr (std::is_same_v<Q, Q4_K> || std::is_same_v<Q, Q5_K>) {
+    const int at = std::is_same_v<Q, Q4_K> ? 16 : 48;
+    const __m512i low = _mm512_and_si512(_mm512_srlv_epi16(broadcast(b + at + 32 * (j / 2)), halves(0, 4)), nibble);
+    if constexpr (std::is_same_v<Q, Q4_K>) {
+      return low;
+    } else {
+      const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(broadcast(b + 16), halves(j, j + 1)), _mm512_set1_epi8(1));
+      return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+    }
+  } else if constexpr (std::is_same_v<Q, Q6_K>) {
+    const int h = j / 4, k = j % 4;  // k is 0 or 2: the pair is k, k + 1
+    const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+    const __m512i low = _mm512_and_si512(k == 0 ? ql : _mm512_srli_epi16(ql, 4), nibble);
+    const __m512i high =
+        _mm512_and_si512(_mm512_srlv_epi16(broadcast(b + 128 + 32 * h), halves(2 * k, 2 * k + 2)), _mm512_set1_epi8(3));
+    return _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), _mm512_set1_epi8(32));
+  } else {  // the legacy types: two blocks, one after the other
+    const __m256i lo = Q::q_avx2(b, 0), hi = Q::q_avx2(b + Q::kBytes, 0);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+}
+
+// Rows [r0, r0 + rows) of a part (rows <= 16) into one column: its codes
+// (groups x 512 bytes) and meta (groups).  The lanes past `rows` repeat the
+// last row's codes (no branch a row): their scales are zero and their sums
+// are never stored.
 template <typename Q>
 inline void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, int8_t* codes, GroupMeta* meta) {
   const int64_t groups = K / 32;
-  auto block = [&](int64_t l, int64_t g) { return p.data + (r0 + l) * p.row_bytes + g / Q::kSubs * Q::kBytes; };
-  column_scales<Q>(p.data + r0 * p.row_bytes, p.row_bytes, rows, K, meta);
+  const uint8_t* row[16];
+  for (int64_t l = 0; l < 16; ++l) row[l] = p.data + (r0 + std::min(l, rows - 1)) * p.row_bytes;
+  column_scales<Q>(row[0], p.row_bytes, rows, K, meta);
   // Two groups at a time: row l's 64 codes in one vector, then a 16 x 16
   // transpose of their 4-byte words gives vector k the k-th word of every row.
   for (int64_t g = 0; g < groups; g += 2) {
     __m512i v[16];
-    for (int64_t l = 0; l < 16; ++l) {
-      const bool live = l < rows, second = g + 1 < groups;
-      const __m256i lo = live ? Q::q_avx2(block(l, g), int(g % Q::kSubs)) : _mm256_setzero_si256();
-      const __m256i hi =
-          live && second ? Q::q_avx2(block(l, g + 1), int((g + 1) % Q::kSubs)) : _mm256_setzero_si256();
-      v[l] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    if (g + 1 < groups) {
+      for (int64_t l = 0; l < 16; ++l) v[l] = two_groups<Q>(row[l], g);
+    } else {  // a legacy row's odd last group
+      for (int64_t l = 0; l < 16; ++l) v[l] = _mm512_zextsi256_si512(Q::q_avx2(row[l] + g * Q::kBytes, 0));
     }
     vec::transpose16(v);
     for (int64_t h = 0; h < 2 && g + h < groups; ++h) {
