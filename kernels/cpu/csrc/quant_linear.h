@@ -4,8 +4,8 @@
 // How (llama.cpp's scheme): each row of x is quantized once per call, per
 // 32 inputs, to int8 with a float scale (d = max|x| / 127, q = round(x / d))
 // and the block's sum d * sum(q) (the int8 strips: per 256 inputs where
-// every part is a K-quant, as llama.cpp's Q8_K; quant_vnni.h).  A weight sub-block of 32 then meets an
-// activation block in integers:
+// every part is a K-quant, as llama.cpp's Q8_K; quant_vnni.h).  A weight
+// sub-block of 32 then meets an activation block in integers:
 //
 //   sum_i w_i x_i ~ (wd * xd) * sum_i qw_i qx_i  +  wm * xd * sum_i qx_i
 //

@@ -267,7 +267,8 @@ inline __m512i two_groups(const uint8_t* row, int64_t g) {
     if constexpr (std::is_same_v<Q, Q4_K>) {
       return low;
     } else {
-      const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(broadcast(b + 16), halves(j, j + 1)), _mm512_set1_epi8(1));
+      const __m512i high =
+          _mm512_and_si512(_mm512_srlv_epi16(broadcast(b + 16), halves(j, j + 1)), _mm512_set1_epi8(1));
       return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
     }
   } else if constexpr (std::is_same_v<Q, Q6_K>) {
@@ -326,9 +327,9 @@ inline void tile(const Tokens& x, int64_t m, const int8_t* codes, const GroupMet
                  __m512 (&out)[T][C], Ahead& ahead, int64_t per_group) {
   constexpr int kHalves = kSplit ? 2 : 1, kSteps = 8 / kHalves;
   const int64_t scales = groups / kPer;
-  // here, not in `out`: written through the reference, GCC kept them in memory
+  // f and p here, not in `out`: written through the reference, GCC kept them in memory
   __m512 f[T][C], p[T][C];
-  __m512(&sums)[T][C] = kPer == 1 ? f : p;
+  __m512(&sums)[T][C] = kPer == 1 ? f : p;  // what a group's sums go into
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) f[t][c] = p[t][c] = _mm512_setzero_ps();
   const uint8_t* xu = x.u.get() + m * x.K;
@@ -453,10 +454,11 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
       const int64_t per_group = (ahead.lines + tiles * groups - 1) / (tiles * groups);
       auto times = [&](auto tokens_a_tile, int64_t m) {
         constexpr int T = decltype(tokens_a_tile)::value;
-        if (tokens.per == 1)
-          tokens_times_strip<Q, 1, T>(tokens, m, s, columns, rows, groups, bias, at, out, N, ahead, per_group);
-        else if constexpr (Q::kElems == 256)
-          tokens_times_strip<Q, 8, T>(tokens, m, s, columns, rows, groups, bias, at, out, N, ahead, per_group);
+        if constexpr (Q::kElems == 256) {  // the only types groups_a_scale gives 8 for
+          if (tokens.per == 8)
+            return tokens_times_strip<Q, 8, T>(tokens, m, s, columns, rows, groups, bias, at, out, N, ahead, per_group);
+        }
+        tokens_times_strip<Q, 1, T>(tokens, m, s, columns, rows, groups, bias, at, out, N, ahead, per_group);
       };
       int64_t m = 0;
       for (; m + kTileTokens <= M; m += kTileTokens) times(std::integral_constant<int, kTileTokens>{}, m);
