@@ -114,9 +114,9 @@ inline int64_t columns_for(int64_t K) {
 // K-quants per 256 (Q8_K) too; the legacy types keep 32, as their weights'
 // scales do.
 inline int groups_a_scale(const Blob& blob) {
-  for (const Part& p : blob.parts)
-    if (p.type != 12 && p.type != 13 && p.type != 14) return 1;  // not Q4_K, Q5_K, Q6_K
-  return 8;
+  bool k_quants = true;
+  for (const Part& p : blob.parts) with_type(p.type, [&](auto q) { k_quants &= decltype(q)::kElems == 256; });
+  return k_quants ? 8 : 1;
 }
 
 // The tokens as the tiles read them: codes + 128, a scale d per `per`
