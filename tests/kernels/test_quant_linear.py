@@ -147,6 +147,19 @@ def test_one_token_against_long_rows(builds, type_name, session_seed):
     _within_the_bound(builds, generator, [type_name], 1, 37, in_features, f"{type_name} seed {session_seed}")
 
 
+@pytest.mark.parametrize("type_name", [name for name in TYPES if QUANT_TYPES[name].block_elems == 32])
+def test_one_token_rows_ending_on_a_short_group_of_every_length(builds, type_name, session_seed):
+    """A legacy row of 8 k + 1 .. 8 k + 7 blocks ends on a short group, which
+    the AVX512 build's four-row panels run with its length as a constant
+    (quant_lanes.h's lanes_rows_dot) and which reads the blocks' scales with
+    masked loads that stop at its last block; 9 rows leave one row after two
+    panels."""
+    generator = torch.Generator().manual_seed(session_seed + 13)
+    for short in range(1, 8):
+        _within_the_bound(builds, generator, [type_name], 1, 9, _width(type_name, 16 + short),
+                          f"{type_name} {16 + short} blocks seed {session_seed}")
+
+
 @pytest.mark.parametrize("rows", (16, 42, 150))
 @pytest.mark.parametrize("type_name", TYPES)
 def test_bf16_tokens_against_whole_blocks_of_rows(builds, type_name, rows, session_seed):

@@ -53,35 +53,38 @@ constexpr const int* lane_slots() {
 // `halves` (Q6_K) also each block's two 16-code sums, in split_step's lane
 // order per 8 blocks: first halves of blocks 0-3, their second halves, the
 // same of blocks 4-7.  In the AVX512 build (kQuantLanes: quant_lanes.h) the
-// codes contiguous instead, sub-block i of each group of 8 in slot
-// slots[i] (quant_lanes.h's lane_slots; nullptr: as they come), and Q6_K's
-// half sums times -32 in block order.
+// codes contiguous instead, a token's in whole groups of 8 sub-blocks (a
+// short last group zero-filled), half h of sub-block i of each group in
+// 16-code slot slots[2 i + h] (quant_lanes.h's lane_slots; nullptr: as
+// they come), and Q6_K's half sums times -32 in block order.
 struct XScales {
   int64_t stride, padded;  // XBlocks a token; floats a token here
+  int64_t whole;           // sub-blocks a token in the lanes' codes: whole groups of 8
   std::vector<float> d, s;
   std::vector<int32_t> half;  // 2 stride a token
   std::vector<int8_t> lane_q;   // the codes, contiguous
   std::vector<float> lane_off;  // Q6_K: -32 x each 16 codes' sum
   XScales(const XBlock* x, int64_t n, int64_t tokens, bool halves = false, const int* slots = nullptr)
-      : stride(n), padded(n + 8), d(size_t(tokens * padded)), s(size_t(tokens * padded)) {
+      : stride(n), padded(n + 8), whole((n + 7) / 8 * 8), d(size_t(tokens * padded)), s(size_t(tokens * padded)) {
     constexpr bool lanes = kQuantLanes;
     if (halves && !lanes) half.resize(size_t(tokens * 2 * n));
-    if (lanes) lane_q.resize(size_t((tokens * n + 8) * 32));  // a last partial group reads past
-    if (lanes && halves) lane_off.resize(size_t(tokens * n * 2));
+    if (lanes) lane_q.resize(size_t(tokens * whole * 32));
+    if (lanes && halves) lane_off.resize(size_t(tokens * whole * 2));
     for (int64_t m = 0; m < tokens; ++m)
       for (int64_t i = 0; i < n; ++i) {
         const XBlock& b = x[m * n + i];
         d[size_t(m * padded + i)] = b.d;
         s[size_t(m * padded + i)] = b.s;
-        if (lanes) {
-          const int64_t slot = slots ? i - i % 8 + slots[i % 8] : i;
-          std::memcpy(lane_q.data() + 32 * (m * n + slot), b.q, 32);
-        }
+        if (lanes)
+          for (int h = 0; h < 2; ++h) {
+            const int64_t slot = 2 * (i - i % 8) + (slots ? slots[2 * (i % 8) + h] : 2 * (i % 8) + h);
+            std::memcpy(lane_q.data() + 16 * (2 * m * whole + slot), b.q + 16 * h, 16);
+          }
         if (!halves) continue;
         int32_t sums[2] = {0, 0};
         for (int k = 0; k < 32; ++k) sums[k / 16] += b.q[k];
         if (lanes) {
-          for (int h = 0; h < 2; ++h) lane_off[size_t(2 * (m * n + i) + h)] = -32.f * float(sums[h]);
+          for (int h = 0; h < 2; ++h) lane_off[size_t(2 * (m * whole + i) + h)] = -32.f * float(sums[h]);
           continue;
         }
         const int64_t group = i / 8 * 16, lane = i % 8 / 4 * 8 + i % 4;
@@ -90,7 +93,7 @@ struct XScales {
   }
 #if defined(PAGEDSERVE_QUANT_LANES)
   LaneView lanes() const {
-    return {stride, lane_q.data(), d.data(), s.data(), padded, lane_off.data()};
+    return {whole, lane_q.data(), d.data(), s.data(), padded, lane_off.data()};
   }
 #endif
 };
