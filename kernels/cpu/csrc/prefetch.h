@@ -1,6 +1,8 @@
 // Software prefetch, shared by the attention and linear kernels.
 #pragma once
 
+#include <algorithm>
+
 #include <cstdint>
 
 namespace pagedserve {
@@ -58,6 +60,17 @@ struct Ahead {
     for (; n > 0 && lines > 0; --n, --lines, p += 64) prefetch_l2(p);
   }
 };
+
+// The panel of rows to ask for while reading the panel at w (`panel` bytes
+// of contiguous rows): the next one, or where a panel is shorter than
+// kAhead the first one at least kAhead past w.  Why: a panel of four short
+// rows (SmolLM2's Q4_1 rows of 576 inputs, 1,440 bytes) is read in less
+// time than its lines take to arrive, so asking for the very next one came
+// too late.
+inline Ahead panel_ahead(const uint8_t* w, int64_t panel) {
+  const int64_t panels = std::max<int64_t>(1, (kAhead + panel - 1) / panel);
+  return Ahead(w + panels * panel, panel);
+}
 
 // The lines of the `bytes` at g + kAhead: a later group of this row or of the
 // rows after it (a part's rows are contiguous).

@@ -111,7 +111,7 @@ inline __m256i sum_lanes8(const __m256i (&v)[8]) {
 // row's last group), decoded once, times R tokens' blocks (x, token r at
 // x + (m0 + r) * xs.stride) into acc[r] and mins[r].
 template <typename Q, bool kFull, int R>
-inline void group_step(const uint8_t* g, int count, const XBlock* x, const XScales& xs, int64_t m0, int64_t x0,
+__attribute__((always_inline)) inline void group_step(const uint8_t* g, int count, const XBlock* x, const XScales& xs, int64_t m0, int64_t x0,
                        __m256 (&acc)[R], __m256 (&mins)[R]) {
   __m256i q[8];
 #pragma GCC unroll 8
@@ -234,7 +234,7 @@ inline void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const 
   __m256 acc[C][1], mins[C][1];
   for (int c = 0; c < C; ++c) acc[c][0] = mins[c][0] = _mm256_setzero_ps();
   constexpr int64_t kLines = (C * kPer * Q::kBytes + 63) / 64;  // a step's share of the next panel
-  Ahead next(w + C * row_bytes, C * row_bytes);
+  Ahead next = panel_ahead(w, C * row_bytes);
   int64_t b = 0;
   for (; b + kPer <= blocks; b += kPer) {
     next.fetch(kLines);
@@ -243,8 +243,10 @@ inline void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, const 
   }
   if (b < blocks) {
     next.fetch(INT64_MAX);
-    for (int c = 0; c < C; ++c)
-      group_step<Q, false, 1>(w + c * row_bytes + b * Q::kBytes, int(blocks - b), x, xs, 0, b, acc[c], mins[c]);
+    with_short_group(blocks - b, [&](auto count) {
+      for (int c = 0; c < C; ++c)
+        group_step<Q, false, 1>(w + c * row_bytes + b * Q::kBytes, int(count), x, xs, 0, b, acc[c], mins[c]);
+    });
   }
   for (int c = 0; c < C; ++c) out[0][c] = hsum(_mm256_add_ps(acc[c][0], mins[c][0]));
 }

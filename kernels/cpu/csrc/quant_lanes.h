@@ -421,8 +421,9 @@ inline void lanes_row_dot(const uint8_t* w, int64_t blocks, const LaneView& x, i
 // paid at every row length).
 //
 // The prefetch: a part's rows are contiguous, so the next C rows are the
-// next panel of C x row_bytes bytes, and each step asks for its 1 / steps
-// share of that panel in address order (C groups' bytes, the lines after
+// next panel of C x row_bytes bytes (where panels are shorter than 4 KiB,
+// the first panel at least that far on: prefetch.h's panel_ahead), and
+// each step asks for its 1 / steps share of that panel in address order (C groups' bytes, the lines after
 // the last step's).  Why address order: asking for the same group of each
 // of the next C rows (the panel in the order it is read) kept C + C
 // streams open at once, and a Llama-3.2-1B Q4_K_M token took 21.1-21.8 ms
@@ -443,8 +444,7 @@ inline void lanes_rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, 
     acc[c][0] = acc[c][1] = _mm512_setzero_ps();
     mins[c] = _mm256_setzero_ps();
   }
-  const int64_t panel = C * row_bytes, panels_ahead = std::max<int64_t>(1, (kAhead + panel - 1) / panel);
-  Ahead next(w + panels_ahead * panel, panel);
+  Ahead next = panel_ahead(w, C * row_bytes);
   auto step = [&](auto full, int64_t b, auto count) {
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
@@ -461,19 +461,7 @@ inline void lanes_rows_dot(const uint8_t* w, int64_t row_bytes, int64_t blocks, 
   }
   if (b < blocks) {  // a legacy row's short group: the rest of the next panel
     next.fetch(INT64_MAX);
-    // its length as a constant, so that its tests and masks fold away: with
-    // SmolLM2's 576 inputs (2 groups and 2 blocks) the short group took a
-    // third of a row's time
-    auto short_step = [&](auto count) { step(std::false_type{}, b, count); };
-    switch (blocks - b) {
-      case 1: short_step(std::integral_constant<int, 1>{}); break;
-      case 2: short_step(std::integral_constant<int, 2>{}); break;
-      case 3: short_step(std::integral_constant<int, 3>{}); break;
-      case 4: short_step(std::integral_constant<int, 4>{}); break;
-      case 5: short_step(std::integral_constant<int, 5>{}); break;
-      case 6: short_step(std::integral_constant<int, 6>{}); break;
-      default: short_step(std::integral_constant<int, 7>{}); break;
-    }
+    with_short_group(blocks - b, [&](auto count) { step(std::false_type{}, b, count); });
   }
   lanes_sums<C>(acc, mins, out[0]);
 }
