@@ -24,8 +24,8 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 #include <cstring>
+#include <type_traits>
 
 #include "types.h"
 
@@ -238,7 +238,9 @@ struct Q6_K {
 // The scales (wd) and mins (wm) of the 8 sub-blocks of 32 that start at g,
 // in vectors, without the scalar decode per block (it cost as much as the
 // dot products).  Legacy types: one gather of the 8 blocks' leading words
-// (d, then m for the _1 types), both fp16 halves converted at once.
+// (d, then m for the _1 types), both fp16 halves converted at once.  The
+// AVX2 rows' form; the AVX512 build's rows use quant_lanes.h's
+// legacy_scales, 16-bit permutes that AVX2 does not have.
 template <typename Q>
 inline void group_scales(const uint8_t* g, int count, __m256& wd, __m256& wm) {
   static_assert(Q::kSubs == 1, "K-quants have their own group_scales");

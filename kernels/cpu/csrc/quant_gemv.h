@@ -111,8 +111,9 @@ inline __m256i sum_lanes8(const __m256i (&v)[8]) {
 // row's last group), decoded once, times R tokens' blocks (x, token r at
 // x + (m0 + r) * xs.stride) into acc[r] and mins[r].
 template <typename Q, bool kFull, int R>
-__attribute__((always_inline)) inline void group_step(const uint8_t* g, int count, const XBlock* x, const XScales& xs, int64_t m0, int64_t x0,
-                       __m256 (&acc)[R], __m256 (&mins)[R]) {
+__attribute__((always_inline)) inline void group_step(const uint8_t* g, int count, const XBlock* x,
+                                                      const XScales& xs, int64_t m0, int64_t x0, __m256 (&acc)[R],
+                                                      __m256 (&mins)[R]) {
   __m256i q[8];
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j)

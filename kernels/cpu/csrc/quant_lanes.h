@@ -227,9 +227,9 @@ inline uint64_t fifth_bits(const uint8_t* g, int j, int count) {
 // A legacy group's 8 block scales d (and mins m for the _1 types: fp16 at
 // the start of each block) picked out of the group's bytes by 16-bit
 // permutes.  Why not quant_blocks.h's group_scales, a gather of the 8
-// blocks' first words: on Zen 5 the gather took as long as the rest of a
-// Q4_1 group's work (a 1,536-input row, one thread: 22.7 against 15.7 us a
-// call for 576 rows).  The loads stop at the group's last block (zeros after
+// blocks' first words: on Zen 5 the gather took about as long as the rest
+// of a Q4_1 group's work (576 rows of 1,536 inputs, one thread: 22.7 us a
+// call with it, 16.8 without, the blocks still a pair a vector).  The loads stop at the group's last block (zeros after
 // it), so a short group's missing blocks scale by 0.
 template <typename Q>
 inline void legacy_scales(const uint8_t* g, int count, __m256& d, __m256& m) {
@@ -279,12 +279,14 @@ struct Lanes<Nibbles<kFifthBit, kHasMin>> {
   // word is byte i % 16's 0x10 in half i / 16
   static __m512i codes(const uint8_t* g, int p, int count) {
     const int first = 4 * (p / 2), upper = p % 2;
-    // each block's bytes broadcast into its quarter under a mask: a load and
-    // a blend, where an insert is a shuffle
+    // each block's bytes broadcast into its quarter under a mask (a load and
+    // a blend; inserts measured the same)
     __m512i v = _mm512_setzero_si512();
-    for (int j = 0; j < 4 && first + j < count; ++j)
-      v = _mm512_mask_broadcast_i32x4(
-          v, __mmask16(0xF << (4 * j)), _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + (first + j) * Q::kBytes + Q::kQs)));
+    for (int j = 0; j < 4 && first + j < count; ++j) {
+      const uint8_t* qs = g + (first + j) * Q::kBytes + Q::kQs;
+      v = _mm512_mask_broadcast_i32x4(v, __mmask16(0xF << (4 * j)),
+                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    }
     __m512i q = _mm512_and_si512(upper ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
     if (kFifthBit) {
       uint64_t bits = 0;
@@ -330,8 +332,8 @@ constexpr const int* lane_slots() {
 // The group at g (`count` sub-blocks, all 8 when kFull; sub-blocks sub0 ..)
 // times tokens m0 .. m0 + R - 1.
 template <typename Q, bool kFull, int R>
-__attribute__((always_inline)) inline void lanes_step(const uint8_t* g, int count, const LaneView& x, int64_t m0, int64_t sub0,
-                       __m512 (&acc)[R][2], __m256 (&mins)[R]) {
+__attribute__((always_inline)) inline void lanes_step(const uint8_t* g, int count, const LaneView& x, int64_t m0,
+                                                      int64_t sub0, __m512 (&acc)[R][2], __m256 (&mins)[R]) {
   using L = Lanes<Q>;
   __m512i c[4];
   __mmask64 negative[4];
@@ -358,8 +360,8 @@ __attribute__((always_inline)) inline void lanes_step(const uint8_t* g, int coun
       for (int k = 0; k < 2; ++k) {
         if (!kFull && 4 * k >= count) break;
         const int8_t* xq = x.q + 32 * at + 128 * k;
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c[2 * k], _mm512_loadu_si512(xq)),
-                                                c[2 * k + 1], _mm512_loadu_si512(xq + 64));
+        const __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[2 * k], _mm512_loadu_si512(xq));
+        const __m512i dot = _mm512_dpbusd_epi32(low, c[2 * k + 1], _mm512_loadu_si512(xq + 64));
         acc[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), L::lanes(sx, 2 * k), acc[r][k]);
       }
     } else {
