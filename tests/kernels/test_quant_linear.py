@@ -240,12 +240,17 @@ def test_mixed_parts_and_float_out(builds, session_seed):
 
 
 def test_the_dispatch_and_the_reference_agree_on_shapes(session_seed):
+    """Leading dimensions of x pass through the dispatch; the sums stay within
+    the activation bound of the reference's (a fixed tolerance against the
+    float product failed now and then: an output near zero after
+    cancellation carries the rounding of every input block)."""
     generator = torch.Generator().manual_seed(session_seed)
     blob, weight, x, _ = _inputs(generator, ["Q8_0"], 4, 9, 64, torch.float32)
     got = kernels.quant_linear(x.view(2, 2, 64), blob)
     assert got.shape == (2, 2, 9)
-    assert torch.allclose(got.view(4, 9), x @ weight.t(), rtol=0.05, atol=0.05 * x.abs().max().item()
-                          * weight.abs().sum(1).max().item() / 64)
+    expected = quant_linear_reference(x, blob, None, float_out=True)
+    bound = _bound(x, blob, torch.float32, expected)
+    assert bool(((got.view(4, 9) - expected).abs() <= bound).all()), f"seed {session_seed}"
     assert kernels.quant_dequantize(blob).equal(weight)
 
 
