@@ -237,19 +237,24 @@ struct Q6_K {
 #if defined(__AVX2__)
 // The scales (wd) and mins (wm) of the 8 sub-blocks of 32 that start at g,
 // in vectors, without the scalar decode per block (it cost as much as the
-// dot products).  Legacy types: one gather of the 8 blocks' leading words
-// (d, then m for the _1 types), both fp16 halves converted at once.  The
-// AVX2 rows' form; the AVX512 build's rows use quant_lanes.h's
-// legacy_scales, 16-bit permutes that AVX2 does not have.
+// dot products).  Legacy types: the 8 blocks' leading words (d, then m for
+// the _1 types) as 8 scalar loads put into one vector, both fp16 halves
+// converted at once.  Not a gather: on a first-generation Zen EPYC
+// vpgatherdd is microcoded, and the instruction after it took 17 % of the
+// AVX2 rows' samples; without it one thread's Q4_1 rows took 0.85-0.97x the
+// time, the same bits (docs/performance.md).
+// The AVX512 build's rows use quant_lanes.h's legacy_scales, 16-bit permutes
+// that AVX2 does not have.
 template <typename Q>
 inline void group_scales(const uint8_t* g, int count, __m256& wd, __m256& wm) {
   static_assert(Q::kSubs == 1, "K-quants have their own group_scales");
-  const __m256i at = _mm256_setr_epi32(0, Q::kBytes, 2 * Q::kBytes, 3 * Q::kBytes, 4 * Q::kBytes,
-                                       5 * Q::kBytes, 6 * Q::kBytes, 7 * Q::kBytes);
   // lanes past `count` read nothing and stay 0 (a row's last group)
-  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i words =
-      _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(g), at, live, 1);
+  int32_t w[8];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = 0;
+    if (i < count) std::memcpy(&w[i], g + i * Q::kBytes, sizeof(int32_t));
+  }
+  const __m256i words = _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
   // per 128-bit lane: the four low halves (d), then the four high ones (m)
   const __m256i split = _mm256_shuffle_epi8(
       words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
