@@ -76,6 +76,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.background)
 
 
+class ModuleSeconds:
+    """Each module's setup + call + teardown seconds, the lane's slowest
+    printed at the end: where the suite's minutes go (--durations names
+    single tests; a module's fixtures and many small cases hide there).
+    xdist sends every worker's reports to the controller, so this sees the
+    whole lane."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report):
+        module = report.nodeid.split("::")[0]
+        self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.seconds:
+            return
+        terminalreporter.section("slowest modules (setup + call + teardown)")
+        for module, total in sorted(self.seconds.items(), key=lambda item: -item[1])[:25]:
+            terminalreporter.write_line(f"{total:8.1f}s  {module}")
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        config.pluginmanager.register(ModuleSeconds(), "module-seconds")
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One torch thread for a module, restored after it.
