@@ -32,12 +32,14 @@ from redis_server import start_redis
 
 pytestmark = pytest.mark.slow
 
-# B's warm-up must outlast (e) several-fold on any machine: six ~850-token system
+# B's warm-up must outlast (e) several-fold on any machine: six ~400-token system
 # prompts, all within the warm-up budget (the default, a fifth of the pool,
-# would take two), against six concurrent two-token chats.
+# would take two), against six concurrent two-token chats. No idle re-warming
+# (--warm-refresh-seconds): 30 s after start it would prefill the prompts the
+# other replica saw in (b) and hold up (c)'s first event by a whole prefill.
 FLAGS = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20),
-         "--warm-max-blocks", "400"]
-SYSTEMS = system_prompts(6, 700, seed=7)
+         "--warm-max-blocks", "400", "--warm-refresh-seconds", "3600"]
+SYSTEMS = system_prompts(6, 320, seed=7)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -157,10 +159,36 @@ def test_take_rows_and_rows_select_whole_rows(gguf_file):
     assert part.data.data_ptr() == value.data[3].data_ptr()  # a view: no bytes copied
 
 
-def test_quantized_weights_are_not_copied(gguf_file):
+def reopened_from_its_index(path, checkpoint) -> GGUFCheckpoint:
+    """The file opened as a model folder opens it: config, names and index kept."""
+    index = json.loads(json.dumps(checkpoint.index()))  # through JSON, as the folder keeps it
+    return GGUFCheckpoint.open(path, checkpoint.config, checkpoint.names, index)
+
+
+@pytest.mark.parametrize("family,tensor_type", [("llama", "Q4_K_M"), ("qwen3-moe", "Q4_K_M"),
+                                                ("gemma3", "Q8_0"), ("llama", "Q5_1")])
+def test_an_index_opens_the_same_tensors_without_the_reader(gguf_file, family, tensor_type):
+    path, checkpoint = gguf_file(family, tensor_type)
+    again = reopened_from_its_index(path, checkpoint)
+    assert (again.architecture, again.chat_template) == (checkpoint.architecture,
+                                                         checkpoint.chat_template)
+    for (name, value), (name_again, value_again) in zip(checkpoint.tensors(), again.tensors(),
+                                                        strict=True):
+        assert name_again == name
+        if isinstance(value, QuantTensor):
+            assert (value_again.type_name, value_again.shape) == (value.type_name, value.shape)
+            assert torch.equal(value_again.data, value.data), name
+        else:
+            assert value_again.dtype == value.dtype and torch.equal(value_again, value), name
+
+
+@pytest.mark.parametrize("opened", ["by the reader", "from its index"])
+def test_quantized_weights_are_not_copied(gguf_file, opened):
     """Unpermuted quantized tensors view the memory map; q/k come permuted (copies)."""
-    _, checkpoint = gguf_file("llama", "Q4_K")
-    mapped = checkpoint.reader.data
+    path, checkpoint = gguf_file("llama", "Q4_K")
+    if opened == "from its index":
+        checkpoint = reopened_from_its_index(path, checkpoint)
+    mapped = checkpoint.mapping
     start, stop = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
     for name, value in checkpoint.tensors():
         if isinstance(value, QuantTensor):

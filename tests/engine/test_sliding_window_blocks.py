@@ -70,9 +70,13 @@ def held_blocks_over_a_long_sequence(path, **engine_args) -> list[tuple[int, int
     prompt + 60 output tokens (the window pool is 0 for a model with one pool)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
+    # 4 MB of KV: a few thousand blocks, far more than the 75 one sequence
+    # takes. Why not the default 1 GiB: the tiny model's blocks are ~1.5 KB,
+    # so it makes ~700k of them, and check_invariants walks every block after
+    # every step (it was 60 % of this module's minute and a half).
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", block_size=4,
                                     max_num_batched_tokens=64, enable_prefix_caching=False,
-                                    **engine_args))
+                                    kv_cache_memory_bytes=4 << 20, **engine_args))
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     engine.add_request("long", list(range(100, 340)), params)
     held = []

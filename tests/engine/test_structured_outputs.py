@@ -1,6 +1,6 @@
 """Structured outputs on the real SmolLM2: every finished output matches its constraint.
 
-50 chat prompts x 5 JSON schemas (nested objects, arrays, enums, bounded
+20 chat prompts x 5 JSON schemas (nested objects, arrays, enums, bounded
 numbers, required fields, a $ref) are generated in one batch and checked with
 `jsonschema`; regex and choice constraints likewise. A constrained request
 must not change its unconstrained neighbours: in float32 greedy decoding they
@@ -63,7 +63,10 @@ SCHEMAS = {
 }
 TOPICS = ["a cat", "the sea", "a robot", "Paris", "a teacher", "winter", "a bakery", "music",
           "a bicycle", "the moon"]
-PROMPTS = [f"Answer in JSON about {topic}, variation {i}." for i in range(5) for topic in TOPICS]
+# 20 prompts, each with its own seed, under each schema: 100 outputs in one
+# batch. (It was 50 x 5: on a 2-core AVX2 machine the batch took 200 s of the
+# suite, and the 150 more outputs checked nothing the 100 do not.)
+PROMPTS = [f"Answer in JSON about {topic}, variation {i}." for i in range(2) for topic in TOPICS]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +78,7 @@ def chat(llm, prompts, params):
     return llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
 
 
-def test_fifty_prompts_times_five_schemas_all_validate(llm):
+def test_twenty_prompts_times_five_schemas_all_validate(llm):
     params, schemas = [], []
     for name, schema in SCHEMAS.items():
         for i in range(len(PROMPTS)):
@@ -84,7 +87,7 @@ def test_fifty_prompts_times_five_schemas_all_validate(llm):
                 temperature=0.8, seed=i, max_tokens=200,
                 structured_outputs=StructuredOutputsParams(json=schema)))
     outputs = chat(llm, PROMPTS * len(SCHEMAS), params)
-    assert len(outputs) == 250
+    assert len(outputs) == len(PROMPTS) * len(SCHEMAS) == 100
     finished = 0
     for output, schema in zip(outputs, schemas):
         completion = output.outputs[0]
@@ -92,7 +95,7 @@ def test_fifty_prompts_times_five_schemas_all_validate(llm):
             continue  # cut by max_tokens: not guaranteed to be whole
         jsonschema.validate(json.loads(completion.text), schema)
         finished += 1
-    assert finished >= 240, f"only {finished} of 250 outputs finished"
+    assert finished >= 96, f"only {finished} of 100 outputs finished"
 
 
 def test_regex_and_choice_hold_on_every_output(llm):
@@ -102,7 +105,7 @@ def test_regex_and_choice_hold_on_every_output(llm):
                               structured_outputs={"regex": regex}) for i in range(50)]
               + [SamplingParams(temperature=1.0, seed=i, max_tokens=30,
                                 structured_outputs={"choice": choices}) for i in range(50)])
-    outputs = chat(llm, PROMPTS * 2, params)
+    outputs = chat(llm, PROMPTS * 5, params)
     texts = [o.outputs[0].text for o in outputs]
     assert all(o.outputs[0].finish_reason == "stop" for o in outputs)
     assert all(re.fullmatch(regex, text) for text in texts[:50]), texts[:50]

@@ -18,6 +18,13 @@ one expert at a time, "model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight".
 The config is transformers' mapping of the metadata (load_gguf_checkpoint),
 completed where that mapping drops keys our model classes read (see
 gguf_config.py); a file we cannot serve is refused at open, naming why.
+
+`checkpoint.index()` is what the reader found, as JSON: each tensor's name,
+type, offset and array shape, and the two fields read later. A model folder
+keeps it, and `open(path, config, names, index)` then maps the file without
+gguf.GGUFReader, whose parse of every metadata field walks the tokenizer's
+~98k strings one numpy view at a time (6.4 s for SmolLM2's file on a
+first-generation EPYC core, every time a server or a rank started).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from engine.model.models.gguf_config import hf_config_dict, make_config
 
 SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# The metadata fields read after open (architecture, chat_template), kept in the index.
+INDEX_FIELDS = ("general.architecture", "tokenizer.chat_template")
 _EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
@@ -80,10 +89,11 @@ class _Entry:
 class GGUFCheckpoint:
     """An open GGUF file of an architecture we serve (see `open`)."""
 
-    def __init__(self, path: Path, reader, config_dict: dict, config, processor,
-                 names: dict[str, str], entries: list[_Entry]) -> None:
+    def __init__(self, path: Path, mapping: np.ndarray, fields: dict, config_dict: dict, config,
+                 processor, names: dict[str, str], entries: list[_Entry]) -> None:
         self.path = path
-        self.reader = reader
+        self.mapping = mapping  # the whole file, memory-mapped read-only: tensors view it
+        self.fields = fields  # INDEX_FIELDS: the metadata read after open
         self.config_dict = config_dict  # transformers' key names, as the processors read them
         self.config = config
         self.processor = processor
@@ -91,7 +101,8 @@ class GGUFCheckpoint:
         self.entries = entries
 
     @classmethod
-    def open(cls, path, config=None, names: dict[str, str] | None = None) -> "GGUFCheckpoint":
+    def open(cls, path, config=None, names: dict[str, str] | None = None,
+             index: dict | None = None) -> "GGUFCheckpoint":
         """Read the metadata and the tensor index (not the tensor bytes).
         `config`: the file's HF config when already known (a model folder's
         config.json, written from it): mapping the metadata again reads the
@@ -99,6 +110,9 @@ class GGUFCheckpoint:
         `names`: the file's `names` when already known (a model folder keeps
         them): mapping them builds transformers' model class, whose import
         chain (generation, dynamo, triton) holds ~115 MB for the process's life.
+        `index`: the file's `index()` when already known (a model folder
+        keeps it, beside `config` and `names`): the file is mapped without
+        parsing its metadata.
 
         ValueError: an architecture we do not serve; a tensor of a type we do
         not take, one that no HF weight takes, or a transform that cannot be
@@ -107,28 +121,42 @@ class GGUFCheckpoint:
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         path = Path(path)
-        reader = gguf.GGUFReader(str(path))
+        if index is not None and config is not None:
+            mapping = np.memmap(path, dtype=np.uint8, mode="r")
+            fields, tensors = index["fields"], _mapped_tensors(mapping, index["tensors"])
+        else:
+            reader = gguf.GGUFReader(str(path))
+            mapping, tensors = reader.data, reader.tensors
+            fields = {key: _field(reader, key) for key in INDEX_FIELDS}
         if config is None:
             config_dict = hf_config_dict(path, reader)
             config = make_config(config_dict)
         else:
             config_dict = config.to_dict()
-        architecture = _field(reader, "general.architecture")
+        architecture = fields["general.architecture"]
         processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config_dict)
-        _check_types(reader)
+        _check_types(tensors)
         if names is None:
             names = _name_map(config, architecture)
-        entries = [_plan(tensor, names, processor) for tensor in reader.tensors]
-        return cls(path, reader, config_dict, config, processor, names, entries)
+        entries = [_plan(tensor, names, processor) for tensor in tensors]
+        return cls(path, mapping, fields, config_dict, config, processor, names, entries)
+
+    def index(self) -> dict:
+        """What open read from the file, as JSON (see the module docstring)."""
+        tensors = [{"name": e.tensor.name, "type": e.tensor.tensor_type.name,
+                    "shape": [int(n) for n in e.tensor.shape.tolist()],
+                    "offset": int(e.tensor.data_offset), "dtype": e.tensor.data.dtype.str,
+                    "array_shape": list(e.tensor.data.shape)} for e in self.entries]
+        return {"fields": self.fields, "tensors": tensors}
 
     @property
     def architecture(self) -> str:
         """The file's general.architecture (llama.cpp's name: "llama", "qwen3moe", ...)."""
-        return _field(self.reader, "general.architecture")
+        return self.fields["general.architecture"]
 
     @property
     def chat_template(self) -> str | None:
-        return _field(self.reader, "tokenizer.chat_template")
+        return self.fields["tokenizer.chat_template"]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         """(HF name, value): float tensors as torch tensors of their stored dtype
@@ -171,8 +199,35 @@ def _field(reader, key: str):
     return None if field is None else field.contents()
 
 
-def _check_types(reader) -> None:
-    for tensor in reader.tensors:
+@dataclass(frozen=True)
+class _MappedTensor:
+    """A tensor found through an index: the attributes of gguf's ReaderTensor
+    that this module reads, `data` the same view of the same mapped bytes."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # GGUF order, innermost first
+    data_offset: int
+    data: np.ndarray
+
+
+def _mapped_tensors(mapping: np.ndarray, records: list[dict]) -> list[_MappedTensor]:
+    """The index's tensors as views of the file's mapping."""
+    import gguf
+
+    tensors = []
+    for record in records:
+        dtype = np.dtype(record["dtype"])
+        size = dtype.itemsize * int(np.prod(record["array_shape"], dtype=np.int64))
+        data = mapping[record["offset"]:record["offset"] + size].view(dtype)
+        tensors.append(_MappedTensor(record["name"], gguf.GGMLQuantizationType[record["type"]],
+                                     np.array(record["shape"], dtype=np.uint64),
+                                     record["offset"], data.reshape(record["array_shape"])))
+    return tensors
+
+
+def _check_types(tensors) -> None:
+    for tensor in tensors:
         type_name = tensor.tensor_type.name
         if type_name not in SUPPORTED_TYPES + FLOAT_TYPES:
             raise ValueError(f"tensor {tensor.name!r} is of type {type_name}, which is not "

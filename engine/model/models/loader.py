@@ -53,10 +53,12 @@ SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 # Part of the cache key: bump it when convert_gguf writes something new.
 CONVERSION = 3
 # The same for gguf_folder.
-DIRECT = 3
+DIRECT = 4
 GGUF_LINK = "model.gguf"  # in a direct folder: the file it serves
 # In a direct folder: the file's tensor names mapped to HF names, once (gguf_file.py).
 GGUF_NAMES = "gguf_names.json"
+# In a direct folder: where the file's tensors lie (GGUFCheckpoint.index), once.
+GGUF_INDEX = "gguf_index.json"
 # In the cache directory: {resolved path: [size, mtime_ns, sha256]} of GGUF files seen.
 DIGESTS_FILE = "gguf-digests.json"
 # The generation_config.json keys that are request defaults (vLLM's list).
@@ -141,8 +143,9 @@ def _write_metadata(folder: Path, checkpoint, gguf_path: Path, sampling: dict | 
     """A temporary sibling of `folder` holding the file's config.json (our
     reader's completed config: transformers' own drops keys, gguf_config.py),
     its tokenizer, its tensor names' HF names (so that a server starting from
-    the folder need not import transformers' model classes to map them again)
-    and a generation_config.json (+ `sampling`); returns it."""
+    the folder need not import transformers' model classes to map them again),
+    its tensor index (nor parse the file's metadata again) and a
+    generation_config.json (+ `sampling`); returns it."""
     from engine.model.models.gguf_file import load_gguf_tokenizer
 
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
@@ -151,6 +154,7 @@ def _write_metadata(folder: Path, checkpoint, gguf_path: Path, sampling: dict | 
     config.save_pretrained(tmp)
     load_gguf_tokenizer(gguf_path).save_pretrained(tmp)
     (tmp / GGUF_NAMES).write_text(json.dumps(checkpoint.names, indent=1, sort_keys=True) + "\n")
+    (tmp / GGUF_INDEX).write_text(json.dumps(checkpoint.index()) + "\n")
     generation = {key: getattr(config, key) for key in ("bos_token_id", "eos_token_id")
                   if getattr(config, key, None) is not None}
     if sampling:
@@ -180,17 +184,20 @@ def _publish(tmp: Path, folder: Path) -> None:
 def iter_checkpoint(folder: Path, partition=None, config=None) -> Iterator[tuple[str, object]]:
     """Every checkpoint tensor of a model folder, HF-named: a GGUF's (quantized
     ones as models/gguf_file.QuantTensor; `config`, the folder's, spares
-    mapping the file's metadata again, the folder's names mapping its tensor
-    names again), else the safetensors files'."""
+    mapping the file's metadata again, the folder's names and index mapping
+    its tensor names and reading its metadata again), else the safetensors
+    files'."""
     if (folder / GGUF_LINK).exists():
         if partition is not None:
             raise ValueError("tensor parallelism does not slice a GGUF's quantized tensors yet: "
                              "serve it with --quantization none, or on one rank")
         from engine.model.models.gguf_file import GGUFCheckpoint
 
-        names_file = folder / GGUF_NAMES
-        names = json.loads(names_file.read_text()) if names_file.exists() else None
-        yield from GGUFCheckpoint.open(folder / GGUF_LINK, config, names).tensors()
+        kept = {}
+        for key, name in (("names", GGUF_NAMES), ("index", GGUF_INDEX)):
+            file = folder / name
+            kept[key] = json.loads(file.read_text()) if file.exists() else None
+        yield from GGUFCheckpoint.open(folder / GGUF_LINK, config, **kept).tensors()
         return
     yield from iter_safetensors(folder, partition)
 
