@@ -56,6 +56,13 @@ test: $(STAMP)
 	# Every CPU build the kernel tests load, compiled side by side first (else
 	# one test worker compiles them one after the other while the other waits).
 	timeout 1200 $(PY) -W ignore::RuntimeWarning -m kernels.cpu.ops --runnable || echo "a compiled CPU build failed: its kernel tests will say which"
+	# The default model's two folders (served as it is; de-quantized, the
+	# tests' smollm2_path), each made once here, side by side: else the first
+	# modules of every lane make them at once, each its own copy (two replicas
+	# starting together, two workers, the serial lane).
+	for dequantize in True False; do \
+		$(PY) -W ignore -c "from engine.config import DEFAULT_MODEL, default_cache_dir; from engine.model.models.loader import resolve_model_path; resolve_model_path(DEFAULT_MODEL, default_cache_dir(), dequantize=$$dequantize)" & \
+	done; wait
 	bash scripts/test_lanes.sh $(PY)
 
 # A few minutes on a laptop CPU; the issue's full workloads: BENCH_ARGS="" (256 chat requests).
