@@ -63,40 +63,11 @@ BACKGROUND = frozenset({
 })
 
 
-# The lanes' longest modules, longest first (fresh-clone run, 2-core AVX2
-# EPYC, 2026-12-03): xdist hands a worker the next module in collection
-# order, so a long module collected last ran alone for minutes while the
-# other worker sat idle. Started first, the short ones fill in around it.
-LONGEST_FIRST = (
-    "tests/engine/test_hf_parity.py",
-    "tests/engine/test_fused_layer.py",
-    "tests/engine/test_model_families.py",
-    "tests/engine/test_prefix_caching_parity.py",
-    "tests/engine/test_spec_decode_parity.py",
-    "tests/service/test_kv_offload_http.py",
-    "tests/kernels/test_kernels_triton.py",
-    "tests/bench/fleet/test_routing_smoke.py",
-    "tests/engine/test_gguf_file.py",
-    "tests/kernels/test_noncausal_prefill.py",
-    "tests/service/test_openai_api.py",
-    "tests/service/tool_calls/test_tool_calls_http.py",
-    "tests/engine/test_gguf_serving.py",
-    "tests/engine/test_lora.py",
-    "tests/kernels/test_kv_int8_triton.py",
-    "tests/kernels/test_kv_fp8_triton.py",
-    "tests/bench/gpu/test_bench_gpu_kernels.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
-    named = SERIAL | BACKGROUND | set(LONGEST_FIRST)
-    missing = sorted(path for path in named if not (root / path).is_file())
-    if missing:  # a moved module would silently leave its lane or its place
-        raise pytest.UsageError(f"tests/conftest.py SERIAL, BACKGROUND or LONGEST_FIRST "
-                                f"names no file: {missing}")
-    place = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: place.get(item.path.relative_to(root).as_posix(), len(place)))
+    missing = sorted(path for path in SERIAL | BACKGROUND if not (root / path).is_file())
+    if missing:  # a moved module would silently leave its lane
+        raise pytest.UsageError(f"tests/conftest.py SERIAL or BACKGROUND names no file: {missing}")
     for item in items:
         path = item.path.relative_to(root).as_posix()
         if path in SERIAL:
