@@ -49,7 +49,8 @@ serve: $(STAMP)
 
 # Lanes (scripts/test_lanes.sh, tests/conftest.py says why): the serial modules
 # with both cores, the background ones beside them at idle priority, then the
-# rest two at a time with one OpenMP thread each. Every lane runs even when
+# rest two at a time with one OpenMP thread each (and the schema fuzzer, which
+# xdist cannot split, in a pytest of its own beside them). Every lane runs even when
 # another fails; make fails if any did.
 test: CPU_BUILDS = --runnable
 test: $(STAMP)

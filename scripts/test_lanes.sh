@@ -10,12 +10,18 @@
 #                          modules (in-process compute with no wall-clock
 #                          deadline): they take only the cycles serial leaves
 #   phase 2   parallel     everything else, two modules at a time
+#             own process  beside it, the OWN_PROCESS modules (not for xdist)
 #
-# Both lists live in tests/conftest.py.  Usage: scripts/test_lanes.sh PYTHON
+# The lists live in tests/lanes.py; each lane's pytest is given its files, so
+# it collects only those (the parallel lane ignores the others' files).
+# Usage: scripts/test_lanes.sh PYTHON
 set -u
 PY=${1:-.venv/bin/python}
+serial_files=$("$PY" tests/lanes.py serial)
+background_files=$("$PY" tests/lanes.py background)
+own_files=$("$PY" tests/lanes.py own_process)
+ignored=$(for file in $serial_files $background_files $own_files; do echo "--ignore=$file"; done)
 background_log=$(mktemp)
-trap 'rm -f "$background_log"' EXIT
 
 # SCHED_IDLE: the kernel runs these only when no normal task wants the CPU,
 # so a serial test's server sees the cores as if alone (it inherits the
@@ -34,15 +40,23 @@ PYTHON
 }
 
 status=0
-OMP_NUM_THREADS=1 idle "$PY" -m pytest -q -n 2 --dist loadfile -m background \
+own_log=$(mktemp)
+trap 'rm -f "$background_log" "$own_log"' EXIT
+OMP_NUM_THREADS=1 idle "$PY" -m pytest -q -n 2 --dist loadfile $background_files \
     --durations=10 -p no:cacheprovider >"$background_log" 2>&1 &
 background=$!
-"$PY" -m pytest -q -m serial --durations=10 -p no:cacheprovider || status=$?
+"$PY" -m pytest -q $serial_files --durations=10 -p no:cacheprovider || status=$?
 wait "$background" || status=$?
 echo "---- background lane (ran beside the serial phase) ----"
 cat "$background_log"
 echo "---- phase 1 took ${SECONDS} s; the parallel lane ----"
-OMP_NUM_THREADS=1 "$PY" -m pytest -q -n 2 --dist loadfile -m "not serial and not background" \
-    --durations=15 || status=$?
+OMP_NUM_THREADS=1 "$PY" -m pytest -q $own_files --durations=5 -p no:cacheprovider \
+    >"$own_log" 2>&1 &
+own=$!
+OMP_NUM_THREADS=1 "$PY" -m pytest -q -n 2 --dist loadfile $ignored \
+    -m "not serial and not background and not own_process" --durations=15 || status=$?
+wait "$own" || status=$?
+echo "---- own-process lane (ran beside the parallel lane) ----"
+cat "$own_log"
 echo "---- the lanes took ${SECONDS} s ----"
 exit "$status"

@@ -4,13 +4,15 @@ Both are real HF folders (config.json + safetensors + tokenizer), loaded by the
 same code path users take. The tiny model borrows SmolLM2's tokenizer so text
 prompts work on it too.
 
-`make test` runs the suite in lanes (scripts/test_lanes.sh): first the SERIAL
-modules alone, with the BACKGROUND ones beside them at idle priority; then
+`make test` runs the suite in lanes (scripts/test_lanes.sh; the lists in
+tests/lanes.py): first the SERIAL modules alone, with the BACKGROUND ones
+beside them at idle priority; then
 every other module two at a time (pytest-xdist, one module per worker, one
-OpenMP thread each). A serial module times the server against the wall clock
-(a token gap, a paced refusal, a drain, a heavy request beside a light one), so
-it must not share the two cores with another module at the same priority; a
-background module has no wall-clock deadline, so it can wait while they run.
+OpenMP thread each), the OWN_PROCESS ones in a pytest of their own beside it.
+A serial module times the server against the wall clock (a token gap, a paced
+refusal, a drain, a heavy request beside a light one), so it must not share
+the two cores with another module at the same priority; a background module
+has no wall-clock deadline, so it can wait while they run.
 """
 
 from __future__ import annotations
@@ -22,58 +24,21 @@ import torch
 
 from engine.config import DEFAULT_MODEL, default_cache_dir
 from engine.model.models.loader import default_gguf_path, resolve_model_path
+from lanes import LANES
 from need import need
-from tiny_models import make_tiny_model
-
-SERIAL = frozenset({
-    "tests/deploy/test_load_balancer.py",  # nginx spreads a burst: arrival times
-    "tests/deploy/test_router_front.py",  # another client's refusal within 0.15 s
-    "tests/engine/test_kv_offload_redis.py",  # a dead Redis answers within 0.1 s
-    "tests/engine/test_kv_offload_threads.py",  # a lookup returns within 50 ms
-    "tests/engine/test_tensor_parallel.py",  # three ranks on two cores, a killed rank seen in 10 s
-    "tests/service/fleet/test_fleet.py",  # Redis dies and returns under load
-    "tests/service/fleet/test_fleet_replicas.py",  # two real SmolLM2 replicas warm up
-    "tests/service/guards/test_pacing.py",  # refusals paced to 0.15 s
-    "tests/service/guards/test_connection_limits.py",  # header deadlines
-    "tests/service/serving/test_concurrency.py",  # one slow request beside fast ones
-    "tests/service/serving/test_prep_lanes.py",  # a slow compile beside a plain chat
-    "tests/service/serving/test_streaming.py",  # a token within 0.3 s of the first
-    "tests/service/test_faults.py",  # failures answered within seconds
-    "tests/service/test_hardening.py",  # latency under load vs idle
-    "tests/service/test_shutdown.py",  # drain and exit times
-    "tests/service/test_tensor_parallel_serve.py",  # ranks as processes, a kill seen in 10 s
-    "tests/service/test_constraint_limits_http.py",  # a hostile schema answered within 5 s
-    # Not timing: schemathesis gives its 13 fuzzed operations one node id, and
-    # xdist, which schedules by node id, would run only the first of them.
-    "tests/service/test_schema_fuzz.py",
-})
-
-# In-process compute with no wall-clock deadline, no subprocess timeout and no
-# rank processes: safe to starve for seconds at a time, so they soak up the
-# cycles the serial phase leaves idle (~540 of its 1,260 core-seconds).
-BACKGROUND = frozenset({
-    "tests/engine/test_spec_decode_parity.py",
-    "tests/engine/test_hf_parity.py",
-    "tests/engine/test_fused_layer.py",
-    "tests/engine/test_structured_outputs.py",
-    "tests/engine/test_model_families.py",
-    "tests/engine/test_prefix_caching_parity.py",
-    "tests/engine/test_sliding_window_blocks.py",
-    "tests/engine/test_pooling.py",
-})
+from tiny_models import keep_first_layers, make_tiny_model
 
 
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
-    missing = sorted(path for path in SERIAL | BACKGROUND if not (root / path).is_file())
+    missing = sorted(path for paths in LANES.values() for path in paths if not (root / path).is_file())
     if missing:  # a moved module would silently leave its lane
-        raise pytest.UsageError(f"tests/conftest.py SERIAL or BACKGROUND names no file: {missing}")
+        raise pytest.UsageError(f"tests/lanes.py names no file: {missing}")
     for item in items:
         path = item.path.relative_to(root).as_posix()
-        if path in SERIAL:
-            item.add_marker(pytest.mark.serial)
-        elif path in BACKGROUND:
-            item.add_marker(pytest.mark.background)
+        for mark, paths in LANES.items():
+            if path in paths:
+                item.add_marker(getattr(pytest.mark, mark))
 
 
 class ModuleSeconds:
@@ -122,6 +87,15 @@ def smollm2_path() -> Path:
         return resolve_model_path(DEFAULT_MODEL, default_cache_dir())
     except ValueError as exc:
         need(False, f"the default model is not available: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_short_path(tmp_path_factory, smollm2_path) -> Path:
+    """SmolLM2 (float32, de-quantized from its file) cut to its first 4 of 30
+    layers: the real weights and every shape (hidden 576, head_dim 64, 3 KV
+    heads, the tied 49,152-row head) at about a third of the compute. For the
+    modules whose subject is a path through the engine, not the model's text."""
+    return keep_first_layers(smollm2_path, tmp_path_factory.mktemp("smollm2-short"), 4)
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,38 @@ def save_tiny(folder: Path, config_name: str, model_name: str, settings: dict,
     return folder
 
 
+
+def keep_first_layers(source: Path, folder: Path, num_layers: int) -> Path:
+    """A real checkpoint cut to its first `num_layers` decoder layers: the
+    same weights, shapes, embedding, final norm and (tied) head, a fraction of
+    the compute. For tests whose subject is the arithmetic path, not what the
+    whole model says."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    assert num_layers < config["num_hidden_layers"], "keep fewer layers than the model has"
+    config["num_hidden_layers"] = num_layers
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for file in sorted(source.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            kept = {name: f.get_tensor(name) for name in f.keys() if _layer_of(name) < num_layers}
+        save_file(kept, str(folder / file.name), metadata={"format": "pt"})
+    for file in source.iterdir():  # tokenizer, chat template, generation config
+        if file.suffix != ".safetensors" and file.name != "config.json" and not file.name.startswith("gguf_"):
+            shutil.copy(file, folder / file.name)
+    return folder
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a tensor belongs to (-1 for the embedding, norm, head)."""
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
+
 # A Hermes-style chat template (as Qwen2.5's, shortened): it shows the model its
 # tools and writes earlier calls as <tool_call>{...}</tool_call>.
 HERMES_CHAT_TEMPLATE = (

@@ -4,7 +4,8 @@ module by module: the same tokens and the same
 log-probabilities to the bit, in bf16 on the CPU's compiled ops, for steps of
 decodes, of prompt chunks, of both, and of drafted rows (n-gram speculation).
 
-The families that take it: SmolLM2 (Llama, the real weights, tied head),
+The families that take it: SmolLM2 (Llama, the real weights and shapes, tied
+head; its first 4 layers, conftest's smollm2_short_path),
 Qwen2 with its q/k/v biases and a sliding layer, Mistral sliding on every
 layer, Qwen3 with its per-head norms of q and k, a Qwen3-MoE's dense layers;
 the prompts run past the tiny models' 20-token windows. Several prompts at
@@ -96,32 +97,33 @@ def _same_with_and_without(llm, monkeypatch, prompts=PROMPTS, stacked: bool = Tr
 
 @pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=16, block_size=16)],
                          ids=["plain", "chunked"])
-def test_smollm2_fused_layers_give_the_same_numbers(smollm2_path, engine_args, monkeypatch):
+def test_smollm2_fused_layers_give_the_same_numbers(smollm2_short_path, engine_args, monkeypatch):
     _compiled_ops_or_skip()
-    llm = LLM(str(smollm2_path), dtype="bfloat16", **engine_args)
+    llm = LLM(str(smollm2_short_path), dtype="bfloat16", **engine_args)
     _same_with_and_without(llm, monkeypatch)
     bound = [layer._fused for layer in llm.engine.runner.model.layers]
     assert None not in bound and len({one.shape for one in bound}) == 1
 
 
 @pytest.mark.parametrize("cache, dtype", [("int8", torch.int8), ("fp8", torch.float8_e4m3fn)])
-def test_quantized_caches_give_the_same_numbers(smollm2_path, monkeypatch, cache, dtype):
+def test_quantized_caches_give_the_same_numbers(smollm2_short_path, monkeypatch, cache, dtype):
     """--kv-cache-dtype int8 / fp8: the op quantizes k and v into the cache as
     the store does, and its attention reads the blocks as the modules' does."""
     _compiled_ops_or_skip()
-    llm = LLM(str(smollm2_path), dtype="bfloat16", kv_cache_dtype=cache)
+    llm = LLM(str(smollm2_short_path), dtype="bfloat16", kv_cache_dtype=cache)
     assert llm.engine.runner.kv_cache.dtype == dtype
     _same_with_and_without(llm, monkeypatch)
 
 
-def test_lora_rows_give_the_same_numbers(smollm2_path, tmp_path_factory, monkeypatch):
+def test_lora_rows_give_the_same_numbers(smollm2_short_path, tmp_path_factory, monkeypatch):
     """Rows under two LoRA adapters beside a base row: the op adds each row's
     update (kernels/cpu/csrc/lora.h) where the modules' projections do."""
     _compiled_ops_or_skip()
     root = tmp_path_factory.mktemp("smollm2-lora")
-    requests = [LoRARequest(name, i + 1, str(make_adapter(smollm2_path, root / name, i, **ADAPTERS[name])))
+    requests = [LoRARequest(name, i + 1,
+                            str(make_adapter(smollm2_short_path, root / name, i, **ADAPTERS[name])))
                 for i, name in enumerate(["all-r8-rs", "qv-r4"])]
-    llm = LLM(str(smollm2_path), dtype="bfloat16", enable_lora=True, max_loras=2,
+    llm = LLM(str(smollm2_short_path), dtype="bfloat16", enable_lora=True, max_loras=2,
               max_num_batched_tokens=16, block_size=16)
     _same_with_and_without(llm, monkeypatch, lora=[requests[0], None, requests[1]])
     base, _ = _generate(llm, "stack", monkeypatch)
@@ -129,12 +131,12 @@ def test_lora_rows_give_the_same_numbers(smollm2_path, tmp_path_factory, monkeyp
     assert base[1] == adapted[1] and base[0][0] != adapted[0][0]
 
 
-def test_drafted_rows_give_the_same_numbers(smollm2_path, monkeypatch):
+def test_drafted_rows_give_the_same_numbers(smollm2_short_path, monkeypatch):
     """Steps whose sequences carry n-gram drafts: several rows each, attended
     by the prefill kernel inside the op, accepted or rolled back as before."""
     _compiled_ops_or_skip()
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    llm = LLM(str(smollm2_path), dtype="bfloat16", speculative_config=spec)
+    llm = LLM(str(smollm2_short_path), dtype="bfloat16", speculative_config=spec)
     repeat = ["Copy this line exactly: the quick brown fox jumps over the lazy dog, the quick brown fox",
               "Repeat after me: one two three four five six seven eight nine ten one two three"]
     _same_with_and_without(llm, monkeypatch, repeat)
@@ -234,8 +236,8 @@ def test_quantized_gemma_layers_give_the_same_numbers(family, tensor_type, tiny_
     assert None not in _same_op_by_op(llm, monkeypatch)
 
 
-def test_float32_runs_the_modules(smollm2_path, monkeypatch):
-    llm = LLM(str(smollm2_path), dtype="float32")
+def test_float32_runs_the_modules(smollm2_short_path, monkeypatch):
+    llm = LLM(str(smollm2_short_path), dtype="float32")
     _, taken = _generate(llm, "stack", monkeypatch)
     assert taken == 0
     layer = llm.engine.runner.model.layers[0]

@@ -44,6 +44,20 @@ def speculative(smollm2_path):
     llm.engine.close()
 
 
+@pytest.fixture(scope="module")
+def expected(reference):
+    """params -> the reference's tokens for CONVERSATIONS, each computed once in
+    the module (GREEDY and SHORT serve several tests)."""
+    done = {}
+
+    def get(params):
+        if id(params) not in done:
+            done[id(params)] = token_ids(reference, params)
+        return done[id(params)]
+
+    return get
+
+
 def token_ids(llm, params=GREEDY, conversations=CONVERSATIONS):
     return [[list(c.token_ids) for c in out.outputs]
             for out in llm.chat(conversations, params, use_tqdm=False)]
@@ -59,11 +73,10 @@ def assert_same_with_drafts(llm, expected, params=GREEDY, conversations=CONVERSA
     assert accepted(llm) > before, "no draft token was accepted: speculation never ran"
 
 
-def test_greedy_outputs_equal_with_prefix_hits(reference, speculative):
-    expected = token_ids(reference)
-    assert_same_with_drafts(speculative, expected)
+def test_greedy_outputs_equal_with_prefix_hits(expected, speculative):
+    assert_same_with_drafts(speculative, expected(GREEDY))
     hits = speculative.engine.block_manager.stats.hits
-    assert_same_with_drafts(speculative, expected)  # the same prompts again: prefix hits
+    assert_same_with_drafts(speculative, expected(GREEDY))  # the same prompts again: prefix hits
     assert speculative.engine.block_manager.stats.hits > hits
 
 
@@ -73,22 +86,20 @@ def test_greedy_outputs_equal_with_prefix_hits(reference, speculative):
     dict(num_gpu_blocks_override=13, block_size=16, max_model_len=192,
          schedule_conservativeness=0.0),
 ], ids=["block-1", "block-128", "chunked-prefill", "preemption"])
-def test_greedy_outputs_equal_in_every_layout(smollm2_path, reference, engine_args):
-    expected = token_ids(reference, SHORT)
+def test_greedy_outputs_equal_in_every_layout(smollm2_path, expected, engine_args):
     llm = LLM(str(smollm2_path), speculative_config=NGRAM, **{**BASE, **engine_args})
     try:
-        assert_same_with_drafts(llm, expected, SHORT)
+        assert_same_with_drafts(llm, expected(SHORT), SHORT)
         if "num_gpu_blocks_override" in engine_args:
             assert llm.engine.scheduler.num_preemptions > 0
     finally:
         llm.engine.close()
 
 
-def test_suffix_decoding_gives_the_same_tokens(smollm2_path, reference):
-    expected = token_ids(reference)
+def test_suffix_decoding_gives_the_same_tokens(smollm2_path, expected):
     llm = LLM(str(smollm2_path), speculative_config={"method": "suffix"}, **BASE)
     try:
-        assert_same_with_drafts(llm, expected)
+        assert_same_with_drafts(llm, expected(GREEDY))
     finally:
         llm.engine.close()
 

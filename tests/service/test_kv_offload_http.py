@@ -1,5 +1,6 @@
-"""KV offload over HTTP on the real SmolLM2 in float32: each tier (host, disk,
-Redis) changes what is computed, never what is generated, and /metrics shows it.
+"""KV offload over HTTP on SmolLM2's real weights in float32 (its first 4
+layers: conftest's smollm2_short_path): each tier (host, disk, Redis) changes
+what is computed, never what is generated, and /metrics shows it.
 
 Four distinct system prompts (~180 tokens, 11 full blocks of 16 once rendered)
 go round three times, one request after another, each time with a new user
@@ -105,8 +106,8 @@ def shared_prefix_blocks(live: LiveServer) -> int:
 
 
 @pytest.fixture(scope="module")
-def baseline(smollm2_path):
-    bodies, values, blocks = serve_workload(smollm2_path)
+def baseline(smollm2_short_path):
+    bodies, values, blocks = serve_workload(smollm2_short_path)
     # The pool is too small to keep any prefix for its next round: nothing is cached.
     assert [cached(b) for b in bodies] == [0] * len(bodies)
     assert values[("pagedserve:prefix_cache_hits_total", "")] == 0
@@ -130,10 +131,10 @@ def tier_args(tier: str, tmp_path, redis_url: str | None) -> dict:
 
 
 @pytest.mark.parametrize("tier", ["host", "disk", "redis"])
-def test_each_tier_serves_identical_outputs_with_hits(tier, baseline, smollm2_path, tmp_path,
+def test_each_tier_serves_identical_outputs_with_hits(tier, baseline, smollm2_short_path, tmp_path,
                                                       request):
     redis_url = request.getfixturevalue("redis_url") if tier == "redis" else None
-    bodies, values, blocks = serve_workload(smollm2_path, **tier_args(tier, tmp_path, redis_url))
+    bodies, values, blocks = serve_workload(smollm2_short_path, **tier_args(tier, tmp_path, redis_url))
     expected, baseline_blocks = baseline
     assert blocks == baseline_blocks
     assert blocks >= 8  # the system prompts fill most of the 256-token context
