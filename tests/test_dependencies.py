@@ -47,3 +47,18 @@ def test_floor_is_at_least_the_release_that_has_the_api(api):
 @pytest.mark.parametrize("api", sorted(NEWEST_API))
 def test_the_api_exists_in_the_installed_release(api):
     assert callable(pkgutil.resolve_name(api))
+
+
+# The top-level packages pagedserve installs (pyproject.toml's packages.find).
+OUR_PACKAGES = ("engine", "kernels", "service", "clients", "bench", "pagedserve")
+
+
+@pytest.mark.parametrize("package", OUR_PACKAGES)
+def test_no_other_installed_distribution_ships_our_package_names(package):
+    """Another distribution with one of our import names would shadow ours or be
+    shadowed (transformers >= 5.25 pulls in Hugging Face's `kernels` and then
+    imports our kernels/ as if it were that)."""
+    others = [name for name in metadata.packages_distributions().get(package, [])
+              if name.lower() != "pagedserve"]
+    assert not others, f"{others} also install a top-level `{package}` package: it collides with ours"
+

@@ -79,8 +79,9 @@ def stream_events(client: httpx.Client, body: dict) -> list[str]:
         return [event.data for event in source.iter_sse()]
 
 
-def test_three_ranks_stream_a_chat_and_sigterm_leaves_no_worker(smollm2_path, tmp_path, servers):
-    server = Server(smollm2_path, 3, tmp_path / "server.log")
+def test_three_ranks_stream_a_chat_and_sigterm_leaves_no_worker(smollm2_short_path, tmp_path, servers):
+    # SmolLM2's 9 heads and 3 KV heads (its first 4 layers) split over 3 ranks.
+    server = Server(smollm2_short_path, 3, tmp_path / "server.log")
     servers.append(server)
     assert len(server.workers) == 2 and all(alive(pid) for pid in server.workers)
     with httpx.Client(base_url=server.url, timeout=120) as client:
