@@ -1,4 +1,5 @@
-"""Prefix caching changes what is computed, never what is generated (real SmolLM2, float32).
+"""Prefix caching changes what is computed, never what is generated (SmolLM2's
+real weights in float32, its first 4 layers: conftest's smollm2_short_path).
 
 Every scenario runs twice on fresh engines, caching off and on, and the
 generated tokens must agree. The schedule is driven by hand so that requests
@@ -73,17 +74,17 @@ SCENARIOS = [
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_path):
+def prompts(smollm2_short_path):
     from transformers import AutoTokenizer
 
-    return chat_prompts(AutoTokenizer.from_pretrained(str(smollm2_path)))
+    return chat_prompts(AutoTokenizer.from_pretrained(str(smollm2_short_path)))
 
 
 @pytest.mark.parametrize("name,engine_args,preempts", SCENARIOS, ids=[s[0] for s in SCENARIOS])
-def test_greedy_identical_with_and_without_caching(smollm2_path, prompts, name, engine_args,
+def test_greedy_identical_with_and_without_caching(smollm2_short_path, prompts, name, engine_args,
                                                    preempts):
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
-    results = both_ways(smollm2_path, prompts, params, **engine_args)
+    results = both_ways(smollm2_short_path, prompts, params, **engine_args)
     (off, off_stats), (on, on_stats) = results[False], results[True]
     assert on == off
     assert off_stats["prefix_cache_hits"] == 0
@@ -93,11 +94,11 @@ def test_greedy_identical_with_and_without_caching(smollm2_path, prompts, name, 
         assert on_stats["num_preemptions"] > 0
 
 
-def test_parallel_samples_identical_with_and_without_caching(smollm2_path, prompts):
+def test_parallel_samples_identical_with_and_without_caching(smollm2_short_path, prompts):
     """n > 1 shares the prompt's blocks (fork + copy on write) either way."""
     params = [SamplingParams(n=3, temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=16,
                              ignore_eos=True) for i in range(3)]
-    results = both_ways(smollm2_path, prompts[:3], params, block_size=16)
+    results = both_ways(smollm2_short_path, prompts[:3], params, block_size=16)
     (off, _), (on, on_stats) = results[False], results[True]
     assert on == off
     assert on_stats["prefix_cache_hits"] > 0
