@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-# Lanes (scripts/test_lanes.sh, tests/conftest.py says why): the serial modules
+# Lanes (scripts/test_lanes.sh; tests/lanes.py lists them and says why): the serial modules
 # with both cores, the background ones beside them at idle priority, then the
 # rest two at a time with one OpenMP thread each (and the schema fuzzer, which
 # xdist cannot split, in a pytest of its own beside them). Every lane runs even when

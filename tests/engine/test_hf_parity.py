@@ -14,6 +14,8 @@ sequences are no longer comparable.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -93,9 +95,9 @@ def check_greedy(case, name: str, engine_args: dict, preempts: bool) -> dict:
     return result
 
 
-# The tiny Llama runs every schedule above; the real SmolLM2 (30 layers, ~8 s
-# of float32 compute a schedule on one AVX2 core) one of each kind: a plain
-# run, chunked prefill at block 128, and chunked prefill with preemption.
+# The tiny Llama runs every schedule above; the real SmolLM2 (30 layers,
+# 13-19 s of float32 compute a schedule on one AVX2 core) one of each kind: a
+# plain run, chunked prefill at block 128, and chunked prefill with preemption.
 SMOLLM2_CONFIGS = ("block16", "block128-chunked", "block16-chunked-preempt")
 CASES = [(model, *config) for model in ("tiny-llama", "smollm2") for config in CONFIGS
          if model == "tiny-llama" or config[0] in SMOLLM2_CONFIGS]
@@ -104,14 +106,8 @@ CASES = [(model, *config) for model in ("tiny-llama", "smollm2") for config in C
 @pytest.fixture(scope="module")
 def model_cases(tiny_llama_path, smollm2_path):
     """model name -> hf_case, HF's greedy run made once per model in the module."""
-    paths, cases = {"tiny-llama": tiny_llama_path, "smollm2": smollm2_path}, {}
-
-    def get(model_name: str):
-        if model_name not in cases:
-            cases[model_name] = hf_case(model_name, paths[model_name])
-        return cases[model_name]
-
-    return get
+    paths = {"tiny-llama": tiny_llama_path, "smollm2": smollm2_path}
+    return functools.cache(lambda model_name: hf_case(model_name, paths[model_name]))
 
 
 @pytest.mark.parametrize("model_name,name,engine_args,preempts", CASES,
