@@ -13,14 +13,15 @@
 #             own process  beside it, the OWN_PROCESS modules (not for xdist)
 #
 # The lists live in tests/lanes.py; each lane's pytest is given its files, so
-# it collects only those (the parallel lane ignores the others' files).
+# it collects only those. The xdist lanes take their modules in the order
+# given, longest first (--no-loadscope-reorder; tests/lanes.py says why).
 # Usage: scripts/test_lanes.sh PYTHON
 set -u
 PY=${1:-.venv/bin/python}
 serial_files=$("$PY" tests/lanes.py serial)
 background_files=$("$PY" tests/lanes.py background)
 own_files=$("$PY" tests/lanes.py own_process)
-ignored=$(for file in $serial_files $background_files $own_files; do echo "--ignore=$file"; done)
+parallel_files=$("$PY" tests/lanes.py parallel)
 background_log=$(mktemp)
 
 # SCHED_IDLE: the kernel runs these only when no normal task wants the CPU,
@@ -42,7 +43,7 @@ PYTHON
 status=0
 own_log=$(mktemp)
 trap 'rm -f "$background_log" "$own_log"' EXIT
-OMP_NUM_THREADS=1 idle "$PY" -m pytest -q -n 2 --dist loadfile $background_files \
+OMP_NUM_THREADS=1 idle "$PY" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $background_files \
     --durations=10 -p no:cacheprovider >"$background_log" 2>&1 &
 background=$!
 "$PY" -m pytest -q $serial_files --durations=10 -p no:cacheprovider || status=$?
@@ -53,7 +54,7 @@ echo "---- phase 1 took ${SECONDS} s; the parallel lane ----"
 OMP_NUM_THREADS=1 "$PY" -m pytest -q $own_files --durations=5 -p no:cacheprovider \
     >"$own_log" 2>&1 &
 own=$!
-OMP_NUM_THREADS=1 "$PY" -m pytest -q -n 2 --dist loadfile $ignored \
+OMP_NUM_THREADS=1 "$PY" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $parallel_files \
     -m "not serial and not background and not own_process" --durations=15 || status=$?
 wait "$own" || status=$?
 echo "---- own-process lane (ran beside the parallel lane) ----"

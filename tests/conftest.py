@@ -17,6 +17,7 @@ has no wall-clock deadline, so it can wait while they run.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -24,16 +25,19 @@ import torch
 
 from engine.config import DEFAULT_MODEL, default_cache_dir
 from engine.model.models.loader import default_gguf_path, resolve_model_path
-from lanes import LANES
+from lanes import LANES, PARALLEL_FIRST
 from need import need
 from tiny_models import keep_first_layers, make_tiny_model
 
 
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
-    missing = sorted(path for paths in LANES.values() for path in paths if not (root / path).is_file())
+    named = [path for paths in (*LANES.values(), PARALLEL_FIRST) for path in paths]
+    missing = sorted(path for path in named if not (root / path).is_file())
     if missing:  # a moved module would silently leave its lane
         raise pytest.UsageError(f"tests/lanes.py names no file: {missing}")
+    if len(named) != len(set(named)):
+        raise pytest.UsageError(f"tests/lanes.py names a file twice: {sorted(named)}")
     for item in items:
         path = item.path.relative_to(root).as_posix()
         for mark, paths in LANES.items():
@@ -46,14 +50,20 @@ class ModuleSeconds:
     printed at the end: where the suite's minutes go (--durations names
     single tests; a module's fixtures and many small cases hide there).
     xdist sends every worker's reports to the controller, so this sees the
-    whole lane."""
+    whole lane, and when each worker's last test ended: the gap between the
+    first and the last to finish is a tail where one core had no module."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.started = time.monotonic()
+        self.worker_ended: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report):
         module = report.nodeid.split("::")[0]
         self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
+        node = getattr(report, "node", None)  # the xdist worker, on the controller
+        if node is not None:
+            self.worker_ended[node.gateway.id] = time.monotonic() - self.started
 
     def pytest_terminal_summary(self, terminalreporter):
         if not self.seconds:
@@ -61,6 +71,9 @@ class ModuleSeconds:
         terminalreporter.section("slowest modules (setup + call + teardown)")
         for module, total in sorted(self.seconds.items(), key=lambda item: -item[1])[:25]:
             terminalreporter.write_line(f"{total:8.1f}s  {module}")
+        if self.worker_ended:
+            ends = ", ".join(f"{worker} {end:.0f} s" for worker, end in sorted(self.worker_ended.items()))
+            terminalreporter.write_line(f"each worker's last test ended at: {ends}")
 
 
 def pytest_configure(config):
