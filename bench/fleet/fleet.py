@@ -17,7 +17,8 @@ with like.
 
 `--routing` runs another benchmark instead (bench/fleet/routing.py): one multi-tenant
 workload through round robin, nginx session hashing and vllm-router's
-cache_aware and kv_aware policies, N fresh replicas for each.
+cache_aware and kv_aware policies, over N replicas whose prefix caches are reset
+before each.
 """
 
 from __future__ import annotations

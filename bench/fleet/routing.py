@@ -1,15 +1,21 @@
 """`pagedserve bench fleet --routing`: one multi-tenant workload through each way of
 spreading it over N replicas, with real processes on loopback.
 
+    N replicas (pagedserve serve, a KV pool smaller than the tenants'
+    prefixes, KV events and replay on loopback), started once
     for mode in round_robin, nginx, cache_aware, kv_aware:    (one at a time)
-        N fresh replicas (pagedserve serve, a KV pool smaller than the tenants'
-        prefixes, KV events and replay on loopback), one warm-up chat each
+        every replica's prefix cache reset (the mode starts cold; its
+        AllBlocksCleared event reaches a kv_aware router's replay too), one
+        warm-up chat each
         the mode's front: vllm-router --policy round_robin | nginx hashing
         X-Session-ID | vllm-router cache_aware | vllm-router kv_aware
         the same conversations: each a tenant's system prompt (T distinct ones)
         and a first question, starting at Poisson arrivals; each follow-up turn
         quotes the conversation so far and asks again after a think time
-        every replica stopped (the next mode starts cold)
+        the front stopped
+
+The replicas outlive the modes: a reset empties what a restart would (no
+request runs between modes) without N server starts per mode.
 
 Per mode: the prefix hit rate and its share of the ideal (bench/fleet/routing_report.py
 defines the oracle), TTFT p50/p90 (streamed, to the first content token, at
@@ -145,24 +151,26 @@ def render_tokens(url: str, records: list[dict], model: str) -> None:
             r["tokens"] = response.json()["token_ids"]
 
 
-def run_mode(mode: str, conversations, systems, args, log_dir: Path, progress) -> dict:
-    replicas = start_replicas(replica_flags(args), args.replicas, log_dir, mode)
+def run_mode(mode: str, replicas, conversations, systems, args, log_dir: Path, progress) -> dict:
+    reset_prefix_caches(replicas)
+    before = warm_up(replicas, args.served_name)
+    front = start_front(mode, replicas, args.served_name, log_dir)
     try:
-        for r in replicas:
-            r.replica.wait_ready()
-        before = warm_up(replicas, args.served_name)
-        front = start_front(mode, replicas, args.served_name, log_dir)
-        try:
-            task = progress.add_task(mode, total=sum(len(c) for c in conversations))
-            records = asyncio.run(drive(front.url, conversations, systems, args,
-                                        lambda n: progress.advance(task, n)))
-        finally:
-            front.stop()
-        per_replica = [finished_requests(r.replica) - b for r, b in zip(replicas, before)]
-        render_tokens(replicas[0].url, records, args.served_name)
+        task = progress.add_task(mode, total=sum(len(c) for c in conversations))
+        records = asyncio.run(drive(front.url, conversations, systems, args,
+                                    lambda n: progress.advance(task, n)))
     finally:
-        stop_replicas(replicas)
+        front.stop()
+    per_replica = [finished_requests(r.replica) - b for r, b in zip(replicas, before)]
+    render_tokens(replicas[0].url, records, args.served_name)
     return summarize(mode, records, per_replica, args.block_size)
+
+
+def reset_prefix_caches(replicas) -> None:
+    """Every replica's prefix cache emptied: between modes no request runs, so
+    nothing stays cached from the mode before."""
+    for r in replicas:
+        httpx.post(f"{r.url}/reset_prefix_cache", timeout=60).raise_for_status()
 
 
 def replica_flags(args) -> list[str]:
@@ -183,9 +191,16 @@ def run_benchmark(args, log_dir: Path) -> dict:
     conversations = plan(args)
     systems = system_prompts(args.tenants, args.tenant_words, args.seed)
     results = []
-    with Progress(transient=False) as progress:
-        for mode in modes:
-            results.append(run_mode(mode, conversations, systems, args, log_dir, progress))
+    replicas = start_replicas(replica_flags(args), args.replicas, log_dir, "routing")
+    try:
+        for r in replicas:
+            r.replica.wait_ready()
+        with Progress(transient=False) as progress:
+            for mode in modes:
+                results.append(run_mode(mode, replicas, conversations, systems, args, log_dir,
+                                        progress))
+    finally:
+        stop_replicas(replicas)
     first = [r for r in results[0]["requests_detail"] if r["turn"] == 0 and not r["error"]]
     workload = {k: getattr(args, k) for k in (
         "replicas", "tenants", "tenant_words", "conversations", "turns", "rate", "think_seconds",

@@ -38,6 +38,11 @@ def test_every_mode_reports_sane_numbers(tiny_llama_path, tmp_path):
         # each conversation's second turn quotes its first: the oracle has that prefix
         seconds = [r for r in mode["requests_detail"] if r["turn"] == 1]
         assert all(r["ideal_cached"] >= 16 for r in seconds)
+        # Each mode starts cold on the same replicas (their caches reset between
+        # modes): no request finds more cached than this mode's own earlier
+        # requests could have left.
+        assert all(r["cached_tokens"] <= r["ideal_cached"] for r in mode["requests_detail"]), (
+            mode["mode"], [(r["cached_tokens"], r["ideal_cached"]) for r in mode["requests_detail"]])
     assert set(report["targets"]) == {"hit_of_ideal_at_least_90pct", "max_share_at_most_1.5",
                                       "p90_ttft_at_most_fifth_of_round_robin",
                                       "p90_ttft_at_most_nginx"}
