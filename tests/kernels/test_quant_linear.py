@@ -27,7 +27,8 @@ TYPES = tuple(QUANT_TYPES)
 # on AVX512-BF16 bf16 tokens take the int8 strips from 8 (quant_vnni.h, where
 # AMX does not take the call; 42's 2 leftover tokens a tile of 2) and float32
 # tokens from 32, so 16 takes the strips there for bf16 and the integer path
-# for float32; AVX2 takes the integer path up to 47; 128 is a prefill chunk.
+# for float32; AVX2 takes its int8 strips (quant_maddubs.h) from 8 tokens of
+# either dtype, the integer path below; 128 is a prefill chunk.
 ROWS = (1, 3, 6, 16, 42, 128)
 
 
@@ -211,6 +212,37 @@ def _within_the_bound(builds, generator, type_names, rows, out_features, in_feat
     for isa, ops in builds.items():
         worst = ((ops.quant_linear(x, blob, bias, True) - expected).abs() / bound).max().item()
         assert worst <= 1, f"{isa} {what}: {worst:.2f}x the bound"
+
+
+# The bytes of a block that hold its codes (the rest: scales, mins).
+CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24), "Q8_0": (2, 34),
+              "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
+
+
+@pytest.mark.parametrize("rows", (1, 16, 42))
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_largest_codes_meet_the_largest_tokens(builds, type_name, rows, session_seed):
+    """Every code at its largest stored value (Q8_0's at -128) against tokens
+    whose every code is 127 (-127 for Q8_0): the sums the int8 strips keep in
+    int16 before widening (quant_maddubs.h's steps_in_int16, 4-bit types a
+    whole group) and in maddubs's saturating pairs are at their largest
+    here, so a step too many or a sign taken the wrong way shows."""
+    generator = torch.Generator().manual_seed(session_seed + rows)
+    kind = QUANT_TYPES[type_name]
+    in_features, out_features = 2 * 256, 37
+    data = random_quant_blocks(type_name, out_features, in_features, generator)
+    blocks = data.view(-1, kind.block_bytes)
+    first, last = CODE_BYTES[type_name]
+    blocks[:, first:last] = 0x80 if type_name == "Q8_0" else 0xFF
+    blob = pack_quant_weight([(type_name, data)], in_features)
+    sign = -1.0 if type_name == "Q8_0" else 1.0
+    x = torch.full((rows, in_features), 0.5 * sign)
+    expected = quant_linear_reference(x, blob, None, float_out=True)
+    bound = _bound(x, blob, torch.float32, expected)
+    for isa, ops in builds.items():
+        got = ops.quant_linear(x, blob, None, True)
+        worst = ((got - expected).abs() / bound).max().item()
+        assert worst <= 1, f"{isa} {type_name} rows={rows} seed {session_seed}: {worst:.2f}x the bound"
 
 
 @pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K", "Q8_0"))

@@ -18,7 +18,9 @@
 // gives gguf's numbers bit for bit (never "+ 0.0" for a symmetric type: it
 // would turn a -0.0 into +0.0).
 //
-// Per type: kElems weights and kBytes bytes a block, kSubs sub-blocks of 32;
+// Per type: kElems weights and kBytes bytes a block, kSubs sub-blocks of 32,
+// kLevels codes a weight takes (stored as 0 .. kLevels - 1, q = code -
+// kCentre; Q8_0's are signed bytes as they are);
 // scales(block, wd[2 kSubs], wm[kSubs]); q(block, j, int8 out[32]) in plain
 // C++; and where the build has AVX2, q_avx2(block, j) -> the 32 q in a __m256i.
 #pragma once
@@ -104,6 +106,7 @@ struct Nibbles {
   static constexpr int kQs = kHigh + (kFifthBit ? 4 : 0);              // where the nibbles are
   static constexpr int kBytes = kQs + 16;
   static constexpr int kCentre = kHasMin ? 0 : (kFifthBit ? 16 : 8);
+  static constexpr int kLevels = kFifthBit ? 32 : 16;
   static constexpr bool kMin = kHasMin;
   static constexpr bool kSplit = false;  // one scale for all 32
   static void scales(const uint8_t* b, float* wd, float* wm) {
@@ -133,6 +136,7 @@ using Q5_1 = Nibbles<true, true>;
 
 struct Q8_0 {
   static constexpr int kElems = 32, kBytes = 34, kSubs = 1;
+  static constexpr int kLevels = 256, kCentre = 0;
   static constexpr bool kMin = false;
   static constexpr bool kSplit = false;  // one scale for all 32
   static void scales(const uint8_t* b, float* wd, float*) { wd[0] = wd[1] = fp16_to_float(b); }
@@ -148,6 +152,7 @@ struct Q8_0 {
 // reads bytes 32 (j / 2) .. + 31, low nibbles for even j, high for odd.
 struct Q4_K {
   static constexpr int kElems = 256, kBytes = 144, kSubs = 8;
+  static constexpr int kLevels = 16, kCentre = 0;
   static constexpr bool kMin = true;
   static constexpr bool kSplit = false;  // one scale for all 32
   static void scales(const uint8_t* b, float* wd, float* wm) {
@@ -177,6 +182,7 @@ struct Q4_K {
 // qh[l] is the fifth bit of sub-block j's weight l.
 struct Q5_K {
   static constexpr int kElems = 256, kBytes = 176, kSubs = 8;
+  static constexpr int kLevels = 32, kCentre = 0;
   static constexpr bool kMin = true;
   static constexpr bool kSplit = false;  // one scale for all 32
   static void scales(const uint8_t* b, float* wd, float* wm) { Q4_K::scales(b, wd, wm); }
@@ -203,6 +209,7 @@ struct Q5_K {
 // highs from bits 2k, 2k + 1 of qh[32 h ..]; q - 32.
 struct Q6_K {
   static constexpr int kElems = 256, kBytes = 210, kSubs = 8;
+  static constexpr int kLevels = 64, kCentre = 32;
   static constexpr bool kMin = false;
   static constexpr bool kSplit = true;  // a scale per 16
   static void scales(const uint8_t* b, float* wd, float*) {

@@ -23,15 +23,16 @@
 // price is the activations' 8-bit rounding, which the tests bound
 // (tests/kernels/test_quant_linear.py).
 //
-// Up to kManyRows - 1 tokens (31 on AVX512-BF16, 47 on AVX2; bf16 tokens
-// on AVX512-VNNI up to kVnniManyRows - 1, 7), quant_gemv.h's rows (every
+// Up to kManyRows - 1 tokens (31 on AVX512-BF16; bf16 tokens on
+// AVX512-VNNI up to kVnniManyRows - 1, 7; AVX2 up to kMaddubsManyRows - 1,
+// 7, or 47 with PAGEDSERVE_QUANT_STRIPS=bf16), quant_gemv.h's rows (every
 // type; AVX512: quant_lanes.h), up to 4 tokens a pass.  The portable build
 // takes tiles: R tokens x C weight rows; a weight sub-block is decoded once
 // per tile and meets the R tokens.  One token takes C = 4 rows (four
 // independent chains), several take R = 4 x C = 2.  Either way threads
-// split the rows in strips; from there, quant_strips.h: on AVX512-VNNI
-// int8 tokens against int8 strips (quant_vnni.h) below AMX's count,
-// elsewhere AMX or bf16 strips.
+// split the rows in strips; from there, quant_strips.h: int8 tokens against
+// int8 strips on AVX512-VNNI below AMX's count (quant_vnni.h) and on AVX2
+// (quant_maddubs.h), elsewhere AMX or de-quantized strips.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -74,6 +75,11 @@ namespace quant {
 // 37.2; at 8 the strips won 0.59-0.79x but for the head (1.04x), at 4 they
 // lose (Zen 5, 2026-12-03, docs/performance.md).
 constexpr int64_t kVnniManyRows = 8;  // kAmxManyRows (16): quant_strips.h
+// AVX2's int8 strips (quant_maddubs.h) take float32 and bf16 tokens alike
+// from 8: at 8 tokens SmolLM2's Q4_1 linears took 0.53-0.75x the rows' time,
+// its Q8_0 head 0.56x, Llama-1B's Q4_K up 0.76x and Q6_K down 0.79x (a
+// first-generation Zen EPYC, 2026-12-04, docs/performance.md).
+constexpr int64_t kMaddubsManyRows = 8;
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
 constexpr int64_t kManyRows = 32;
 #elif defined(__AVX2__)
@@ -207,7 +213,10 @@ inline bool takes_strips(const Blob& blob, int64_t M, bool bf16_x) {
   if (bf16_x && M >= kAmxManyRows && amx_takes(blob)) return true;
 #endif
 #if defined(PAGEDSERVE_QUANT_VNNI)
-  if (bf16_x && M >= kVnniManyRows && !vnni::bf16_asked()) return true;
+  if (bf16_x && M >= kVnniManyRows && !dequantized_strips_asked()) return true;
+#endif
+#if defined(PAGEDSERVE_QUANT_MADDUBS)
+  if (M >= kMaddubsManyRows && !dequantized_strips_asked()) return true;
 #endif
   (void)bf16_x;
   return M >= kManyRows;

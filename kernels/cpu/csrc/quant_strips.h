@@ -1,8 +1,8 @@
 // The quantized linear past a few tokens: strips of weight rows de-quantized
 // to bf16 and multiplied by the bf16 linear's tiles (linear.h), or by AMX
-// (amx.h); on AVX512-VNNI where AMX does not take the call, int8 strips
-// (quant_vnni.h).  PAGEDSERVE_QUANT_STRIPS=bf16 keeps the bf16 strips there
-// (for side-by-side runs).
+// (amx.h); on AVX512-VNNI where AMX does not take the call, and on AVX2,
+// int8 strips (quant_vnni.h, quant_maddubs.h).  PAGEDSERVE_QUANT_STRIPS=bf16
+// keeps the de-quantized strips there (for side-by-side runs).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -17,6 +17,7 @@
 #include "linear.h"
 #include "quant_blob.h"
 #include "quant_blocks.h"
+#include "quant_maddubs.h"
 #include "quant_vnni.h"
 #include "types.h"
 #include "work_items.h"
@@ -251,13 +252,16 @@ inline bool amx_takes(const Blob& blob) {
 // dot product, else fp32 in its pair order), then run_dequantized.
 template <typename TX, typename TOut>
 inline void run_many(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
+#if defined(PAGEDSERVE_QUANT_MADDUBS)
+  if (!dequantized_strips_asked()) return maddubs::run(blob, x, M, bias, out);
+#endif
   if constexpr (linear::kDotBf16 && std::is_same_v<TX, bf16_t>) {
 #if defined(PAGEDSERVE_HAS_AMX)
     if (M >= kAmxManyRows && amx_takes(blob))
       return M <= kAmxRowsUpTo ? run_amx_rows(blob, x, M, bias, out) : run_amx(blob, x, M, bias, out);
 #endif
 #if defined(PAGEDSERVE_QUANT_VNNI)
-    if (!vnni::bf16_asked()) return vnni::run(blob, x, M, bias, out);
+    if (!dequantized_strips_asked()) return vnni::run(blob, x, M, bias, out);
 #endif
     run_dequantized(blob, x, M, bias, out);
   } else {

@@ -47,7 +47,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -57,6 +56,7 @@
 #include "quant_act.h"
 #include "quant_blob.h"
 #include "quant_blocks.h"
+#include "quant_tokens.h"
 #include "types.h"
 #include "vec.h"
 #include "work_items.h"
@@ -64,16 +64,6 @@
 namespace pagedserve {
 namespace quant {
 namespace vnni {
-
-// PAGEDSERVE_QUANT_STRIPS=bf16 asks for the bf16 strips instead; read once
-// per process, as amx::available() is.
-inline bool bf16_asked() {
-  static const bool yes = [] {
-    const char* env = std::getenv("PAGEDSERVE_QUANT_STRIPS");
-    return env && std::strcmp(env, "bf16") == 0;
-  }();
-  return yes;
-}
 
 constexpr int64_t kMaxColumns = 4;               // columns of 16 rows per strip (work item)
 constexpr int kTileTokens = 4;                   // tokens per tile
@@ -99,61 +89,6 @@ constexpr int64_t kStripBudget = int64_t(512) << 10;
 inline int64_t columns_for(int64_t K) {
   const int64_t column = K / 32 * int64_t(512 + sizeof(GroupMeta));
   return std::clamp<int64_t>(kStripBudget / column, 1, kMaxColumns);
-}
-
-// Groups of 32 inputs that share a token's scale: a K-quant super-block's
-// eight where every part of the blob is a K-quant, else one.  Why: with one
-// scale across the eight, a group's int32 sums take the weight's scale
-// alone, and the token's once a super-block, not a multiply per group and
-// column.  At 512 tokens Llama-3.2-1B's Q4_K up projection took 0.94-0.97x
-// the time, its Q6_K down projection 0.83-0.85x; at 32 tokens the Q6_K
-// head 0.91-0.92x (Zen 5, docs/performance.md).
-// The price: SmolLM2 re-quantized to Q4_K_M, over scripts/gguf_quality.py's
-// text, mean KL against the float32 model 0.0055 (per 32: 0.0039),
-// perplexity +0.39 % (+0.54 %).  llama.cpp rounds the activations that meet
-// K-quants per 256 (Q8_K) too; the legacy types keep 32, as their weights'
-// scales do.
-inline int groups_a_scale(const Blob& blob) {
-  bool k_quants = true;
-  for (const Part& p : blob.parts) with_type(p.type, [&](auto q) { k_quants &= decltype(q)::kElems == 256; });
-  return k_quants ? 8 : 1;
-}
-
-// The tokens as the tiles read them: codes + 128, a scale d per `per`
-// groups, and what a weight's min multiplies per group: the sum of its
-// codes, times d where d is the group's own (per = 1).
-struct Tokens {
-  int64_t K, groups, per;
-  std::unique_ptr<uint8_t[]> u;  // [tokens, K], every byte written by quantize_tokens
-  std::vector<float> d;           // [tokens, groups / per]
-  std::vector<float> sums;        // [tokens, groups]
-};
-
-// quant_act.h's rounding (d = max|x| / 127 over `per` groups, codes to
-// nearest even), written straight into the tiles' layout.  With per = 1
-// these are the few-token path's codes.
-template <typename TX>
-inline Tokens quantize_tokens(const TX* x, int64_t M, int64_t K, int64_t per) {
-  const int64_t groups = K / 32, scales = groups / per;
-  Tokens t{K, groups, per, std::unique_ptr<uint8_t[]>(new uint8_t[size_t(M * K)]),
-           std::vector<float>(size_t(M * scales)), std::vector<float>(size_t(M * groups))};
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t b = 0; b < scales; ++b) {
-        const TX* xb = x + m * K + 32 * per * b;
-        const float d = abs_max_avx2(xb, 32 * per) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        t.d[size_t(m * scales + b)] = d;
-        for (int64_t j = 0; j < per; ++j) {
-          const int64_t g = b * per + j;
-          int sum;
-          const __m256i q = codes_avx2(xb + 32 * j, id, sum);
-          t.sums[size_t(m * groups + g)] = per == 1 ? d * float(sum) : float(sum);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.u.get() + m * K + 32 * g),
-                              _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))));
-        }
-      }
-  });
-  return t;
 }
 
 // A thread's decoded strip: `columns` columns' codes and meta (quant::Strip
@@ -332,7 +267,7 @@ inline void tile(const Tokens& x, int64_t m, const int8_t* codes, const GroupMet
   __m512(&sums)[T][C] = kPer == 1 ? f : p;  // what a group's sums go into
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) f[t][c] = p[t][c] = _mm512_setzero_ps();
-  const uint8_t* xu = x.u.get() + m * x.K;
+  const uint8_t* xu = x.codes.get() + m * x.K;
   // One loop over the groups, the token scale's at its last: a loop over
   // scales around one over their 8 groups ran Llama-1B's Q6_K down
   // projection 1.2x slower than this.
@@ -424,7 +359,7 @@ inline void tokens_times_strip(const Tokens& x, int64_t m, const Decoded& s, int
 template <typename TX, typename TOut>
 inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
   const int64_t K = blob.K, N = blob.N, groups = K / 32;
-  const Tokens tokens = quantize_tokens(x, M, K, groups_a_scale(blob));
+  const Tokens tokens = quantize_tokens(x, M, K, groups_a_scale(blob), true);
   const int64_t strip_columns = columns_for(K);
   const std::vector<quant::Strip> strips = strips_of(blob, 16 * strip_columns);
   auto bytes_of = [&](int64_t i) {
