@@ -296,10 +296,12 @@ class Server(uvicorn.Server):
 
 
 def serve(config: ServiceConfig, log_level: str = "info") -> int:
+    from engine.model.model_info import prepare_model
     from service.app import create_app
     from service.guards.connections import uvicorn_options
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    prepare_model(config.engine)  # a GGUF's first start: its folder made in a child process
     app = create_app(config)
     server = Server(uvicorn.Config(
         app,

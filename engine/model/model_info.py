@@ -18,7 +18,8 @@ from engine.model.kv_cache import dtype_name, token_capacity
 from engine.model.model_runner import ModelRunner
 from engine.model.models.registry import model_class
 from engine.model.pooling.pooler import PoolingInfo
-from engine.model.models.loader import GGUF_LINK, load_hf_config, load_tokenizer, resolve_model_path
+from engine.model.models.loader import (GGUF_LINK, load_hf_config, load_tokenizer,
+                                        prepare_model_path_apart, resolve_model_path)
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,7 @@ def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunn
     """Read the checkpoint that `config` names: the config with the model's own
     max_model_len filled in, what the engine must know of the model, and the
     runner holding its weights and KV cache."""
-    model_path = resolve_model_path(config.model, config.cache_dir,
-                                    dequantize=config.quantization != "gguf")
+    model_path = resolve_model_path(config.model, config.cache_dir, dequantize(config))
     hf_config = load_hf_config(model_path)
     config = config.resolve_max_model_len(_position_limit(config, hf_config))
     tokenizer = (
@@ -81,6 +81,18 @@ def load_model(config: EngineConfig) -> tuple[EngineConfig, ModelInfo, ModelRunn
                     rank, config.tensor_parallel_size, memory["weights_bytes"] / 2**20,
                     memory["kv_cache_bytes"] / 2**20)
     return config, info, runner
+
+
+def dequantize(config: EngineConfig) -> bool:
+    """Whether a GGUF file is served through its de-quantized folder (else as it is)."""
+    return config.quantization != "gguf"
+
+
+def prepare_model(config: EngineConfig) -> None:
+    """What load_model would make on disk first (a GGUF file's folder), made in
+    a child process: a server calls it before it loads (models/loader.py's
+    prepare_model_path_apart says why)."""
+    prepare_model_path_apart(config.model, config.cache_dir, dequantize(config))
 
 
 def _position_limit(config: EngineConfig, hf_config) -> int:

