@@ -117,18 +117,23 @@ def test_an_idle_thread_gives_back_the_top_of_its_own_arena():
     assert kept_again > 40, kept_again  # the next step's activations stay: the threshold is put back
 
 
-def _vm_flags_at(address: int) -> list[str]:
-    """The VmFlags of the mapping holding `address`, from /proc/self/smaps."""
+def _smaps_field(address: int, field: str, pid: str = "self") -> list[str]:
+    """A field ("VmFlags", "AnonHugePages") of the mapping holding `address`,
+    from /proc/PID/smaps, split into words."""
     inside = False
-    with open("/proc/self/smaps") as f:
+    with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 start, end = (int(x, 16) for x in head.split("-"))
                 inside = start <= address < end
-            elif inside and head == "VmFlags:":
+            elif inside and head == f"{field}:":
                 return line.split()[1:]
     return []
+
+
+def _vm_flags_at(address: int) -> list[str]:
+    return _smaps_field(address, "VmFlags")
 
 
 def _need_huge_pages():
@@ -151,9 +156,11 @@ def test_a_large_tensor_is_advised_onto_huge_pages():
     assert advise_huge_pages(torch.empty(16)) is False  # no whole 2 MiB page inside
 
 
-# In a fresh process: the test process's heap holds other tests' memory.
+# In a fresh process (the test process's heap holds other tests' memory),
+# which prints whether the arena took the freed block's addresses and where
+# it starts, then waits while the test reads its smaps.
 HUGE_PAGES_WHERE_SMALL_ONES_WERE = """
-import torch
+import sys, torch
 from engine.model import cpu_allocator
 assert cpu_allocator.keep_freed_memory() and cpu_allocator.activations_from_heap()
 size = 48 << 20
@@ -163,18 +170,8 @@ lo, hi = earlier.data_ptr(), earlier.data_ptr() + earlier.numel()
 del earlier  # kept by the heap (the trim threshold), backed
 arena = cpu_allocator.huge_page_bytes(size)
 arena.fill_(2)
-start = arena.data_ptr()
-huge = 0
-with open("/proc/self/smaps") as f:
-    inside = False
-    for line in f:
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            first, last = (int(x, 16) for x in head.split("-"))
-            inside = first <= start < last
-        elif inside and head == "AnonHugePages:":
-            huge = int(line.split()[1]) >> 10
-print(int(lo <= start < hi), huge)
+print(int(lo <= arena.data_ptr() < hi), arena.data_ptr(), flush=True)
+sys.stdin.readline()
 """
 
 
@@ -184,13 +181,18 @@ def test_huge_page_bytes_backs_huge_pages_where_small_ones_were():
     dropped first, so the arena is backed by huge pages, not the old small
     ones (without the drop: 0 MiB of 48 here; SmolLM2's weights 22 of 94)."""
     _need_huge_pages()
-    done = subprocess.run([sys.executable, "-c", HUGE_PAGES_WHERE_SMALL_ONES_WERE], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stderr
-    reused, huge_mib = (int(x) for x in done.stdout.split())
+    child = subprocess.Popen([sys.executable, "-c", HUGE_PAGES_WHERE_SMALL_ONES_WERE], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        reused, start = (int(x) for x in child.stdout.readline().split())
+        huge_kib = int(_smaps_field(start, "AnonHugePages", str(child.pid))[0])
+    finally:
+        _, err = child.communicate("\n", timeout=120)
+    assert child.returncode == 0, err
     assert reused == 1  # the case this is about: the same addresses again
     # Free 2 MiB pages are the machine's to find; half of them is far from none.
-    assert huge_mib >= 24, huge_mib
+    assert huge_kib >= 24 << 10, huge_kib
 
 
 def test_weights_move_into_one_advised_arena_unchanged():

@@ -35,6 +35,7 @@
 // formula, with its token scale per 8 groups where every part is a K-quant.
 #pragma once
 
+#include "quant_strip_run.h"
 #include "quant_tokens.h"
 
 #if defined(__AVX2__) && !defined(PAGEDSERVE_ISA_AVX512BF16)
@@ -262,63 +263,29 @@ inline void tile_out(const Tokens& x, int64_t m, const Decoded& s, int64_t c0, i
   }
 }
 
-// Every token from m, T at a time, against one strip's `columns` columns.
-template <typename Q, int kPer, int T, typename TOut>
-inline void tokens_times_strip(const Tokens& x, int64_t m, const Decoded& s, int64_t columns, int64_t rows,
-                               int64_t groups, const float* bias, int64_t at, TOut* out, int64_t N, Ahead& ahead,
-                               int64_t per_group) {
-  int64_t c = 0;
-  for (; c + kTileColumns <= columns; c += kTileColumns)
-    tile_out<Q, kPer, T, kTileColumns>(x, m, s, c, rows, groups, bias, at, out, N, ahead, per_group);
-  for (; c < columns; ++c) tile_out<Q, kPer, T, 1>(x, m, s, c, rows, groups, bias, at, out, N, ahead, per_group);
-}
+// This form as quant_strip_run.h's driver takes it.
+struct Form {
+  static constexpr int64_t kRows = 8;
+  static constexpr int kTileTokens = maddubs::kTileTokens, kTileColumns = maddubs::kTileColumns;
+  static constexpr bool kUnsignedTokens = false;
+  using Decoded = maddubs::Decoded;
+  static int64_t columns_for(int64_t K) { return maddubs::columns_for(K); }
+  template <typename Q>
+  static void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, int8_t* codes, GroupMeta* meta) {
+    maddubs::decode_column<Q>(p, K, r0, rows, codes, meta);
+  }
+  template <typename Q, int kPer, int T, int C, typename TOut>
+  static void tile_out(const Tokens& x, int64_t m, const Decoded& s, int64_t c0, int64_t rows, int64_t groups,
+                       const float* bias, int64_t at, TOut* out, int64_t N, Ahead& ahead, int64_t per_group) {
+    maddubs::tile_out<Q, kPer, T, C>(x, m, s, c0, rows, groups, bias, at, out, N, ahead, per_group);
+  }
+};
 
 // y = x W^T (+ bias) for M tokens: each strip decoded once, then every token
-// (quant_vnni.h's run: the next strip's bytes asked for while this one's
-// tiles run).
+// (the next strip's bytes asked for while this one's tiles run).
 template <typename TX, typename TOut>
 inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
-  const int64_t K = blob.K, N = blob.N, groups = K / 32;
-  const Tokens tokens = quantize_tokens(x, M, K, groups_a_scale(blob), false);
-  const int64_t strip_columns = columns_for(K);
-  const std::vector<quant::Strip> strips = strips_of(blob, 8 * strip_columns);
-  auto bytes_of = [&](int64_t i) {
-    const quant::Strip& item = strips[size_t(i)];
-    return Ahead(item.part->data + item.n0 * item.part->row_bytes, (item.n1 - item.n0) * item.part->row_bytes);
-  };
-  if (!strips.empty()) bytes_of(0).fetch(INT64_MAX);
-  const int64_t panels = (M + kTileTokens - 1) / kTileTokens;
-  auto make = [&] { return Decoded(strip_columns, groups); };
-  run_items_ahead(int64_t(strips.size()), make, [&](Decoded& s, int64_t i, int64_t next) {
-    const quant::Strip& item = strips[size_t(i)];
-    const int64_t rows = item.n1 - item.n0, columns = (rows + 7) / 8, at = item.first + item.n0;
-    with_type(item.part->type, [&](auto q) {
-      using Q = decltype(q);
-      for (int64_t c = 0; c < columns; ++c)
-        decode_column<Q>(*item.part, K, item.n0 + 8 * c, std::min<int64_t>(8, rows - 8 * c),
-                         s.codes.get() + c * groups * 256, s.meta.get() + c * groups);
-      Ahead ahead = next >= 0 ? bytes_of(next) : Ahead{};
-      const int64_t tiles = panels * (columns / kTileColumns + columns % kTileColumns);
-      const int64_t per_group = (ahead.lines + tiles * groups - 1) / (tiles * groups);
-      auto times = [&](auto tokens_a_tile, int64_t m) {
-        constexpr int T = decltype(tokens_a_tile)::value;
-        if constexpr (Q::kElems == 256) {  // the only types groups_a_scale gives 8 for
-          if (tokens.per == 8)
-            return tokens_times_strip<Q, 8, T>(tokens, m, s, columns, rows, groups, bias, at, out, N, ahead, per_group);
-        }
-        tokens_times_strip<Q, 1, T>(tokens, m, s, columns, rows, groups, bias, at, out, N, ahead, per_group);
-      };
-      int64_t m = 0;
-      for (; m + kTileTokens <= M; m += kTileTokens) times(std::integral_constant<int, kTileTokens>{}, m);
-      switch (M - m) {
-        case 3: times(std::integral_constant<int, 3>{}, m); break;
-        case 2: times(std::integral_constant<int, 2>{}, m); break;
-        case 1: times(std::integral_constant<int, 1>{}, m); break;
-        default: break;
-      }
-      ahead.fetch(INT64_MAX);
-    });
-  });
+  run_strips<Form>(blob, x, M, bias, out);
 }
 
 }  // namespace maddubs
