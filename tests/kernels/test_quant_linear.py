@@ -161,14 +161,15 @@ def test_one_token_rows_ending_on_a_short_group_of_every_length(builds, type_nam
                           f"{type_name} {16 + short} blocks seed {session_seed}")
 
 
-@pytest.mark.parametrize("rows", (16, 42, 150))
+@pytest.mark.parametrize("rows", (11, 13, 16, 42, 150))
 @pytest.mark.parametrize("type_name", TYPES)
 def test_bf16_tokens_against_whole_blocks_of_rows(builds, type_name, rows, session_seed):
     """Parts of whole 16-row blocks (a layer's usual shape): where the CPU has
     AMX, from 16 bf16 tokens the strips are de-quantized row by row and read as
     AMX's A operand (kernels/cpu/csrc/amx_rows.h), past 128 into the packed
     layout for amx.h's tiles; two parts (3 blocks each: a 2-block tile and one)
-    and a bias land in their columns."""
+    and a bias land in their columns. 11 and 13 tokens take the int8 strips
+    (quant_strip_run.h) and end on a tile of 3 and of 1 after tiles of 4."""
     generator = torch.Generator().manual_seed(session_seed + 7 * rows)
     _two_parts_within_the_bound(builds, generator, type_name, rows, 48, session_seed)
 
