@@ -19,6 +19,23 @@ the file's bytes unchanged, so de-quantizing them gives the file's numbers
 bit for bit (tests/kernels/test_quant_linear.py holds the compiled decoder to
 `gguf.quants.dequantize`, the reference here).
 
+Q4_K weights may be stored in *panels* of 16 rows instead (header word [5],
+FLAGS, bit 0), where the compiled op reads them (``pack_quant_panels``): the
+same bytes, reordered so that 16 rows sit side by side as the AVX512-VNNI
+kernels multiply them. Per panel and super-block (2,304 bytes = 16 rows x
+144)::
+
+    [16 rows][4]        each row's d and dmin (fp16), as in its block
+    [12][16 rows]       byte j of each row's packed 6-bit scales and mins
+    [4][8][16 rows][4]  code bytes 32 i + 4 k .. + 3 of each row: pair i of
+                        sub-blocks (low nibbles 2 i, high 2 i + 1), word k
+
+Why: one int32 lane a row, a lane sums a whole sub-block of 32 before its
+scale, where in the file's order each dot product of 64 weights takes its
+own conversion and FMA (kernels/cpu/csrc/quant_panels.h). A permutation,
+not a conversion: ``quant_parts`` undoes it, and de-quantizing gives the
+file's numbers bit for bit in either order.
+
 The reference product de-quantizes (numpy, exact) and multiplies in float32;
 the compiled op (kernels/cpu/csrc/quant_linear.h) quantizes each activation
 row per 32 inputs to 8 bits and multiplies integers, as llama.cpp does.
@@ -37,6 +54,9 @@ VERSION = 1
 HEADER_WORDS = 8
 PART_WORDS = 4
 ALIGN = 64
+FLAGS_WORD = 5
+PANELS = 1  # FLAGS bit: every part is Q4_K in 16-row panels
+PANEL_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -74,9 +94,16 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: int) -> torch.Tensor:
-    """One blob of the parts (type name, uint8 [rows, row_bytes]), stacked along N."""
-    header = [MAGIC, VERSION, in_features, sum(p.shape[0] for _, p in parts), len(parts), 0, 0, 0]
+def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: int,
+                      panels: bool = False) -> torch.Tensor:
+    """One blob of the parts (type name, uint8 [rows, row_bytes]), stacked
+    along N; with `panels`, each part's rows in 16-row panels (every part
+    must be Q4_K of whole panels: ``can_panel``)."""
+    if panels and not can_panel(parts):
+        raise ValueError("16-row panels take Q4_K parts of a multiple of 16 rows, got "
+                         f"{[(name, tuple(data.shape)) for name, data in parts]}")
+    header = [MAGIC, VERSION, in_features, sum(p.shape[0] for _, p in parts), len(parts),
+              PANELS if panels else 0, 0, 0]
     offset = _align(8 * (HEADER_WORDS + PART_WORDS * len(parts)))
     places = []
     for name, data in parts:
@@ -88,13 +115,52 @@ def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: in
             raise ValueError(f"a {name} part of {in_features} inputs is uint8 [rows, {row_bytes}], "
                              f"got {data.dtype} {tuple(data.shape)}")
         header += [kind.ggml_id, data.shape[0], offset, row_bytes]
-        places.append((offset, data))
+        places.append((offset, to_panels(data) if panels else data))
         offset = _align(offset + data.numel())
     blob = torch.zeros(offset, dtype=torch.uint8)
     blob[:8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
     for start, data in places:
         blob[start:start + data.numel()] = data.reshape(-1)
     return blob
+
+
+def can_panel(parts: Sequence[tuple[str, torch.Tensor]]) -> bool:
+    """Whether the parts can be stored in 16-row panels: all Q4_K, whole panels."""
+    return bool(parts) and all(name == "Q4_K" and data.shape[0] % PANEL_ROWS == 0 for name, data in parts)
+
+
+def _panel_view(rows: int, row_bytes: int) -> tuple[int, int]:
+    """(panels, super-blocks a row) of a Q4_K part."""
+    return rows // PANEL_ROWS, row_bytes // QUANT_TYPES["Q4_K"].block_bytes
+
+
+def to_panels(data: torch.Tensor) -> torch.Tensor:
+    """A Q4_K part's rows (uint8 [rows, row_bytes]) in 16-row panels (the
+    layout in the module docstring), the same shape and bytes reordered."""
+    panels, blocks = _panel_view(*data.shape)
+    rows = data.reshape(panels, PANEL_ROWS, blocks, 144)
+    head = rows[..., :4].permute(0, 2, 1, 3)                                  # [p, b, 16, 4]
+    scales = rows[..., 4:16].permute(0, 2, 3, 1)                              # [p, b, 12, 16]
+    codes = rows[..., 16:].reshape(panels, PANEL_ROWS, blocks, 4, 8, 4).permute(0, 2, 3, 4, 1, 5)
+    out = torch.cat([head.reshape(panels, blocks, 64), scales.reshape(panels, blocks, 192),
+                     codes.reshape(panels, blocks, 2048)], dim=-1)
+    return out.reshape(data.shape)
+
+
+def from_panels(data: torch.Tensor) -> torch.Tensor:
+    """``to_panels`` undone: the rows in the file's order (a copy)."""
+    panels, blocks = _panel_view(*data.shape)
+    chunks = data.reshape(panels, blocks, 2304)
+    head = chunks[..., :64].reshape(panels, blocks, PANEL_ROWS, 4).permute(0, 2, 1, 3)
+    scales = chunks[..., 64:256].reshape(panels, blocks, 12, PANEL_ROWS).permute(0, 3, 1, 2)
+    codes = chunks[..., 256:].reshape(panels, blocks, 4, 8, PANEL_ROWS, 4).permute(0, 4, 1, 2, 3, 5)
+    rows = torch.cat([head, scales, codes.reshape(panels, PANEL_ROWS, blocks, 128)], dim=-1)
+    return rows.reshape(data.shape)
+
+
+def has_panels(blob: torch.Tensor) -> bool:
+    """Whether a blob's parts are stored in 16-row panels."""
+    return bool(_header(blob)[FLAGS_WORD] & PANELS)
 
 
 def _header(blob: torch.Tensor) -> list[int]:
@@ -112,14 +178,24 @@ def quant_shape(blob: torch.Tensor) -> tuple[int, int]:
 
 
 def quant_parts(blob: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The blob's parts: (type name, uint8 [rows, row_bytes] view into it)."""
+    """The blob's parts: (type name, uint8 [rows, row_bytes] of GGUF rows in
+    the file's order: a view into the blob, or a copy where it holds panels)."""
     words = _header(blob)
+    panels = bool(words[FLAGS_WORD] & PANELS)
     parts = []
     for p in range(words[4]):
         type_id, rows, offset, row_bytes = words[HEADER_WORDS + PART_WORDS * p:][:PART_WORDS]
         data = blob[offset:offset + rows * row_bytes].view(rows, row_bytes)
-        parts.append((_BY_ID[type_id].name, data))
+        parts.append((_BY_ID[type_id].name, from_panels(data) if panels else data))
     return parts
+
+
+def pack_quant_panels(blob: torch.Tensor) -> torch.Tensor:
+    """The blob with its parts in 16-row panels where they can be (``can_panel``), else itself."""
+    parts = quant_parts(blob)
+    if has_panels(blob) or not can_panel(parts):
+        return blob
+    return pack_quant_weight(parts, quant_shape(blob)[1], panels=True)
 
 
 def dequantize_part(type_name: str, data: torch.Tensor) -> torch.Tensor:

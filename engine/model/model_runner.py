@@ -40,7 +40,7 @@ from engine.model.distributed.partition import Partition
 from engine.model.kv_cache import KVLayout, as_bytes, check_cache_on_device, resolve_kv_cache_dtype
 from engine.model.kv_groups import KVGroups
 from engine.model.models.registry import model_class
-from engine.model.layers.quantization import LOAD_QUANTIZATIONS, check_load_quantization
+from engine.model.layers.quantization import LOAD_QUANTIZATIONS, check_load_quantization, pack_quant_linears
 from engine.model.models.loader import initialize_dummy_weights, iter_checkpoint
 from engine.model.prompt_logprobs import prompt_logprob_rows
 from engine.model.runner import ModelRunnerOutput
@@ -135,6 +135,7 @@ class ModelRunner:
             model.quantize_weights(check_load_quantization(self.config.quantization))
         model.pack_linear_weights()  # after quantizing: the layers it replaced stay as they are
         if self.device.type == "cpu":
+            pack_quant_linears(model, self.kernels)
             weights_on_huge_pages(model)  # last: every weight is in its final layout
         return model
 

@@ -16,6 +16,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.model.layers.quantization import QuantLinear
+from kernels.cpu import ops as cpu_ops
+from kernels.quant import has_panels
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -66,6 +68,10 @@ def test_a_family_served_from_its_blocks_agrees_with_its_floats(tiny_gguf, float
     assert llm.engine.config.quantization == "gguf"
     attention = llm.engine.runner.model.layers[0].self_attn
     assert isinstance(attention.qkv_proj, QuantLinear) and isinstance(attention.o_proj, QuantLinear)
+    if tensor_type == "Q4_K_M":  # Q4_K-only projections in 16-row panels where the op wants them
+        ops = cpu_ops.current_ops()
+        wanted = ops is not None and ops.quant_panels()
+        assert has_panels(attention.o_proj.weight) == wanted and not has_panels(attention.qkv_proj.weight)
     _assert_close(float_reference(family, tensor_type), _generate(llm))
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kernel_cases import case_seed
-from kernels.quant import pack_quant_weight
+from kernels.quant import pack_quant_panels, pack_quant_weight
 from lora_cases import SLOTS, make_ids
 
 # Tokens below kManyRows (32 on AVX512-BF16, 48 on AVX2, 8 portable) fold;
@@ -85,6 +85,21 @@ def test_folded_rows_are_the_three_ops_in_turn(builds, shape, dtype, session_see
                 assert not torch.equal(got[ids >= 0], plain[ids >= 0]), (isa, tokens)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_adapters_over_panels_are_the_three_ops_in_turn(builds, tokens, session_seed):
+    """A blob in 16-row panels (kernels/quant.py) is not folded: the linear,
+    then the adapters' two ops, the same numbers."""
+    ops = builds.get("avx512bf16")
+    if ops is None:
+        pytest.skip("panels are multiplied by the AVX512-VNNI build; this CPU does not run it")
+    slices = (0, 192, 384)
+    x, blob, bias, a, b, ids = _case(session_seed, tokens, ("Q4_K", "Q4_K"), 16, slices, torch.bfloat16)
+    paneled = pack_quant_panels(blob)
+    got = ops.quant_linear(x, paneled, bias, False, ids, a, b, slices)
+    assert torch.equal(got, _in_turn(ops, x, paneled, bias, ids, a, b, slices))
+    assert not torch.equal(got[ids >= 0], ops.quant_linear(x, paneled, bias, False)[ids >= 0])
 
 
 def test_what_cannot_be_folded_is_refused(compiled_cpu_ops, session_seed):

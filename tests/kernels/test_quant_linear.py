@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import kernels
-from kernels.quant import (QUANT_TYPES, dequantize_reference, pack_quant_weight, quant_linear_reference,
-                           quant_parts, random_quant_blocks)
+from kernels.quant import (QUANT_TYPES, dequantize_reference, from_panels, has_panels, pack_quant_panels,
+                           pack_quant_weight, quant_linear_reference, quant_parts, random_quant_blocks, to_panels)
 
 TYPES = tuple(QUANT_TYPES)
 # 1, 3, 6 and 42 end a row's passes with 1, 3, 2 and 2 tokens (quant_gemv.h);
@@ -295,3 +295,65 @@ def test_a_blob_of_another_width_is_refused(builds, session_seed):
             ops.quant_linear(torch.zeros(1, 96), blob, None)
         with pytest.raises(RuntimeError, match="quantized blob"):
             ops.quant_linear(torch.zeros(1, 64), torch.zeros(64, dtype=torch.float32), None)
+
+
+# -- Q4_K in 16-row panels (kernels/quant.py) ----------------------------------------------
+
+
+def test_panels_are_the_file_bytes_reordered(session_seed):
+    generator = torch.Generator().manual_seed(session_seed)
+    data = random_quant_blocks("Q4_K", 48, 512, generator)
+    panels = to_panels(data)
+    assert panels.shape == data.shape and not torch.equal(panels, data)
+    assert torch.equal(from_panels(panels), data)
+    # row 5 of the first panel, super-block 1: where its d, scale byte 7 and code byte 77 went
+    chunk, block = panels.view(3, 2, 2304)[0, 1], data[5, 144:288]
+    assert chunk[20:24].tolist() == block[:4].tolist()
+    assert chunk[64 + 16 * 7 + 5] == block[4 + 7]
+    assert chunk[256 + 512 * 2 + 64 * 3 + 4 * 5 + 1] == block[16 + 32 * 2 + 4 * 3 + 1]
+    blob = pack_quant_weight([("Q4_K", data), ("Q4_K", data[:16])], 512)
+    paneled = pack_quant_panels(blob)
+    assert has_panels(paneled) and not has_panels(blob) and paneled.numel() == blob.numel()
+    for (name, got), (want_name, want) in zip(quant_parts(paneled), quant_parts(blob)):
+        assert name == want_name and torch.equal(got, want)
+    mixed = _blob(generator, ["Q4_K", "Q6_K"], 32, 512)
+    assert pack_quant_panels(mixed) is mixed  # panels hold Q4_K parts only
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        pack_quant_weight([("Q4_K", data[:24])], 512, panels=True)
+
+
+def test_panels_dequantize_bit_for_bit(builds, session_seed):
+    """Every build reads a panel blob's weights back as gguf's numbers."""
+    generator = torch.Generator().manual_seed(session_seed)
+    blob = _blob(generator, ["Q4_K", "Q4_K"], 32, 768, zero_rows=3)
+    paneled = pack_quant_panels(blob)
+    expected = dequantize_reference(blob)
+    rows = torch.randint(0, 64, (20,), generator=generator)
+    for isa, ops in builds.items():
+        assert torch.equal(ops.quant_dequantize(paneled, None), expected), isa
+        assert torch.equal(ops.quant_dequantize(paneled, rows), expected[rows]), isa
+
+
+@pytest.mark.parametrize("shape", [(1, 768), (3, 768), (13, 768), (16, 768), (128, 768), (5, 8192)])
+def test_panels_product_is_within_the_activation_bound(builds, shape, session_seed):
+    """The AVX512-VNNI build multiplies panels at every token count (its int8
+    strips, tokens rounded per 256); the other builds refuse them."""
+    rows, in_features = shape
+    generator = torch.Generator().manual_seed(session_seed)
+    blob = _blob(generator, ["Q4_K", "Q4_K"], 48, in_features, zero_rows=2)
+    paneled = pack_quant_panels(blob)
+    bias = torch.randn(96, generator=generator)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        expected = quant_linear_reference(x, blob, bias, True)
+        bound = _bound(x, blob, torch.float32, expected)
+        for isa, ops in builds.items():
+            if isa != "avx512bf16":
+                with pytest.raises(RuntimeError, match="16-row panels"):
+                    ops.quant_linear(x, paneled, bias, True)
+                continue
+            got = ops.quant_linear(x, paneled, bias, True)
+            worst = ((got - expected).abs() / bound).max().item()
+            assert worst <= 1, f"{isa} {dtype} {shape} seed {session_seed}: {worst:.2f}x the bound"
+            if rows >= 8 and dtype == torch.bfloat16:  # the strips either way: the same sums
+                assert torch.equal(got, ops.quant_linear(x, blob, bias, True)), (isa, shape)

@@ -62,6 +62,16 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"
 
 
+def pack_quant_linears(model: nn.Module, kernels) -> None:
+    """Every QuantLinear's blob into the layout the backend multiplies fastest
+    (kernels.pack_quant_linear: Q4_K in 16-row panels for the AVX512-VNNI
+    build), one blob at a time.  The embedding's table is not touched: its
+    row lookups read the file's order."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.weight = kernels.pack_quant_linear(module.weight)
+
+
 def quant_embedding(kernels, input_ids: torch.Tensor, blob: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
     """The rows of a quantized embedding table for `input_ids`, de-quantized
@@ -81,4 +91,4 @@ def check_load_quantization(name: str) -> str:
 
 
 __all__ = ["LOAD_QUANTIZATIONS", "QuantLinear", "check_load_quantization", "is_quant_weight",
-           "quant_embedding"]
+           "pack_quant_linears", "quant_embedding"]

@@ -60,6 +60,17 @@ bool amx_in_use() {
 #endif
 }
 
+// Whether quant_linear wants Q4_K weights in 16-row panels (kernels/quant.py):
+// the AVX512-VNNI build, where AMX does not take the many-token calls (its
+// tiles read the file's order).
+bool quant_panels() {
+#if defined(PAGEDSERVE_QUANT_VNNI)
+  return !amx_in_use();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 }  // namespace pagedserve
 
@@ -122,6 +133,7 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
   m.def("row_argmax(Tensor logits) -> Tensor", &pagedserve::row_argmax);
   m.def("isa() -> str", &pagedserve::isa_name);
   m.def("amx() -> bool", &pagedserve::amx_in_use);
+  m.def("quant_panels() -> bool", &pagedserve::quant_panels);
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
   // AVX512-BF16 and AVX2 builds: kernels.pack_linear asks for it by name and
   // keeps nn.Linear's layout in the portable build.

@@ -15,12 +15,16 @@ namespace quant {
 struct Part {
   int64_t type, rows, row_bytes;
   const uint8_t* data;
+  bool panels;  // Q4_K rows in 16-row panels (kernels/quant.py), not the file's order
 };
 
 struct Blob {
   int64_t K, N;
   std::vector<Part> parts;
+  bool panels;  // every part in 16-row panels
 };
+
+constexpr int64_t kPanelRows = 16, kQ4KId = 12, kQ4KBytes = 144, kPanelChunk = kPanelRows * kQ4KBytes;
 
 inline Blob parse(const at::Tensor& blob) {
   TORCH_CHECK(blob.scalar_type() == at::kByte && blob.dim() == 1 && blob.is_contiguous() &&
@@ -30,17 +34,33 @@ inline Blob parse(const at::Tensor& blob) {
   int64_t words[8];
   std::memcpy(words, base, sizeof(words));
   TORCH_CHECK(words[0] == 0x57515350 && words[1] == 1, "quant_linear: not a version-1 blob");
-  Blob b{words[2], words[3], {}};
+  TORCH_CHECK((words[5] & ~int64_t(1)) == 0, "quant_linear: unknown blob flags ", words[5]);
+  Blob b{words[2], words[3], {}, (words[5] & 1) != 0};
   int64_t rows = 0;
   for (int64_t p = 0; p < words[4]; ++p) {
     int64_t w[4];
     std::memcpy(w, base + 8 * (8 + 4 * p), sizeof(w));
     TORCH_CHECK(w[2] + w[1] * w[3] <= blob.numel(), "quant_linear: a part runs past the blob");
-    b.parts.push_back(Part{w[0], w[1], w[3], base + w[2]});
+    TORCH_CHECK(!b.panels || (w[0] == kQ4KId && w[1] % kPanelRows == 0),
+                "quant_linear: 16-row panels hold Q4_K parts of whole panels, got type ", w[0], ", ", w[1], " rows");
+    b.parts.push_back(Part{w[0], w[1], w[3], base + w[2], b.panels});
     rows += w[1];
   }
   TORCH_CHECK(rows == b.N, "quant_linear: the parts hold ", rows, " rows, the header says ", b.N);
   return b;
+}
+
+// Row r's block b as the file stores it: in place, or (a part in panels)
+// gathered out of its panel into `buf` (kQ4KBytes), the layout
+// kernels/quant.py draws undone.
+inline const uint8_t* row_block(const Part& p, int64_t r, int64_t b, int64_t block_bytes, uint8_t* buf) {
+  if (!p.panels) return p.data + r * p.row_bytes + b * block_bytes;
+  const uint8_t* chunk = p.data + (r / kPanelRows) * kPanelRows * p.row_bytes + b * kPanelChunk;
+  const int64_t l = r % kPanelRows;
+  std::memcpy(buf, chunk + 4 * l, 4);                                          // d, dmin
+  for (int j = 0; j < 12; ++j) buf[4 + j] = chunk[64 + kPanelRows * j + l];    // scales and mins
+  for (int w = 0; w < 32; ++w) std::memcpy(buf + 16 + 4 * w, chunk + 256 + 64 * w + 4 * l, 4);  // codes
+  return buf;
 }
 
 // Rows [n0, n1) of one part, whose row 0 is output row `first`.

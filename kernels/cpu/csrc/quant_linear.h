@@ -33,6 +33,11 @@
 // split the rows in strips; from there, quant_strips.h: int8 tokens against
 // int8 strips on AVX512-VNNI below AMX's count (quant_vnni.h) and on AVX2
 // (quant_maddubs.h), elsewhere AMX or de-quantized strips.
+//
+// A blob whose Q4_K parts are stored in 16-row panels (kernels/quant.py;
+// made at load for the AVX512-VNNI build without AMX) takes neither path:
+// below 8 tokens quant_panels.h's rows, from 8 the int8 strips, which read a
+// panel without transposing it; the other builds refuse such a blob.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -208,6 +213,7 @@ inline void part_rows(const Rows& rows, int64_t first, int64_t n0, int64_t n1, c
 
 // Many tokens: bf16 strips (quant_strips.h) instead of quantized tokens.
 inline bool takes_strips(const Blob& blob, int64_t M, bool bf16_x) {
+  if (blob.panels) return true;  // at every count: quant_strips.h's run_many
   if (blob.K % linear::kPairLen) return false;
 #if defined(PAGEDSERVE_HAS_AMX)
   if (bf16_x && M >= kAmxManyRows && amx_takes(blob)) return true;
@@ -364,8 +370,9 @@ namespace quant {
 // Row r of the blob (r < N) as float32 into dst [K]: gguf.quants.dequantize's numbers.
 template <typename Q>
 inline void dequantize_row(const Part& p, int64_t r, int64_t K, float* dst) {
+  uint8_t gathered[kQ4KBytes];
   for (int64_t b = 0; b < K / Q::kElems; ++b) {
-    const uint8_t* block = p.data + r * p.row_bytes + b * Q::kBytes;
+    const uint8_t* block = row_block(p, r, b, Q::kBytes, gathered);
     float wd[2 * Q::kSubs], wm[Q::kSubs] = {};
     int8_t qs[32];
     Q::scales(block, wd, wm);

@@ -18,6 +18,7 @@
 #include "quant_blob.h"
 #include "quant_blocks.h"
 #include "quant_maddubs.h"
+#include "quant_panels.h"
 #include "quant_vnni.h"
 #include "types.h"
 #include "work_items.h"
@@ -252,6 +253,14 @@ inline bool amx_takes(const Blob& blob) {
 // dot product, else fp32 in its pair order), then run_dequantized.
 template <typename TX, typename TOut>
 inline void run_many(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
+  if (blob.panels) {  // any count of tokens, float32 or bf16: the int8 strips read panels directly
+#if defined(PAGEDSERVE_QUANT_VNNI)
+    return M < panels::kFewTokens ? panels::run(blob, x, M, bias, out) : vnni::run(blob, x, M, bias, out);
+#else
+    TORCH_CHECK(false, "quant_linear: a blob in 16-row panels is multiplied by the AVX512-VNNI build only "
+                "(kernels.pack_quant_linear makes them for it)");
+#endif
+  }
 #if defined(PAGEDSERVE_QUANT_MADDUBS)
   if (!dequantized_strips_asked()) return maddubs::run(blob, x, M, bias, out);
 #endif

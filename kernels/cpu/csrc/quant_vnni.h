@@ -253,6 +253,59 @@ inline void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, in
   }
 }
 
+// The 16 rows' 6-bit scale (mins = false) or min j of a panel's super-block
+// at `chunk` (kernels/quant.py's layout), as int32 lanes: ggml's
+// get_scale_min_k4 over the 16 rows' packed bytes at once.
+inline __m512i panel_k4_field(const uint8_t* chunk, int j, bool mins) {
+  auto byte = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 64 + 16 * i)); };
+  const __m128i k6 = _mm_set1_epi8(63), k4 = _mm_set1_epi8(15), k2 = _mm_set1_epi8(3);
+  __m128i v;
+  if (j < 4) {
+    v = _mm_and_si128(byte(mins ? j + 4 : j), k6);
+  } else {
+    const __m128i low = mins ? _mm_and_si128(_mm_srli_epi16(byte(j + 4), 4), k4) : _mm_and_si128(byte(j + 4), k4);
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(byte(mins ? j : j - 4), 6), k2);
+    v = _mm_or_si128(low, _mm_slli_epi16(top, 4));
+  }
+  return _mm512_cvtepu8_epi32(v);
+}
+
+// A column out of a Q4_K part in 16-row panels (kernels/quant.py): the panel
+// holding rows [r0, r0 + 16), decoded into the strips' codes and meta.  Why
+// it is cheap: a panel already keeps each code word's 16 rows side by side,
+// so a pair of groups is a load and two masks a word, where the file's order
+// needs the 16 x 16 transposes of decode_column.
+inline void decode_panel_column(const Part& p, int64_t K, int64_t r0, int8_t* codes, GroupMeta* meta) {
+  const uint8_t* panel = p.data + r0 * p.row_bytes;  // r0: a multiple of 16 (parse checks whole panels)
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* chunk = panel + b * kPanelChunk;
+    const __m512i words = _mm512_loadu_si512(chunk);  // each row's d | dmin << 16
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+    const __m512 minus_dmin = _mm512_xor_ps(_mm512_set1_ps(-0.f),  // k4_scales' -dmin, to the bit
+                                            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+    for (int pair = 0; pair < 4; ++pair) {
+      __m512i v[16];  // v[k]: group 2 pair's word k, v[8 + k]: group 2 pair + 1's
+      for (int k = 0; k < 8; ++k) {
+        const __m512i c = _mm512_loadu_si512(chunk + 256 + 512 * pair + 64 * k);
+        v[k] = _mm512_and_si512(c, nibble);
+        v[8 + k] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * pair + h;
+        const int64_t g = 8 * b + j;
+        for (int k = 0; k < 8; ++k) _mm512_storeu_si512(codes + g * 512 + 64 * k, v[8 * h + k]);
+        GroupMeta& m = meta[g];
+        _mm512_store_si512(m.init[0], minus_128_sums<Q4_K>(v + 8 * h, 0, 8));
+        const __m512 sc = _mm512_cvtepi32_ps(panel_k4_field(chunk, j, false));
+        const __m512 mn = _mm512_cvtepi32_ps(panel_k4_field(chunk, j, true));
+        _mm512_store_ps(m.wd[0], _mm512_mul_ps(d, sc));
+        _mm512_store_ps(m.wm, _mm512_mul_ps(minus_dmin, mn));
+      }
+    }
+  }
+}
+
 // T tokens (from m) against C columns (codes and meta `c` columns apart):
 // f[t][c] lane l = the sum for token m + t and the column's row l.  With a
 // token scale a group (kPer = 1) each group's integer sums take both scales
@@ -354,6 +407,9 @@ struct Form {
   static int64_t columns_for(int64_t K) { return vnni::columns_for(K); }
   template <typename Q>
   static void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, int8_t* codes, GroupMeta* meta) {
+    if constexpr (std::is_same_v<Q, Q4_K>) {
+      if (p.panels) return decode_panel_column(p, K, r0, codes, meta);
+    }
     vnni::decode_column<Q>(p, K, r0, rows, codes, meta);
   }
   template <typename Q, int kPer, int T, int C, typename TOut>

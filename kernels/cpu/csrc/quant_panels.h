@@ -1,0 +1,140 @@
+// The quantized linear at a few tokens over Q4_K weights in 16-row panels
+// (kernels/quant.py draws the layout; kernels.pack_quant_linear makes it at
+// load where this build runs without AMX).  From kFewTokens tokens on, a
+// panel blob takes the int8 strips instead (quant_vnni.h decodes a panel
+// without transposes).
+//
+// Why panels: in the file's order a row's sub-blocks of 32 lie side by
+// side, so the one-token rows (quant_lanes.h) cover two sub-blocks of one
+// row with each vpdpbusd and follow every one with its scales' permute,
+// conversion and FMA: ~44 vector operations a super-block, 11 a vpdpbusd,
+// which bound those rows by their instructions on Zen 4 (a Q4_K row read
+// at ~14.5 GB/s a thread, where memory gave more).  Here an int32 lane is a
+// row: it sums a whole sub-block (8 vpdpbusd) before its scale, the 16 rows'
+// scales are one vector, and a sub-block's scale is an integer multiply, so
+// a super-block's float work is one conversion and two FMAs.  A probe of
+// this loop read a 2,048 -> 8,192 matrix at 1.8x the rows' rate on one
+// thread, cold (docs/performance.md).
+//
+// The numbers: each token is rounded to int8 per 256 inputs (quant_tokens.h,
+// as the strips do for K-quant blobs), the codes meet the weights' nibbles
+// (0..15, the high ones kept at 16x and their scale's sum shifted to match)
+// in integers, a sub-block's sums take its 6-bit scale in integers, and a
+// super-block's take d and the token's scale in float.  The mins: each
+// sub-block's -dmin x min times the token's code sum, in float.
+#pragma once
+
+#include "quant_vnni.h"
+
+#if defined(PAGEDSERVE_QUANT_VNNI)
+
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+namespace pagedserve {
+namespace quant {
+namespace panels {
+
+// Below this many tokens a panel blob takes the rows here, from it the
+// strips: their decode is paid once a call and shared by the tokens.
+constexpr int64_t kFewTokens = 8;
+
+// Tokens [m, m + T) against one panel (`blocks` super-blocks of 16 rows):
+// out[t] lane l = token m + t's sum for the panel's row l.
+template <int T>
+inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Tokens& x, int64_t m, __m512 (&out)[T]) {
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0));
+  const int64_t K = x.K, groups = x.groups, scales = groups / 8;
+  const uint8_t* codes = x.codes.get() + m * K;
+  __m512 f[T];
+  for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* chunk = panel + b * kPanelChunk;
+    const char* ahead = reinterpret_cast<const char*>(chunk + 2 * kPanelChunk);
+    for (int line = 32; line < 36; ++line) prefetch_l2(ahead + 64 * line);
+    const __m512i words = _mm512_loadu_si512(chunk);  // each row's d | dmin << 16
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+    const __m512 minus_dmin =
+        _mm512_xor_ps(_mm512_set1_ps(-0.f), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+    __m512i sums[T];
+    __m512 mins[T];
+    for (int t = 0; t < T; ++t) {
+      sums[t] = _mm512_setzero_si512();
+      mins[t] = _mm512_setzero_ps();
+    }
+    for (int pair = 0; pair < 4; ++pair) {  // sub-blocks 2 pair (low nibbles) and 2 pair + 1 (high)
+      __m512i lo[T], hi[T];
+      for (int t = 0; t < T; ++t) lo[t] = hi[t] = _mm512_setzero_si512();
+      const uint8_t* xq = codes + 256 * b + 64 * pair;
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        prefetch_l2(ahead + 64 * (8 * pair + k));
+        const __m512i v = _mm512_loadu_si512(chunk + 256 + 512 * pair + 64 * k);
+        const __m512i wl = _mm512_and_si512(v, low), wh = _mm512_and_si512(v, high);
+        for (int t = 0; t < T; ++t) {
+          int32_t a, c;
+          std::memcpy(&a, xq + t * K + 4 * k, 4);
+          std::memcpy(&c, xq + t * K + 32 + 4 * k, 4);
+          lo[t] = _mm512_dpbusd_epi32(lo[t], wl, _mm512_set1_epi32(a));
+          hi[t] = _mm512_dpbusd_epi32(hi[t], wh, _mm512_set1_epi32(c));
+        }
+      }
+      // |a sub-block's sum| <= 32 x 127 x 240, times a scale <= 63: eight fit an int32
+      const __m512i sc_lo = _mm512_slli_epi32(vnni::panel_k4_field(chunk, 2 * pair, false), 4);
+      const __m512i sc_hi = vnni::panel_k4_field(chunk, 2 * pair + 1, false);
+      const __m512 wm_lo = _mm512_mul_ps(minus_dmin, _mm512_cvtepi32_ps(vnni::panel_k4_field(chunk, 2 * pair, true)));
+      const __m512 wm_hi = _mm512_mul_ps(minus_dmin, _mm512_cvtepi32_ps(vnni::panel_k4_field(chunk, 2 * pair + 1, true)));
+      for (int t = 0; t < T; ++t) {
+        sums[t] = _mm512_add_epi32(sums[t], _mm512_add_epi32(_mm512_mullo_epi32(lo[t], sc_lo),
+                                                             _mm512_mullo_epi32(hi[t], sc_hi)));
+        const float* s = &x.sums[size_t((m + t) * groups + 8 * b + 2 * pair)];
+        mins[t] = _mm512_fmadd_ps(wm_lo, _mm512_set1_ps(s[0]), mins[t]);
+        mins[t] = _mm512_fmadd_ps(wm_hi, _mm512_set1_ps(s[1]), mins[t]);
+      }
+    }
+    const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(1.f / 16));  // the high nibbles' 16x, exactly
+    for (int t = 0; t < T; ++t) {
+      const __m512 xd = _mm512_set1_ps(x.d[size_t((m + t) * scales + b)]);
+      f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(d16, xd), f[t]);
+      f[t] = _mm512_fmadd_ps(mins[t], xd, f[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = f[t];
+}
+
+// y = x W^T (+ bias) for M < kFewTokens tokens over a blob in panels: the
+// threads split the panels (every part's, in order), each runs all tokens.
+template <typename TX, typename TOut>
+inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
+  const int64_t K = blob.K, N = blob.N, blocks = K / 256;
+  const Tokens tokens = quantize_tokens(x, M, K, 8, false);
+  std::vector<const uint8_t*> at;
+  for (const Part& p : blob.parts)
+    for (int64_t r = 0; r < p.rows; r += kPanelRows) at.push_back(p.data + r * p.row_bytes);
+  at::parallel_for(0, int64_t(at.size()), 4, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const __m512 b = bias ? _mm512_loadu_ps(bias + kPanelRows * i) : _mm512_setzero_ps();
+      auto tile = [&](auto count, int64_t m) {
+        constexpr int T = decltype(count)::value;
+        __m512 f[T];
+        panel_times_tokens<T>(at[size_t(i)], blocks, tokens, m, f);
+        for (int t = 0; t < T; ++t) vnni::store16(out + (m + t) * N + kPanelRows * i, _mm512_add_ps(f[t], b), 0xFFFF);
+      };
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m);
+      switch (M - m) {
+        case 3: tile(std::integral_constant<int, 3>{}, m); break;
+        case 2: tile(std::integral_constant<int, 2>{}, m); break;
+        case 1: tile(std::integral_constant<int, 1>{}, m); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace panels
+}  // namespace quant
+}  // namespace pagedserve
+
+#endif  // PAGEDSERVE_QUANT_VNNI
