@@ -52,7 +52,7 @@ from kernels.lora import lora_expand, lora_expand_reference, lora_shrink, lora_s
 from kernels.moe import fused_moe, fused_moe_cpu, fused_moe_reference
 from kernels.packed_layout import (PACKED_DIMS, embedding, onednn_linear, over_rows, pack_linear,
                                    packed_linear, unpack_linear)
-from kernels.quant import dequantize_reference, pack_quant_panels, quant_linear_reference, quant_shape
+from kernels.quant import dequantize_reference, quant_linear_reference
 from kernels.reference import (
     attention_features, gelu_tanh_and_mul_reference, keep_layout, no_layer_op, linear_reference,
     paged_decode_attention_reference, paged_prefill_attention_reference, rms_norm_reference,
@@ -63,7 +63,7 @@ __all__ = [
     "BACKEND_NAMES", "KernelBackend", "check_backend_support", "compiled_bf16_linear", "embedding",
     "fused_moe", "gelu_tanh_and_mul", "gemma_layer_op", "get_backend", "linear", "llama_layer_op",
     "llama_layers_op", "lora_expand", "lora_shrink", "pack_linear", "paged_decode_attention",
-    "paged_prefill_attention", "pack_quant_linear", "quant_dequantize", "quant_linear", "rms_norm", "rope", "silu_and_mul",
+    "paged_prefill_attention", "quant_dequantize", "quant_linear", "rms_norm", "rope", "silu_and_mul",
     "store_kvcache", "unpack_linear",
 ]
 
@@ -92,8 +92,6 @@ class KernelBackend:
     # a weight in GGUF blocks (kernels/quant.py): its product, its exact floats
     quant_linear: Callable[..., torch.Tensor] = quant_linear_reference
     quant_dequantize: Callable[..., torch.Tensor] = dequantize_reference
-    # a blob in the layout quant_linear multiplies fastest (16-row panels, or as it is)
-    pack_quant_linear: Callable[[torch.Tensor], torch.Tensor] = keep_layout
     # widths -> a whole Llama layer in one op, or None (the layer runs op by op)
     llama_layer_op: Callable[..., Callable | None] = no_layer_op
     # widths -> a stack of such layers in one op, or None (a call per layer)
@@ -230,17 +228,6 @@ def quant_dequantize(blob: torch.Tensor, rows: torch.Tensor | None = None) -> to
     return ops.quant_dequantize(blob, rows) if ops is not None else dequantize_reference(blob, rows)
 
 
-def pack_quant_linear(blob: torch.Tensor) -> torch.Tensor:
-    """A CPU blob in 16-row panels where this process's compiled op reads
-    them (its AVX512-VNNI build without AMX; Q4_K parts of whole panels:
-    kernels/quant.py), else the blob itself.  Made at load for the build
-    that will multiply it: another build refuses a panel blob."""
-    ops = cpu_ops.ops_for(quant_shape(blob)[1])
-    if blob.is_cpu and ops is not None and hasattr(ops, "quant_panels") and ops.quant_panels():
-        return pack_quant_panels(blob)
-    return blob
-
-
 def _on_triton(x: torch.Tensor) -> bool:
     """Whether an element-wise op takes its Triton kernel (kernels/elementwise_triton.py):
     bf16 / fp16 on CUDA.  float32 keeps the reference (bit-exact HF parity)."""
@@ -332,7 +319,6 @@ def get_backend(name: str, device=None) -> KernelBackend:
         return KernelBackend("auto", store_kvcache, paged_decode_attention, paged_prefill_attention,
                              linear, rms_norm, pack_linear, embedding, rope, silu_and_mul, fused_moe=fused_moe,
                              quant_linear=quant_linear, quant_dequantize=quant_dequantize,
-                             pack_quant_linear=pack_quant_linear,
                              llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op,
                              gemma_layer_op=gemma_layer_op, lora_shrink=lora_shrink, lora_expand=lora_expand,
                              gelu_tanh_and_mul=gelu_tanh_and_mul)
@@ -346,7 +332,6 @@ def get_backend(name: str, device=None) -> KernelBackend:
                              _compiled("paged_prefill_attention"), linear, rms_norm, pack_linear, embedding,
                              rope, silu_and_mul, fused_moe=fused_moe_cpu,
                              quant_linear=quant_linear, quant_dequantize=quant_dequantize,
-                             pack_quant_linear=pack_quant_linear,
                              llama_layer_op=llama_layer_op, llama_layers_op=llama_layers_op,
                              gemma_layer_op=gemma_layer_op, lora_shrink=lora_shrink, lora_expand=lora_expand)
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKEND_NAMES}")

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
+from kernels.quant import is_quant_weight, pack_quant_panels, quant_shape
 from kernels.reference import linear_reference
 
 # -- weights packed for the bf16 dot product ------------------------------------------
@@ -33,7 +34,10 @@ def pack_linear(weight: torch.Tensor, torch_float32: bool = True) -> torch.Tenso
     (``torch_float32=False``: an encoder, held to its reference within a
     bound); then it moves to oneDNN's layout, whose float32 matmul ran
     1.8-2.2x MKL's on BERT's shapes on a Zen 5 CPU, where MKL takes no
-    AVX-512 path (outputs within 1e-6 of MKL's, relative to the largest)."""
+    AVX-512 path (outputs within 1e-6 of MKL's, relative to the largest).
+    A quantized blob: ``pack_quant_linear``'s layout."""
+    if is_quant_weight(weight):
+        return pack_quant_linear(weight)
     if weight.dtype == torch.float32 and not torch_float32:
         return onednn_layout(weight)
     if weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.dim() != 2:
@@ -81,6 +85,20 @@ def over_rows(op, x, in_features, weight, bias, float_out):
         return op(x, weight, bias, float_out)
     out = op(x.reshape(-1, in_features), weight, bias, float_out)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+# -- quantized blobs in 16-row panels ---------------------------------------------------
+
+
+def pack_quant_linear(blob: torch.Tensor) -> torch.Tensor:
+    """A CPU blob in 16-row panels where this process's compiled op reads
+    them (its AVX512-VNNI build without AMX; Q4_K parts of whole panels:
+    kernels/quant.py), else the blob itself.  Made at load for the build
+    that will multiply it: another build refuses a panel blob."""
+    ops = cpu_ops.ops_for(quant_shape(blob)[1])
+    if blob.is_cpu and ops is not None and hasattr(ops, "quant_panels") and ops.quant_panels():
+        return pack_quant_panels(blob)
+    return blob
 
 
 # -- float32 weights in oneDNN's layout -------------------------------------------------

@@ -40,7 +40,8 @@ from engine.model.distributed.partition import Partition
 from engine.model.kv_cache import KVLayout, as_bytes, check_cache_on_device, resolve_kv_cache_dtype
 from engine.model.kv_groups import KVGroups
 from engine.model.models.registry import model_class
-from engine.model.layers.quantization import LOAD_QUANTIZATIONS, check_load_quantization, pack_quant_linears
+from engine.model.layers.quantization import (LOAD_QUANTIZATIONS, check_load_quantization,
+                                              pack_quant_linears)
 from engine.model.models.loader import initialize_dummy_weights, iter_checkpoint
 from engine.model.prompt_logprobs import prompt_logprob_rows
 from engine.model.runner import ModelRunnerOutput
@@ -140,9 +141,8 @@ class ModelRunner:
         return model
 
     def _check_quantization(self) -> None:
-        """Quantized weights are multiplied by the compiled CPU op, over bf16
-        or float32 activations (on a GPU the reference would de-quantize
-        every call: refused, not slow)."""
+        """Quantized weights are multiplied by the compiled CPU op (on a GPU the
+        reference would de-quantize every call: refused, not slow)."""
         quantization = self.config.quantization
         if quantization in (None, "none") or self.device.type == "cpu":
             return
@@ -374,8 +374,7 @@ class ModelRunner:
         Each row is one block laid out [2 (K, V), layers, block_size, kv_heads,
         head_dim] in the cache's dtype (int8 rows: kernels/kv_quant.py): the record
         one tier value holds (pinned on CUDA, so the copy out is a DMA the host can
-        read as soon as it is done).
-        """
+        read as soon as it is done)."""
         return self.to_host(self.block_rows(block_ids))
 
     def block_rows(self, block_ids: list[int]) -> torch.Tensor:

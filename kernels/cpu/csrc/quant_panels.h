@@ -1,5 +1,5 @@
 // The quantized linear at a few tokens over Q4_K weights in 16-row panels
-// (kernels/quant.py draws the layout; kernels.pack_quant_linear makes it at
+// (kernels/quant.py draws the layout; kernels.pack_linear makes it at
 // load where this build runs without AMX).  From kFewTokens tokens on, a
 // panel blob takes the int8 strips instead (quant_vnni.h decodes a panel
 // without transposes).

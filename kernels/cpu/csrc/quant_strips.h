@@ -258,7 +258,7 @@ inline void run_many(const Blob& blob, const TX* x, int64_t M, const float* bias
     return M < panels::kFewTokens ? panels::run(blob, x, M, bias, out) : vnni::run(blob, x, M, bias, out);
 #else
     TORCH_CHECK(false, "quant_linear: a blob in 16-row panels is multiplied by the AVX512-VNNI build only "
-                "(kernels.pack_quant_linear makes them for it)");
+                "(kernels.pack_linear makes them for it)");
 #endif
   }
 #if defined(PAGEDSERVE_QUANT_MADDUBS)
