@@ -65,7 +65,9 @@ multiply the sums, as the reference and the CPU op's integer dot product do.
 P.V reads V's codes times their scale, rounded once to the query's dtype as
 a cache in that dtype would hold them.  Whether a cache is int8 is read from
 its pointer's type at compile time: the float caches compile exactly as
-before.  The query (float32/bf16/fp16) sets the output dtype.
+before. A row of head_dim + 2 bytes is only 2-aligned, which Triton cannot
+see for itself: ``ROW_ALIGN`` (``row_align``) says so, and the loads take
+the widest width it allows instead of a byte each.  The query (float32/bf16/fp16) sets the output dtype.
 
 fp8 caches (``--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2``)
 -------------------------------------------------------
@@ -79,6 +81,8 @@ interpreter converts fp8 exactly too, except the NaN / inf bit patterns
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -101,14 +105,17 @@ FP8_E5M2_MAX = tl.constexpr(57344.0)
 @triton.jit
 def kv_tile_rows(table_row_ptr, token_start, context_len, kv_head,
                  stride_block, stride_slot, stride_head,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """A tile of BLOCK_N context tokens: the tokens, the offset of each one's
-    (token, kv head) row in the cache, and which of them are in the context."""
+    (token, kv head) row in the cache, and which of them are in the context.
+    ROW_ALIGN (row_align) tells the compiler every row starts at a multiple of it."""
     tokens = token_start + tl.arange(0, BLOCK_N)
     in_context = tokens < context_len
     page = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=in_context, other=0)
     # int64: page * stride_block overflows int32 on large caches.
     rows = page.to(tl.int64) * stride_block + (tokens % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    if ROW_ALIGN > 1:
+        rows = tl.multiple_of(rows, ROW_ALIGN)
     return tokens, rows, in_context
 
 
@@ -207,7 +214,8 @@ def attend_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_pt
                   CAUSAL: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                  WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr):
+                  WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr,
+                  ROW_ALIGN: tl.constexpr):
     """Attend rows of ``q`` (at positions ``q_pos``) to context tokens [kv_start, kv_end);
     ``soft_cap`` is the cap times log2(e), as the scores are in base 2."""
     INT8_K: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8
@@ -216,7 +224,7 @@ def attend_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_pt
     for token_start in range(kv_start, kv_end, BLOCK_N):
         tokens, rows, in_context = kv_tile_rows(
             table_row_ptr, token_start, context_len, kv_head,
-            stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N)
+            stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N, ROW_ALIGN)
         # In q's dtype, so tl.dot takes the tensor cores: the cache's own (q is
         # fp32 under the interpreter, whose bf16 arithmetic is wrong: upcast),
         # or an int8 cache's values rounded once to it, as a bf16 cache holds them
@@ -273,6 +281,22 @@ def check_int8_layout(cache: torch.Tensor) -> None:
     if cache.stride(3) != 1 or odd:
         raise ValueError("an int8 cache needs contiguous rows at even byte offsets "
                          f"(strides {tuple(cache.stride())})")
+
+
+def row_align(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The ROW_ALIGN an int8 cache's rows are read with: the largest power of
+    two up to 16 that divides the address of every (token, kv head) row. Triton
+    assumes nothing of an integer that is not a multiple of 16, and a row of
+    head_dim + 2 bytes a row apart is only 2-aligned; read byte by byte, the
+    H200 took an int8 decode 35x as long as a copy 16 bytes apart
+    (docs/performance.md). Float caches: 1, no hint (their rows are whole
+    head_dims of 2 or 4 bytes, and compile as before)."""
+    if not is_quantized(k_cache):
+        return 1
+    align = 16
+    for value in (k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3]):
+        align = math.gcd(align, value)
+    return align
 
 
 def feature_args(sliding_window, logits_soft_cap, causal=True) -> dict:

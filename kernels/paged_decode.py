@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import LOG2E, attend_range, check_inputs, feature_args, output_like
+from kernels.paged_attention import (LOG2E, attend_range, check_inputs, feature_args, output_like,
+                                     row_align)
 
 # Context tokens per split-KV partition (a multiple of every BLOCK_N we use).
 DEFAULT_PARTITION_SIZE = 512
@@ -60,7 +61,7 @@ def _decode_kernel(
     stride_table,
     GROUP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     """One program = (sequence, kv head, context partition).
@@ -98,7 +99,7 @@ def _decode_kernel(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr + seq.to(tl.int64) * stride_table,
         kv_start, kv_end, context_len, kv_head, qk_scale, window, soft_cap,
         stride_block, stride_slot, stride_head, stride_dim,
-        False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP, UPCAST)
+        False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP, UPCAST, ROW_ALIGN)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
     if SPLIT:
@@ -201,7 +202,7 @@ def decode_attention_partitioned(query, k_cache, v_cache, block_tables, context_
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        SPLIT=split, UPCAST=not query.is_cuda, **features, **config,
+        SPLIT=split, UPCAST=not query.is_cuda, ROW_ALIGN=row_align(k_cache, v_cache), **features, **config,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, heads)](

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import LOG2E, attend_range, check_inputs, feature_args, output_like
+from kernels.paged_attention import (LOG2E, attend_range, check_inputs, feature_args, output_like,
+                                     row_align)
 
 
 @triton.jit
@@ -72,6 +73,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, UPCAST: tl.constexpr,
     WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, CAUSAL: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     """One program = (tile of BLOCK_M // GROUP_PAD query tokens, kv head).
 
@@ -114,7 +116,7 @@ def _prefill_kernel(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr + seq.to(tl.int64) * stride_table,
         kv_start, kv_end, context_len, kv_head, qk_scale, window, soft_cap,
         stride_block, stride_slot, stride_head, stride_dim,
-        CAUSAL, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP, UPCAST)
+        CAUSAL, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_PAD, WINDOW, SOFT_CAP, UPCAST, ROW_ALIGN)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_offsets = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -167,6 +169,6 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        UPCAST=not query.is_cuda, CAUSAL=bool(causal), **features, **config,
+        UPCAST=not query.is_cuda, ROW_ALIGN=row_align(k_cache, v_cache), CAUSAL=bool(causal), **features, **config,
     )
     return out

@@ -10,9 +10,12 @@
 set -uo pipefail
 OUT="${1:-gpu-bench-out}"
 PY="${PY:-python3}"
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."  # the repo, used in place: nothing is installed there
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 SHAPES="${SHAPES:-llama-3.1-8b qwen3-8b qwen3-moe-small}"
 PROMPTS="${PROMPTS:-256}"
-mkdir -p "$OUT"
 status=0
 for shape in $SHAPES; do
     folder="$OUT/models/$shape"

@@ -17,8 +17,8 @@
 #                    async scheduling, greedy tokens in float32 -> OUTDIR/graphs-parity.json
 #   5. new-kernels   the Triton kernels that have only run under the interpreter (GGUF GEMM,
 #                    multi-LoRA, int8 / fp8 KV caches, the GEMV, the element-wise ops): their
-#                    test files only, on CUDA, under `timeout` ${NEW_KERNELS_TIMEOUT:-240} s
-#                    -> OUTDIR/new-kernels.xml
+#                    test files only, on CUDA, one pytest a file side by side, each under
+#                    `timeout` ${NEW_KERNELS_TIMEOUT:-240} s -> OUTDIR/new-kernels-<file>.xml
 #   6. new-kernels-bench  python -m bench.gpu.gpu_kernels: their GB/s at Llama-3.1-8B's sizes,
 #                    each row checked against the reference -> OUTDIR/new-kernels.json
 #                    (under `timeout` ${NEW_KERNELS_BENCH_TIMEOUT:-180} s)
@@ -105,20 +105,34 @@ kernel_tests() {
 
 # The new Triton kernels' test files, and nothing else of tests/kernels: no CPU-only
 # compiled-op test (they build the C++ ops), none of the Triton cases a GPU already passed.
-NEW_KERNEL_TESTS="tests/kernels/test_gemv_triton.py tests/kernels/test_elementwise_triton.py
+# NEW_KERNEL_TESTS="file ..." runs those instead.
+NEW_KERNEL_TESTS=${NEW_KERNEL_TESTS:-"tests/kernels/test_gemv_triton.py tests/kernels/test_elementwise_triton.py
     tests/kernels/test_quant_linear_triton.py
-    tests/kernels/test_lora_triton.py tests/kernels/test_kv_int8_triton.py tests/kernels/test_kv_fp8_triton.py"
+    tests/kernels/test_lora_triton.py tests/kernels/test_kv_int8_triton.py tests/kernels/test_kv_fp8_triton.py"}
 
 new_kernel_tests() {
     if ! "$PY" -c "import pytest" 2>/dev/null; then
         echo "pytest not installed: new-kernels not run (new-kernels-bench still checks them)"
         return 3
     fi
-    local files=$NEW_KERNEL_TESTS
-    # shellcheck disable=SC2086  # the list splits into its files
-    PAGEDSERVE_TEST_DEVICE=cuda PYTHONPATH="tests:$PYTHONPATH" timeout -k 10 "${NEW_KERNELS_TIMEOUT:-240}" \
-        "$PY" -m pytest $files -q -rf --confcutdir=tests/kernels -p no:cacheprovider \
-        --junitxml="$OUT/new-kernels.xml"
+    # One pytest a file, side by side: each compiles its cases for the GPU in
+    # children of its own before its first result, and the box has the cores.
+    local file name rc=0 pids=()
+    for file in $NEW_KERNEL_TESTS; do
+        name=$(basename "$file" .py)
+        PAGEDSERVE_TEST_DEVICE=cuda PYTHONPATH="tests:$PYTHONPATH" timeout -k 10 "${NEW_KERNELS_TIMEOUT:-240}" \
+            "$PY" -m pytest "$file" -q -rf --confcutdir=tests/kernels -p no:cacheprovider \
+            --junitxml="$OUT/new-kernels-$name.xml" >"$OUT/new-kernels-$name.log" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do
+        wait "$pid" || rc=1
+    done
+    for file in $NEW_KERNEL_TESTS; do
+        name=$(basename "$file" .py)
+        echo "$name: $(tail -n 1 "$OUT/new-kernels-$name.log")"
+    done
+    return $rc
 }
 
 e2e() {

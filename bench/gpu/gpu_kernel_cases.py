@@ -31,7 +31,9 @@ TOLERANCE = {torch.bfloat16: (2.0 ** -7, 1e-3), torch.float16: (2.0 ** -10, 1e-3
 # kernel tests' tolerance (tests/kernels/kv_quantized_cases.py).
 ATTENTION_TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-2, 2e-2),
                        torch.float32: (1e-4, 1e-4)}
-CACHE_FORMATS = ("float", "int8", "fp8_e4m3")
+# int8_aN: the int8 rows in a cache whose rows start a multiple of N bytes apart
+# (a padded view, the same values): what the alignment of the rows' loads is worth.
+CACHE_FORMATS = ("float", "int8", "int8_a4", "int8_a8", "int8_a16", "fp8_e4m3")
 
 
 def compare(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> dict:
@@ -216,6 +218,12 @@ def stored_cache(cache: torch.Tensor, fmt: str) -> torch.Tensor:
 
     if fmt == "int8":
         return quantize_rows(cache)
+    if fmt.startswith("int8_a"):
+        rows, align = quantize_rows(cache), int(fmt.removeprefix("int8_a"))
+        width = rows.shape[-1]
+        padded = rows.new_zeros(*rows.shape[:-1], -(-width // align) * align)
+        padded[..., :width] = rows
+        return padded[..., :width]
     if fmt == "fp8_e4m3":
         return to_fp8(cache, torch.float8_e4m3fn)
     return cache
@@ -243,7 +251,7 @@ def decode_row(fmt: str, query, k_float, v_float, tables, lens, timer, timings: 
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 1
     parts = paged_decode.choose_decode_partitions(batch, k_cache.shape[2], tables.shape[1] * k_cache.shape[1],
                                                   sms)
-    name = str(k_cache.dtype).replace("torch.", "")
+    name = str(k_cache.dtype).replace("torch.", "") + (fmt[4:] if fmt.startswith("int8_a") else "")
     return make_row("decode", f"{name} {batch}x{context}", ms, nbytes, check, rows=batch,
                     context=context, cache_dtype=name, partitions=parts,
                     vs_float_cache=timings["float"] / ms if "float" in timings else None)

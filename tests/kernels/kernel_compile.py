@@ -45,7 +45,7 @@ def compile_all(dtype: torch.dtype, head_dim: int, group: int, block_size: int, 
                      part_m_ptr="*fp32", part_l_ptr="*fp32", qk_scale="fp32", soft_cap="fp32",
                      stride_block="i64")
     plain = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, UPCAST=False,
-                 WINDOW=False, SOFT_CAP=False)
+                 WINDOW=False, SOFT_CAP=False, ROW_ALIGN=1)
     for shared in (plain, dict(plain, WINDOW=True, SOFT_CAP=True)):
         for split in (False, True):
             _compile(pd._decode_kernel, attention,

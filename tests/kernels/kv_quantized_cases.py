@@ -223,8 +223,9 @@ def _run_compile(case: dict) -> str | None:
                      table_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_ptr="*i32",
                      part_out_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
                      qk_scale="fp32", soft_cap="fp32", stride_block="i64")
+    # An int8 cache's rows of head_dim + 2 bytes are 2-aligned (paged_attention.row_align).
     shared = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, UPCAST=False,
-                  WINDOW=True, SOFT_CAP=True)
+                  WINDOW=True, SOFT_CAP=True, ROW_ALIGN=2 if case["format"] == "int8" else 1)
     decode = dict(shared, SPLIT=True, **pd._decode_config(head_dim, group))
     kernels = {"decode": kcmp._compile(pd._decode_kernel, attention, decode, 90)}
     prefill = pp._prefill_config(head_dim, group, torch.bfloat16)

@@ -11,7 +11,6 @@ that no block divides, token counts spanning several blocks per expert.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 import kernels
 from kernels.moe import fused_moe_cpu, pack_experts
 from kernels.reference import fused_moe_reference
-from kernel_subprocess import run_cases_script
+from kernel_subprocess import child_env, run_cases_script
 from moe_cases import RESULT_PREFIX, make_inputs
 from need import need
 
@@ -119,7 +118,7 @@ def test_backends_name_their_fused_moe():
 def test_moe_align_blocks_hold_one_expert_each(triton_available):
     proc = subprocess.run(
         [sys.executable, "-c", ALIGN_PROBE], cwd=REPO, capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO)))
+        env=dict(child_env(), TRITON_INTERPRET="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok"
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 
 from gemv_cases import RESULT_PREFIX
 from kernel_cases import case_seed
-from kernel_subprocess import run_cases_script
+from kernel_subprocess import child_env, run_cases_script
 from kernels import get_backend, linear
 from need import need
 
@@ -109,7 +108,7 @@ def test_gemv_benchmark_smoke_run(tmp_path, triton_available):
     """bench/gpu/gpu_gemv.py's CPU smoke run: every shape and row count through
     the kernel under the interpreter, each product checked; a JSON row for each."""
     out = tmp_path / "gemv.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[1]))
+    env = dict(child_env(), TRITON_INTERPRET="1")  # a package carried in on PYTHONPATH stays
     proc = subprocess.run([sys.executable, "-m", "bench.gpu.gpu_gemv", "--device", "cpu", "--small",
                            "--output", str(out)], cwd=HERE.parents[1], env=env, capture_output=True,
                           text=True, timeout=300)

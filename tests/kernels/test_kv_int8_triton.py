@@ -88,3 +88,25 @@ def test_int8_cache_checks_take_head_dim_from_the_codes(triton_available):
         check_inputs(query, odd_rows, odd_rows, tables, lens)
     with pytest.raises(ValueError, match="even byte offsets"):
         store_kvcache(key, key, odd_rows, odd_rows, torch.zeros(3, dtype=torch.int64))
+
+
+def test_row_align_is_what_every_row_address_is_a_multiple_of():
+    """The hint the kernels compile an int8 cache's loads with: a wrong one
+    would let the GPU read a row with loads wider than its alignment."""
+    import torch
+
+    from kernels.paged_attention import row_align
+
+    def cache(width: int, used: int = 130) -> torch.Tensor:  # [blocks, block, kv heads, width], a view
+        return torch.zeros(4, 16, 3, width, dtype=torch.int8)[..., :used]
+
+    assert row_align(cache(130), cache(130)) == 2   # head_dim 128 + the fp16 scale
+    assert row_align(cache(132), cache(132)) == 4
+    assert row_align(cache(136), cache(136)) == 8
+    assert row_align(cache(144), cache(144)) == 16
+    assert row_align(cache(160), cache(160)) == 16  # capped: 16 bytes is the widest load
+    shifted = torch.zeros(2 + 4 * 16 * 3 * 144, dtype=torch.int8)[2:].view(4, 16, 3, 144)[..., :130]
+    assert row_align(cache(144), shifted) == 2      # either cache's address counts
+    floats = torch.zeros(4, 16, 3, 128, dtype=torch.bfloat16)
+    assert row_align(floats, floats) == 1           # float caches: no hint
+
