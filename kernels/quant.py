@@ -19,22 +19,27 @@ the file's bytes unchanged, so de-quantizing them gives the file's numbers
 bit for bit (tests/kernels/test_quant_linear.py holds the compiled decoder to
 `gguf.quants.dequantize`, the reference here).
 
-Q4_K weights may be stored in *panels* of 16 rows instead (header word [5],
-FLAGS, bit 0), where the compiled op reads them (``pack_quant_panels``): the
-same bytes, reordered so that 16 rows sit side by side as the AVX512-VNNI
-kernels multiply them. Per panel and super-block (2,304 bytes = 16 rows x
-144)::
+Q4_K and Q6_K weights may be stored in *panels* of 16 rows instead (header
+word [5], FLAGS, bit 0: every part of the blob is one of the two, in whole
+panels), where the compiled op reads them (``pack_quant_panels``): the same
+bytes, reordered so that 16 rows sit side by side as the AVX512-VNNI kernels
+multiply them. A panel's super-block (16 blocks: 2,304 bytes for Q4_K, 3,360
+for Q6_K) holds each field of the block in turn, in the block's order, word
+by word across the 16 rows (``PANEL_FIELDS``)::
 
-    [16 rows][4]        each row's d and dmin (fp16), as in its block
-    [12][16 rows]       byte j of each row's packed 6-bit scales and mins
-    [4][8][16 rows][4]  code bytes 32 i + 4 k .. + 3 of each row: pair i of
-                        sub-blocks (low nibbles 2 i, high 2 i + 1), word k
+    Q4_K  [16 rows][4]        each row's d and dmin (fp16)
+          [12][16 rows]       byte j of each row's packed 6-bit scales and mins
+          [32][16 rows][4]    code word w (bytes 4 w .. + 3) of each row
+    Q6_K  [32][16 rows][4]    ql word w: 4 inputs' low nibbles (two runs of 32)
+          [16][16 rows][4]    qh word u: the same inputs' 2-bit highs (four runs)
+          [16][16 rows]       each row's 16 int8 sub-block scales
+          [16 rows][2]        each row's d (fp16)
 
-Why: one int32 lane a row, a lane sums a whole sub-block of 32 before its
-scale, where in the file's order each dot product of 64 weights takes its
-own conversion and FMA (kernels/cpu/csrc/quant_panels.h). A permutation,
-not a conversion: ``quant_parts`` undoes it, and de-quantizing gives the
-file's numbers bit for bit in either order.
+Why: one int32 lane a row, a lane sums a whole sub-block before its scale,
+where in the file's order each dot product of 64 weights takes its own
+conversion and FMA (kernels/cpu/csrc/quant_panels.h). A permutation, not a
+conversion: ``quant_parts`` undoes it, and de-quantizing gives the file's
+numbers bit for bit in either order.
 
 The reference product de-quantizes (numpy, exact) and multiplies in float32;
 the compiled op (kernels/cpu/csrc/quant_linear.h) quantizes each activation
@@ -55,8 +60,12 @@ HEADER_WORDS = 8
 PART_WORDS = 4
 ALIGN = 64
 FLAGS_WORD = 5
-PANELS = 1  # FLAGS bit: every part is Q4_K in 16-row panels
+PANELS = 1  # FLAGS bit: every part is Q4_K or Q6_K in 16-row panels
 PANEL_ROWS = 16
+# A panel's fields per type, in the block's order: (first byte, bytes, word).
+# The C++ reader (kernels/cpu/csrc/quant_blob.h, kPanelFields) holds the same table.
+PANEL_FIELDS = {"Q4_K": ((0, 4, 4), (4, 12, 1), (16, 128, 4)),
+                "Q6_K": ((0, 128, 4), (128, 64, 4), (192, 16, 1), (208, 2, 2))}
 
 
 @dataclass(frozen=True)
@@ -98,9 +107,9 @@ def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: in
                       panels: bool = False) -> torch.Tensor:
     """One blob of the parts (type name, uint8 [rows, row_bytes]), stacked
     along N; with `panels`, each part's rows in 16-row panels (every part
-    must be Q4_K of whole panels: ``can_panel``)."""
+    must be Q4_K or Q6_K of whole panels: ``can_panel``)."""
     if panels and not can_panel(parts):
-        raise ValueError("16-row panels take Q4_K parts of a multiple of 16 rows, got "
+        raise ValueError("16-row panels take Q4_K or Q6_K parts of a multiple of 16 rows, got "
                          f"{[(name, tuple(data.shape)) for name, data in parts]}")
     header = [MAGIC, VERSION, in_features, sum(p.shape[0] for _, p in parts), len(parts),
               PANELS if panels else 0, 0, 0]
@@ -115,7 +124,7 @@ def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: in
             raise ValueError(f"a {name} part of {in_features} inputs is uint8 [rows, {row_bytes}], "
                              f"got {data.dtype} {tuple(data.shape)}")
         header += [kind.ggml_id, data.shape[0], offset, row_bytes]
-        places.append((offset, to_panels(data) if panels else data))
+        places.append((offset, to_panels(name, data) if panels else data))
         offset = _align(offset + data.numel())
     blob = torch.zeros(offset, dtype=torch.uint8)
     blob[:8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
@@ -125,37 +134,37 @@ def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: in
 
 
 def can_panel(parts: Sequence[tuple[str, torch.Tensor]]) -> bool:
-    """Whether the parts can be stored in 16-row panels: all Q4_K, whole panels."""
-    return bool(parts) and all(name == "Q4_K" and data.shape[0] % PANEL_ROWS == 0 for name, data in parts)
+    """Whether the parts can be stored in 16-row panels: Q4_K or Q6_K, whole panels."""
+    return bool(parts) and all(name in PANEL_FIELDS and data.shape[0] % PANEL_ROWS == 0 for name, data in parts)
 
 
-def _panel_view(rows: int, row_bytes: int) -> tuple[int, int]:
-    """(panels, super-blocks a row) of a Q4_K part."""
-    return rows // PANEL_ROWS, row_bytes // QUANT_TYPES["Q4_K"].block_bytes
+def _panel_view(type_name: str, data: torch.Tensor) -> tuple[int, int, int]:
+    """(panels, super-blocks a row, bytes a block) of a part."""
+    block = QUANT_TYPES[type_name].block_bytes
+    return data.shape[0] // PANEL_ROWS, data.shape[1] // block, block
 
 
-def to_panels(data: torch.Tensor) -> torch.Tensor:
-    """A Q4_K part's rows (uint8 [rows, row_bytes]) in 16-row panels (the
-    layout in the module docstring), the same shape and bytes reordered."""
-    panels, blocks = _panel_view(*data.shape)
-    rows = data.reshape(panels, PANEL_ROWS, blocks, 144)
-    head = rows[..., :4].permute(0, 2, 1, 3)                                  # [p, b, 16, 4]
-    scales = rows[..., 4:16].permute(0, 2, 3, 1)                              # [p, b, 12, 16]
-    codes = rows[..., 16:].reshape(panels, PANEL_ROWS, blocks, 4, 8, 4).permute(0, 2, 3, 4, 1, 5)
-    out = torch.cat([head.reshape(panels, blocks, 64), scales.reshape(panels, blocks, 192),
-                     codes.reshape(panels, blocks, 2048)], dim=-1)
-    return out.reshape(data.shape)
+def to_panels(type_name: str, data: torch.Tensor) -> torch.Tensor:
+    """A Q4_K or Q6_K part's rows (uint8 [rows, row_bytes]) in 16-row panels
+    (the layout in the module docstring), the same shape and bytes reordered."""
+    panels, blocks, block = _panel_view(type_name, data)
+    rows = data.reshape(panels, PANEL_ROWS, blocks, block)
+    fields = [rows[..., start:start + size].reshape(panels, PANEL_ROWS, blocks, size // word, word)
+              .permute(0, 2, 3, 1, 4).reshape(panels, blocks, PANEL_ROWS * size)
+              for start, size, word in PANEL_FIELDS[type_name]]
+    return torch.cat(fields, dim=-1).reshape(data.shape)
 
 
-def from_panels(data: torch.Tensor) -> torch.Tensor:
+def from_panels(type_name: str, data: torch.Tensor) -> torch.Tensor:
     """``to_panels`` undone: the rows in the file's order (a copy)."""
-    panels, blocks = _panel_view(*data.shape)
-    chunks = data.reshape(panels, blocks, 2304)
-    head = chunks[..., :64].reshape(panels, blocks, PANEL_ROWS, 4).permute(0, 2, 1, 3)
-    scales = chunks[..., 64:256].reshape(panels, blocks, 12, PANEL_ROWS).permute(0, 3, 1, 2)
-    codes = chunks[..., 256:].reshape(panels, blocks, 4, 8, PANEL_ROWS, 4).permute(0, 4, 1, 2, 3, 5)
-    rows = torch.cat([head, scales, codes.reshape(panels, PANEL_ROWS, blocks, 128)], dim=-1)
-    return rows.reshape(data.shape)
+    panels, blocks, block = _panel_view(type_name, data)
+    chunks = data.reshape(panels, blocks, PANEL_ROWS * block)
+    fields, at = [], 0
+    for _, size, word in PANEL_FIELDS[type_name]:
+        field = chunks[..., at:at + PANEL_ROWS * size].reshape(panels, blocks, size // word, PANEL_ROWS, word)
+        fields.append(field.permute(0, 3, 1, 2, 4).reshape(panels, PANEL_ROWS, blocks, size))
+        at += PANEL_ROWS * size
+    return torch.cat(fields, dim=-1).reshape(data.shape)
 
 
 def has_panels(blob: torch.Tensor) -> bool:
@@ -186,7 +195,8 @@ def quant_parts(blob: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     for p in range(words[4]):
         type_id, rows, offset, row_bytes = words[HEADER_WORDS + PART_WORDS * p:][:PART_WORDS]
         data = blob[offset:offset + rows * row_bytes].view(rows, row_bytes)
-        parts.append((_BY_ID[type_id].name, from_panels(data) if panels else data))
+        name = _BY_ID[type_id].name
+        parts.append((name, from_panels(name, data) if panels else data))
     return parts
 
 

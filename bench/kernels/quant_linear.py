@@ -4,6 +4,11 @@ over the same bytes, and, at many tokens, the packed bf16 linear of the same
 shape beside it.
 
     PAGEDSERVE_CPU_KERNELS=avx2 python -m bench.kernels.quant_linear [--rows 1,4,32,128]
+        [--layout file|engine|both]
+
+``--layout engine`` times the blob as the engine serves it (kernels.pack_linear:
+Q4_K and Q6_K in 16-row panels on the AVX512-VNNI build), ``both`` the two
+side by side, shape by shape.
 
 Cache-cold-ish: every timing cycles through enough copies of the weight to
 pass 64 MB (more than this machine's L2 and L3 together), because a decode
@@ -59,30 +64,40 @@ def sum_read_gbps(nbytes: int) -> float:
     return nbytes / _micros(torch.sum, copies) / 1e3
 
 
-def bench_shape(ops, label, type_name, K, N, rows, generator) -> list[str]:
-    make = lambda: pack_quant_weight([(type_name, random_quant_blocks(type_name, N, K, generator))], K)  # noqa: E731
-    blobs = _copies(make, make().numel())
-    nbytes = blobs[0].numel()
+LAYOUTS = {"file": lambda blob: blob, "engine": kernels.pack_linear}
+
+
+def bench_shape(ops, label, type_name, K, N, rows, generator, layouts=("file",)) -> list[str]:
     lines = []
-    for m in rows:
-        x = torch.randn(m, K).bfloat16() * 0.1
-        quant_us = _micros(lambda b: ops.quant_linear(x, b, None, False), blobs)
-        line = f"| {label} {type_name} {K}->{N} | {m} | {quant_us:,.1f} |"
-        if m == 1:
-            read = sum_read_gbps(nbytes)
-            got = nbytes / quant_us / 1e3
-            line += f" {got:.1f} GB/s ({100 * got / read:.0f} % of torch.sum's {read:.1f}) |"
-        else:
-            line += " |"
-        if m >= 32:
-            dense = _copies(lambda: kernels.pack_linear((torch.randn(N, K) * 0.02).bfloat16()), 2 * N * K)
-            bf16_us = _micros(lambda w: kernels.linear(x, w), dense)
-            faster = "quant" if quant_us < bf16_us else "bf16"
-            line += f" {bf16_us:,.1f} ({faster} faster) |"
-        else:
-            line += " |"
-        lines.append(line)
+    for layout in layouts:
+        make = lambda: LAYOUTS[layout](  # noqa: E731
+            pack_quant_weight([(type_name, random_quant_blocks(type_name, N, K, generator))], K))
+        blobs = _copies(make, make().numel())
+        for m in rows:
+            lines.append(_row(ops, f"{label} {type_name} {K}->{N}" + (f" ({layout})" if len(layouts) > 1 else ""),
+                              blobs, K, N, m))
     return lines
+
+
+def _row(ops, label, blobs, K, N, m) -> str:
+    nbytes = blobs[0].numel()
+    x = torch.randn(m, K).bfloat16() * 0.1
+    quant_us = _micros(lambda b: ops.quant_linear(x, b, None, False), blobs)
+    line = f"| {label} | {m} | {quant_us:,.1f} |"
+    if m == 1:
+        read = sum_read_gbps(nbytes)
+        got = nbytes / quant_us / 1e3
+        line += f" {got:.1f} GB/s ({100 * got / read:.0f} % of torch.sum's {read:.1f}) |"
+    else:
+        line += " |"
+    if m >= 32:
+        dense = _copies(lambda: kernels.pack_linear((torch.randn(N, K) * 0.02).bfloat16()), 2 * N * K)
+        bf16_us = _micros(lambda w: kernels.linear(x, w), dense)
+        faster = "quant" if quant_us < bf16_us else "bf16"
+        line += f" {bf16_us:,.1f} ({faster} faster) |"
+    else:
+        line += " |"
+    return line
 
 
 def main() -> None:
@@ -90,6 +105,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,32,128")
     parser.add_argument("--only", default="", help="a substring of the shape labels to keep")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--layout", choices=("file", "engine", "both"), default="file",
+                        help="the file's blocks, the engine's layout (kernels.pack_linear), or both")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,7 +119,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     for label, type_name, K, N in SHAPES:
         if args.only in f"{label} {type_name}":
-            for line in bench_shape(ops, label, type_name, K, N, rows, generator):
+            layouts = ("file", "engine") if args.layout == "both" else (args.layout,)
+            for line in bench_shape(ops, label, type_name, K, N, rows, generator, layouts):
                 print(line, flush=True)
 
 

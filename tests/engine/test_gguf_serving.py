@@ -68,10 +68,14 @@ def test_a_family_served_from_its_blocks_agrees_with_its_floats(tiny_gguf, float
     assert llm.engine.config.quantization == "gguf"
     attention = llm.engine.runner.model.layers[0].self_attn
     assert isinstance(attention.qkv_proj, QuantLinear) and isinstance(attention.o_proj, QuantLinear)
-    if tensor_type == "Q4_K_M":  # Q4_K-only projections in 16-row panels where the op wants them
+    if tensor_type == "Q4_K_M":  # Q4_K and Q6_K projections in 16-row panels where the op wants them
         ops = cpu_ops.current_ops()
         wanted = ops is not None and ops.quant_panels()
-        assert has_panels(attention.o_proj.weight) == wanted and not has_panels(attention.qkv_proj.weight)
+        model = llm.engine.runner.model
+        assert has_panels(attention.o_proj.weight) == wanted
+        assert has_panels(attention.qkv_proj.weight) == wanted  # its v is Q6_K
+        if model.lm_head is None:  # a tied head: the embedding's table serves both, in panels
+            assert has_panels(model.embed_tokens.weight) == wanted
     _assert_close(float_reference(family, tensor_type), _generate(llm))
 
 
@@ -89,3 +93,15 @@ def test_engine_features_over_quantized_weights(tiny_gguf, float_reference, feat
     _assert_close(reference, _generate(llm))
     if "num_gpu_blocks_override" in features:  # 5 blocks of K/V wanted, 3 usable
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_a_tied_head_is_multiplied_and_looked_up_from_the_same_panels(tiny_gguf, float_reference):
+    """A Q4_K_M file without output.weight (a tied head, Q6_K as llama.cpp
+    writes it): the embedding's table goes into panels where the op wants
+    them, once, and serves both the row lookups and the head."""
+    llm = LLM(str(tiny_gguf("gemma2", "Q4_K_M")), **COMMON)
+    model = llm.engine.runner.model
+    assert model.lm_head is None
+    ops = cpu_ops.current_ops()
+    assert has_panels(model.embed_tokens.weight) == (ops is not None and ops.quant_panels())
+    _assert_close(float_reference("gemma2", "Q4_K_M"), _generate(llm))

@@ -297,15 +297,18 @@ def test_a_blob_of_another_width_is_refused(builds, session_seed):
             ops.quant_linear(torch.zeros(1, 64), torch.zeros(64, dtype=torch.float32), None)
 
 
-# -- Q4_K in 16-row panels (kernels/quant.py) ----------------------------------------------
+# -- Q4_K and Q6_K in 16-row panels (kernels/quant.py) ---------------------------------------
+
+# Blobs of panels: one type, and Q4_K_M's fused qkv (q and k Q4_K, v Q6_K).
+PANEL_PARTS = (["Q4_K", "Q4_K"], ["Q6_K", "Q6_K"], ["Q4_K", "Q6_K"])
 
 
 def test_panels_are_the_file_bytes_reordered(session_seed):
     generator = torch.Generator().manual_seed(session_seed)
     data = random_quant_blocks("Q4_K", 48, 512, generator)
-    panels = to_panels(data)
+    panels = to_panels("Q4_K", data)
     assert panels.shape == data.shape and not torch.equal(panels, data)
-    assert torch.equal(from_panels(panels), data)
+    assert torch.equal(from_panels("Q4_K", panels), data)
     # row 5 of the first panel, super-block 1: where its d, scale byte 7 and code byte 77 went
     chunk, block = panels.view(3, 2, 2304)[0, 1], data[5, 144:288]
     assert chunk[20:24].tolist() == block[:4].tolist()
@@ -316,16 +319,35 @@ def test_panels_are_the_file_bytes_reordered(session_seed):
     assert has_panels(paneled) and not has_panels(blob) and paneled.numel() == blob.numel()
     for (name, got), (want_name, want) in zip(quant_parts(paneled), quant_parts(blob)):
         assert name == want_name and torch.equal(got, want)
-    mixed = _blob(generator, ["Q4_K", "Q6_K"], 32, 512)
-    assert pack_quant_panels(mixed) is mixed  # panels hold Q4_K parts only
+    legacy = _blob(generator, ["Q4_K", "Q8_0"], 32, 512)
+    assert pack_quant_panels(legacy) is legacy  # panels hold Q4_K and Q6_K parts only
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         pack_quant_weight([("Q4_K", data[:24])], 512, panels=True)
 
 
-def test_panels_dequantize_bit_for_bit(builds, session_seed):
+def test_q6k_panels_are_the_file_bytes_reordered(session_seed):
+    generator = torch.Generator().manual_seed(session_seed)
+    data = random_quant_blocks("Q6_K", 32, 512, generator)
+    panels = to_panels("Q6_K", data)
+    assert panels.shape == data.shape and torch.equal(from_panels("Q6_K", panels), data)
+    # row 9 of the second panel, super-block 1: its ql word 5, qh word 3, scale 11 and d
+    chunk, block = panels.view(2, 2, 3360)[1, 1], data[16 + 9, 210:420]
+    assert chunk[64 * 5 + 4 * 9:][:4].tolist() == block[4 * 5:][:4].tolist()
+    assert chunk[2048 + 64 * 3 + 4 * 9:][:4].tolist() == block[128 + 4 * 3:][:4].tolist()
+    assert chunk[3072 + 16 * 11 + 9] == block[192 + 11]
+    assert chunk[3328 + 2 * 9:][:2].tolist() == block[208:210].tolist()
+    qkv = _blob(generator, ["Q4_K", "Q6_K"], 32, 512)
+    paneled = pack_quant_panels(qkv)
+    assert has_panels(paneled) and paneled.numel() == qkv.numel()
+    for (name, got), (want_name, want) in zip(quant_parts(paneled), quant_parts(qkv)):
+        assert name == want_name and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("types", PANEL_PARTS, ids="+".join)
+def test_panels_dequantize_bit_for_bit(builds, types, session_seed):
     """Every build reads a panel blob's weights back as gguf's numbers."""
     generator = torch.Generator().manual_seed(session_seed)
-    blob = _blob(generator, ["Q4_K", "Q4_K"], 32, 768, zero_rows=3)
+    blob = _blob(generator, types, 32, 768, zero_rows=3)
     paneled = pack_quant_panels(blob)
     expected = dequantize_reference(blob)
     rows = torch.randint(0, 64, (20,), generator=generator)
@@ -334,13 +356,14 @@ def test_panels_dequantize_bit_for_bit(builds, session_seed):
         assert torch.equal(ops.quant_dequantize(paneled, rows), expected[rows]), isa
 
 
+@pytest.mark.parametrize("types", PANEL_PARTS, ids="+".join)
 @pytest.mark.parametrize("shape", [(1, 768), (3, 768), (13, 768), (16, 768), (128, 768), (5, 8192)])
-def test_panels_product_is_within_the_activation_bound(builds, shape, session_seed):
+def test_panels_product_is_within_the_activation_bound(builds, shape, types, session_seed):
     """The AVX512-VNNI build multiplies panels at every token count (its int8
     strips, tokens rounded per 256); the other builds refuse them."""
     rows, in_features = shape
     generator = torch.Generator().manual_seed(session_seed)
-    blob = _blob(generator, ["Q4_K", "Q4_K"], 48, in_features, zero_rows=2)
+    blob = _blob(generator, types, 48, in_features, zero_rows=2)
     paneled = pack_quant_panels(blob)
     bias = torch.randn(96, generator=generator)
     for dtype in (torch.float32, torch.bfloat16):

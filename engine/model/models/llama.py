@@ -139,7 +139,10 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.weight = packed(self.kernels, module.weight)
-        if self.lm_head is None and not is_quant_weight(self.embed_tokens.weight):
+        if self.lm_head is None and is_quant_weight(self.embed_tokens.weight):
+            # A GGUF table stays a buffer; its row lookups gather out of any layout.
+            self.embed_tokens.weight = self.kernels.pack_linear(self.embed_tokens.weight)
+        elif self.lm_head is None:
             self.embed_tokens.weight = packed(self.kernels, self.embed_tokens.weight)
 
     def quantize_weights(self, type_name: str) -> None:

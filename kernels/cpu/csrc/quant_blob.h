@@ -15,7 +15,7 @@ namespace quant {
 struct Part {
   int64_t type, rows, row_bytes;
   const uint8_t* data;
-  bool panels;  // Q4_K rows in 16-row panels (kernels/quant.py), not the file's order
+  bool panels;  // Q4_K or Q6_K rows in 16-row panels (kernels/quant.py), not the file's order
 };
 
 struct Blob {
@@ -24,7 +24,21 @@ struct Blob {
   bool panels;  // every part in 16-row panels
 };
 
-constexpr int64_t kPanelRows = 16, kQ4KId = 12, kQ4KBytes = 144, kPanelChunk = kPanelRows * kQ4KBytes;
+constexpr int64_t kPanelRows = 16, kQ4KId = 12, kQ6KId = 14, kQ4KBytes = 144, kQ6KBytes = 210;
+constexpr int64_t kPanelChunk = kPanelRows * kQ4KBytes, kQ6KPanelChunk = kPanelRows * kQ6KBytes;
+constexpr int64_t kMaxBlockBytes = 210;  // a row_block buffer: the largest block (Q6_K's)
+
+// A panel's fields, in the block's order (kernels/quant.py's PANEL_FIELDS):
+// field f holds bytes [start, start + bytes) of each of the 16 rows' blocks,
+// `word` bytes of one row beside the same word of the next.
+struct PanelField {
+  int start, bytes, word;
+};
+inline const std::vector<PanelField>& panel_fields(int64_t type) {
+  static const std::vector<PanelField> q4k{{0, 4, 4}, {4, 12, 1}, {16, 128, 4}};
+  static const std::vector<PanelField> q6k{{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
+  return type == kQ6KId ? q6k : q4k;
+}
 
 inline Blob parse(const at::Tensor& blob) {
   TORCH_CHECK(blob.scalar_type() == at::kByte && blob.dim() == 1 && blob.is_contiguous() &&
@@ -41,8 +55,9 @@ inline Blob parse(const at::Tensor& blob) {
     int64_t w[4];
     std::memcpy(w, base + 8 * (8 + 4 * p), sizeof(w));
     TORCH_CHECK(w[2] + w[1] * w[3] <= blob.numel(), "quant_linear: a part runs past the blob");
-    TORCH_CHECK(!b.panels || (w[0] == kQ4KId && w[1] % kPanelRows == 0),
-                "quant_linear: 16-row panels hold Q4_K parts of whole panels, got type ", w[0], ", ", w[1], " rows");
+    TORCH_CHECK(!b.panels || ((w[0] == kQ4KId || w[0] == kQ6KId) && w[1] % kPanelRows == 0),
+                "quant_linear: 16-row panels hold Q4_K or Q6_K parts of whole panels, got type ", w[0], ", ", w[1],
+                " rows");
     b.parts.push_back(Part{w[0], w[1], w[3], base + w[2], b.panels});
     rows += w[1];
   }
@@ -51,15 +66,16 @@ inline Blob parse(const at::Tensor& blob) {
 }
 
 // Row r's block b as the file stores it: in place, or (a part in panels)
-// gathered out of its panel into `buf` (kQ4KBytes), the layout
+// gathered out of its panel into `buf` (kMaxBlockBytes), the layout
 // kernels/quant.py draws undone.
 inline const uint8_t* row_block(const Part& p, int64_t r, int64_t b, int64_t block_bytes, uint8_t* buf) {
   if (!p.panels) return p.data + r * p.row_bytes + b * block_bytes;
-  const uint8_t* chunk = p.data + (r / kPanelRows) * kPanelRows * p.row_bytes + b * kPanelChunk;
+  const uint8_t* chunk = p.data + (r / kPanelRows) * kPanelRows * p.row_bytes + b * kPanelRows * block_bytes;
   const int64_t l = r % kPanelRows;
-  std::memcpy(buf, chunk + 4 * l, 4);                                          // d, dmin
-  for (int j = 0; j < 12; ++j) buf[4 + j] = chunk[64 + kPanelRows * j + l];    // scales and mins
-  for (int w = 0; w < 32; ++w) std::memcpy(buf + 16 + 4 * w, chunk + 256 + 64 * w + 4 * l, 4);  // codes
+  for (const PanelField& f : panel_fields(p.type)) {
+    for (int w = 0; w < f.bytes / f.word; ++w) std::memcpy(buf + f.start + w * f.word, chunk + (w * kPanelRows + l) * f.word, f.word);
+    chunk += kPanelRows * f.bytes;
+  }
   return buf;
 }
 

@@ -34,7 +34,7 @@
 // int8 strips on AVX512-VNNI below AMX's count (quant_vnni.h) and on AVX2
 // (quant_maddubs.h), elsewhere AMX or de-quantized strips.
 //
-// A blob whose Q4_K parts are stored in 16-row panels (kernels/quant.py;
+// A blob whose Q4_K and Q6_K parts are stored in 16-row panels (kernels/quant.py;
 // made at load for the AVX512-VNNI build without AMX) takes neither path:
 // below 8 tokens quant_panels.h's rows, from 8 the int8 strips, which read a
 // panel without transposing it; the other builds refuse such a blob.
@@ -370,7 +370,7 @@ namespace quant {
 // Row r of the blob (r < N) as float32 into dst [K]: gguf.quants.dequantize's numbers.
 template <typename Q>
 inline void dequantize_row(const Part& p, int64_t r, int64_t K, float* dst) {
-  uint8_t gathered[kQ4KBytes];
+  uint8_t gathered[kMaxBlockBytes];
   for (int64_t b = 0; b < K / Q::kElems; ++b) {
     const uint8_t* block = row_block(p, r, b, Q::kBytes, gathered);
     float wd[2 * Q::kSubs], wm[Q::kSubs] = {};

@@ -1,4 +1,4 @@
-// The quantized linear at a few tokens over Q4_K weights in 16-row panels
+// The quantized linear at a few tokens over Q4_K and Q6_K weights in 16-row panels
 // (kernels/quant.py draws the layout; kernels.pack_linear makes it at
 // load where this build runs without AMX).  From kFewTokens tokens on, a
 // panel blob takes the int8 strips instead (quant_vnni.h decodes a panel
@@ -103,22 +103,98 @@ inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Token
   for (int t = 0; t < T; ++t) out[t] = f[t];
 }
 
+// The same for a Q6_K panel (kernels/quant.py's layout: ql words, qh words,
+// scales, d).  A word of 4 inputs of the 16 rows is one vector per run: its
+// nibble of ql (words u and u + 8 hold runs 0 | 2 and 1 | 3) and its 2 bits
+// of qh word u put together by a shift, a mask and one ternary logic op, as
+// 0..63; the centre comes off in integers (32 x the token's 16-code sums,
+// quant_tokens.h's halves), so a sub-block's sum takes its int8 scale as an
+// integer multiply and a super-block ends in one conversion and FMA.
+// |a sub-block's sum less 32 x its codes' sum| = |the sum of (q - 32) x|
+// <= 16 x 32 x 127, times a scale <= 128, 16 of them: under 2^27.
+template <int T>
+inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const Tokens& x, int64_t m,
+                                   __m512 (&out)[T]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const int64_t K = x.K, groups = x.groups, scales = groups / 8;
+  const uint8_t* codes = x.codes.get() + m * K;
+  // (a & nibble) | b, one vpternlogd: b holds the 2 high bits at 4-5 already
+  auto join = [&](__m512i a, __m512i b) { return _mm512_ternarylogic_epi32(a, b, nibble, 0xEC); };
+  __m512 f[T];
+  for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* chunk = panel + b * kQ6KPanelChunk;
+    const char* ahead = reinterpret_cast<const char*>(chunk + 2 * kQ6KPanelChunk);
+    for (int line = 48; line < 53; ++line) prefetch_l2(ahead + 64 * line);
+    __m512i acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_si512();
+    for (int n = 0; n < 2; ++n)
+      for (int hu = 0; hu < 2; ++hu) {  // words u of [4 hu, 4 hu + 4): sub-blocks 8 n + 2 run + hu
+        __m512i s[T][4];
+        for (int t = 0; t < T; ++t)
+          for (int r = 0; r < 4; ++r) s[t][r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int u = 4 * hu; u < 4 * hu + 4; ++u) {
+          const int step = 8 * n + u;  // 16 steps a super-block, 3 lines of the next-but-one each
+          for (int q = 0; q < 3; ++q) prefetch_l2(ahead + 64 * (3 * step + q));
+          const __m512i qa = _mm512_loadu_si512(chunk + 64 * (16 * n + u));
+          const __m512i qb = _mm512_loadu_si512(chunk + 64 * (16 * n + u + 8));
+          const __m512i qh = _mm512_loadu_si512(chunk + 2048 + 64 * (8 * n + u));
+          const __m512i w[4] = {join(qa, _mm512_and_si512(_mm512_slli_epi16(qh, 4), top)),
+                                join(qb, _mm512_and_si512(_mm512_slli_epi16(qh, 2), top)),
+                                join(_mm512_srli_epi16(qa, 4), _mm512_and_si512(qh, top)),
+                                join(_mm512_srli_epi16(qb, 4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), top))};
+          for (int t = 0; t < T; ++t) {
+            const uint8_t* xq = codes + t * K + 256 * b + 128 * n + 4 * u;
+            for (int r = 0; r < 4; ++r) {
+              int32_t a;
+              std::memcpy(&a, xq + 32 * r, 4);
+              s[t][r] = _mm512_dpbusd_epi32(s[t][r], w[r], _mm512_set1_epi32(a));
+            }
+          }
+        }
+        for (int r = 0; r < 4; ++r) {
+          const int i = 8 * n + 2 * r + hu;  // the sub-block: inputs 16 i .. 16 i + 15
+          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 3072 + 16 * i)));
+          for (int t = 0; t < T; ++t) {
+            const int32_t centre = 32 * x.halves[size_t(2 * ((m + t) * groups + 8 * b) + i)];
+            acc[t] = _mm512_add_epi32(acc[t], _mm512_mullo_epi32(_mm512_sub_epi32(s[t][r], _mm512_set1_epi32(centre)), sc));
+          }
+        }
+      }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 3328)));
+    for (int t = 0; t < T; ++t) {
+      const __m512 xd = _mm512_set1_ps(x.d[size_t((m + t) * scales + b)]);
+      f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), _mm512_mul_ps(d, xd), f[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = f[t];
+}
+
 // y = x W^T (+ bias) for M < kFewTokens tokens over a blob in panels: the
 // threads split the panels (every part's, in order), each runs all tokens.
 template <typename TX, typename TOut>
 inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
   const int64_t K = blob.K, N = blob.N, blocks = K / 256;
   const Tokens tokens = quantize_tokens(x, M, K, 8, false);
-  std::vector<const uint8_t*> at;
+  struct Panel {
+    const uint8_t* data;
+    bool q6k;
+  };
+  std::vector<Panel> at;
   for (const Part& p : blob.parts)
-    for (int64_t r = 0; r < p.rows; r += kPanelRows) at.push_back(p.data + r * p.row_bytes);
+    for (int64_t r = 0; r < p.rows; r += kPanelRows) at.push_back({p.data + r * p.row_bytes, p.type == kQ6KId});
   at::parallel_for(0, int64_t(at.size()), 4, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const __m512 b = bias ? _mm512_loadu_ps(bias + kPanelRows * i) : _mm512_setzero_ps();
       auto tile = [&](auto count, int64_t m) {
         constexpr int T = decltype(count)::value;
         __m512 f[T];
-        panel_times_tokens<T>(at[size_t(i)], blocks, tokens, m, f);
+        if (at[size_t(i)].q6k) {
+          panel_times_tokens_q6k<T>(at[size_t(i)].data, blocks, tokens, m, f);
+        } else {
+          panel_times_tokens<T>(at[size_t(i)].data, blocks, tokens, m, f);
+        }
         for (int t = 0; t < T; ++t) vnni::store16(out + (m + t) * N + kPanelRows * i, _mm512_add_ps(f[t], b), 0xFFFF);
       };
       int64_t m = 0;

@@ -306,6 +306,38 @@ inline void decode_panel_column(const Part& p, int64_t K, int64_t r0, int8_t* co
   }
 }
 
+// The same out of a Q6_K part in panels: a group's word k is ql word k (runs
+// 0 and 2) or k + 8 (runs 1 and 3) with the 2-bit highs of qh word k, less
+// the centre, 32; the meta as column_scales and minus_128_sums make it.
+inline void decode_panel_column_q6k(const Part& p, int64_t K, int64_t r0, int8_t* codes, GroupMeta* meta) {
+  const uint8_t* panel = p.data + r0 * p.row_bytes;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3), centre = _mm512_set1_epi8(32);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* chunk = panel + b * kQ6KPanelChunk;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 3328)));
+    for (int j = 0; j < 8; ++j) {  // group j: half j / 4, run j % 4
+      const int n = j / 4, run = j % 4;
+      const int64_t g = 8 * b + j;
+      __m512i v[8];
+      for (int k = 0; k < 8; ++k) {
+        const __m512i ql = _mm512_loadu_si512(chunk + 64 * (16 * n + k + 8 * (run % 2)));
+        const __m512i qh = _mm512_loadu_si512(chunk + 2048 + 64 * (8 * n + k));
+        const __m512i low = _mm512_and_si512(run < 2 ? ql : _mm512_srli_epi16(ql, 4), nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * run), two);
+        v[k] = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), centre);
+        _mm512_storeu_si512(codes + g * 512 + 64 * k, v[k]);
+      }
+      GroupMeta& m = meta[g];
+      _mm512_store_si512(m.init[0], minus_128_sums<Q6_K>(v, 0, 4));
+      _mm512_store_si512(m.init[1], minus_128_sums<Q6_K>(v, 4, 8));
+      for (int h = 0; h < 2; ++h) {  // sub-blocks 2 j and 2 j + 1: super_scales' d x scale, to the bit
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 3072 + 16 * (2 * j + h)));
+        _mm512_store_ps(m.wd[h], _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
+      }
+    }
+  }
+}
+
 // T tokens (from m) against C columns (codes and meta `c` columns apart):
 // f[t][c] lane l = the sum for token m + t and the column's row l.  With a
 // token scale a group (kPer = 1) each group's integer sums take both scales
@@ -409,6 +441,8 @@ struct Form {
   static void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, int8_t* codes, GroupMeta* meta) {
     if constexpr (std::is_same_v<Q, Q4_K>) {
       if (p.panels) return decode_panel_column(p, K, r0, codes, meta);
+    } else if constexpr (std::is_same_v<Q, Q6_K>) {
+      if (p.panels) return decode_panel_column_q6k(p, K, r0, codes, meta);
     }
     vnni::decode_column<Q>(p, K, r0, rows, codes, meta);
   }
