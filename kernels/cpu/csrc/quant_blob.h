@@ -73,7 +73,8 @@ inline const uint8_t* row_block(const Part& p, int64_t r, int64_t b, int64_t blo
   const uint8_t* chunk = p.data + (r / kPanelRows) * kPanelRows * p.row_bytes + b * kPanelRows * block_bytes;
   const int64_t l = r % kPanelRows;
   for (const PanelField& f : panel_fields(p.type)) {
-    for (int w = 0; w < f.bytes / f.word; ++w) std::memcpy(buf + f.start + w * f.word, chunk + (w * kPanelRows + l) * f.word, f.word);
+    for (int w = 0; w < f.bytes / f.word; ++w)
+      std::memcpy(buf + f.start + w * f.word, chunk + (w * kPanelRows + l) * f.word, f.word);
     chunk += kPanelRows * f.bytes;
   }
   return buf;

@@ -155,10 +155,12 @@ inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const T
         }
         for (int r = 0; r < 4; ++r) {
           const int i = 8 * n + 2 * r + hu;  // the sub-block: inputs 16 i .. 16 i + 15
-          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 3072 + 16 * i)));
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 3072 + 16 * i));
+          const __m512i sc = _mm512_cvtepi8_epi32(bytes);
           for (int t = 0; t < T; ++t) {
             const int32_t centre = 32 * x.halves[size_t(2 * ((m + t) * groups + 8 * b) + i)];
-            acc[t] = _mm512_add_epi32(acc[t], _mm512_mullo_epi32(_mm512_sub_epi32(s[t][r], _mm512_set1_epi32(centre)), sc));
+            const __m512i centred = _mm512_sub_epi32(s[t][r], _mm512_set1_epi32(centre));
+            acc[t] = _mm512_add_epi32(acc[t], _mm512_mullo_epi32(centred, sc));
           }
         }
       }
