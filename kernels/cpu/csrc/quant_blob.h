@@ -27,6 +27,9 @@ struct Blob {
 constexpr int64_t kPanelRows = 16, kQ4KId = 12, kQ6KId = 14, kQ4KBytes = 144, kQ6KBytes = 210;
 constexpr int64_t kPanelChunk = kPanelRows * kQ4KBytes, kQ6KPanelChunk = kPanelRows * kQ6KBytes;
 constexpr int64_t kMaxBlockBytes = 210;  // a row_block buffer: the largest block (Q6_K's)
+// Where a Q6_K panel's fields start in its super-block (kernels/quant.py):
+// ql words at 0, qh words, the int8 scales, the rows' d.
+constexpr int64_t kQ6KPanelQh = 2048, kQ6KPanelScales = 3072, kQ6KPanelD = 3328;
 
 // A panel's fields, in the block's order (kernels/quant.py's PANEL_FIELDS):
 // field f holds bytes [start, start + bytes) of each of the 16 rows' blocks,

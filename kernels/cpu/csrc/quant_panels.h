@@ -53,10 +53,8 @@ inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Token
     const uint8_t* chunk = panel + b * kPanelChunk;
     const char* ahead = reinterpret_cast<const char*>(chunk + 2 * kPanelChunk);
     for (int line = 32; line < 36; ++line) prefetch_l2(ahead + 64 * line);
-    const __m512i words = _mm512_loadu_si512(chunk);  // each row's d | dmin << 16
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
-    const __m512 minus_dmin =
-        _mm512_xor_ps(_mm512_set1_ps(-0.f), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+    __m512 d, minus_dmin;
+    vnni::panel_k4_d_dmin(chunk, d, minus_dmin);
     __m512i sums[T];
     __m512 mins[T];
     for (int t = 0; t < T; ++t) {
@@ -139,7 +137,7 @@ inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const T
           for (int q = 0; q < 3; ++q) prefetch_l2(ahead + 64 * (3 * step + q));
           const __m512i qa = _mm512_loadu_si512(chunk + 64 * (16 * n + u));
           const __m512i qb = _mm512_loadu_si512(chunk + 64 * (16 * n + u + 8));
-          const __m512i qh = _mm512_loadu_si512(chunk + 2048 + 64 * (8 * n + u));
+          const __m512i qh = _mm512_loadu_si512(chunk + kQ6KPanelQh + 64 * (8 * n + u));
           const __m512i w[4] = {join(qa, _mm512_and_si512(_mm512_slli_epi16(qh, 4), top)),
                                 join(qb, _mm512_and_si512(_mm512_slli_epi16(qh, 2), top)),
                                 join(_mm512_srli_epi16(qa, 4), _mm512_and_si512(qh, top)),
@@ -155,7 +153,7 @@ inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const T
         }
         for (int r = 0; r < 4; ++r) {
           const int i = 8 * n + 2 * r + hu;  // the sub-block: inputs 16 i .. 16 i + 15
-          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 3072 + 16 * i));
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + kQ6KPanelScales + 16 * i));
           const __m512i sc = _mm512_cvtepi8_epi32(bytes);
           for (int t = 0; t < T; ++t) {
             const int32_t centre = 32 * x.halves[size_t(2 * ((m + t) * groups + 8 * b) + i)];
@@ -164,7 +162,7 @@ inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const T
           }
         }
       }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 3328)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + kQ6KPanelD)));
     for (int t = 0; t < T; ++t) {
       const __m512 xd = _mm512_set1_ps(x.d[size_t((m + t) * scales + b)]);
       f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), _mm512_mul_ps(d, xd), f[t]);

@@ -270,6 +270,15 @@ inline __m512i panel_k4_field(const uint8_t* chunk, int j, bool mins) {
   return _mm512_cvtepu8_epi32(v);
 }
 
+// A Q4_K panel's super-block at `chunk`: its 16 rows' d and -dmin (k4_scales'
+// -dmin, to the bit).
+inline void panel_k4_d_dmin(const uint8_t* chunk, __m512& d, __m512& minus_dmin) {
+  const __m512i words = _mm512_loadu_si512(chunk);  // each row's d | dmin << 16
+  d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+  const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+  minus_dmin = _mm512_xor_ps(_mm512_set1_ps(-0.f), dmin);
+}
+
 // A column out of a Q4_K part in 16-row panels (kernels/quant.py): the panel
 // holding rows [r0, r0 + 16), decoded into the strips' codes and meta.  Why
 // it is cheap: a panel already keeps each code word's 16 rows side by side,
@@ -280,10 +289,8 @@ inline void decode_panel_column(const Part& p, int64_t K, int64_t r0, int8_t* co
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* chunk = panel + b * kPanelChunk;
-    const __m512i words = _mm512_loadu_si512(chunk);  // each row's d | dmin << 16
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
-    const __m512 minus_dmin = _mm512_xor_ps(_mm512_set1_ps(-0.f),  // k4_scales' -dmin, to the bit
-                                            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+    __m512 d, minus_dmin;
+    panel_k4_d_dmin(chunk, d, minus_dmin);
     for (int pair = 0; pair < 4; ++pair) {
       __m512i v[16];  // v[k]: group 2 pair's word k, v[8 + k]: group 2 pair + 1's
       for (int k = 0; k < 8; ++k) {
@@ -314,14 +321,14 @@ inline void decode_panel_column_q6k(const Part& p, int64_t K, int64_t r0, int8_t
   const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3), centre = _mm512_set1_epi8(32);
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* chunk = panel + b * kQ6KPanelChunk;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 3328)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + kQ6KPanelD)));
     for (int j = 0; j < 8; ++j) {  // group j: half j / 4, run j % 4
       const int n = j / 4, run = j % 4;
       const int64_t g = 8 * b + j;
       __m512i v[8];
       for (int k = 0; k < 8; ++k) {
         const __m512i ql = _mm512_loadu_si512(chunk + 64 * (16 * n + k + 8 * (run % 2)));
-        const __m512i qh = _mm512_loadu_si512(chunk + 2048 + 64 * (8 * n + k));
+        const __m512i qh = _mm512_loadu_si512(chunk + kQ6KPanelQh + 64 * (8 * n + k));
         const __m512i low = _mm512_and_si512(run < 2 ? ql : _mm512_srli_epi16(ql, 4), nibble);
         const __m512i high = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * run), two);
         v[k] = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), centre);
@@ -331,7 +338,8 @@ inline void decode_panel_column_q6k(const Part& p, int64_t K, int64_t r0, int8_t
       _mm512_store_si512(m.init[0], minus_128_sums<Q6_K>(v, 0, 4));
       _mm512_store_si512(m.init[1], minus_128_sums<Q6_K>(v, 4, 8));
       for (int h = 0; h < 2; ++h) {  // sub-blocks 2 j and 2 j + 1: super_scales' d x scale, to the bit
-        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 3072 + 16 * (2 * j + h)));
+        const uint8_t* scales = chunk + kQ6KPanelScales + 16 * (2 * j + h);
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
         _mm512_store_ps(m.wd[h], _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
       }
     }
