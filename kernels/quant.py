@@ -19,13 +19,15 @@ the file's bytes unchanged, so de-quantizing them gives the file's numbers
 bit for bit (tests/kernels/test_quant_linear.py holds the compiled decoder to
 `gguf.quants.dequantize`, the reference here).
 
-Q4_K and Q6_K weights may be stored in *panels* of 16 rows instead (header
-word [5], FLAGS, bit 0: every part of the blob is one of the two, in whole
-panels), where the compiled op reads them (``pack_quant_panels``): the same
-bytes, reordered so that 16 rows sit side by side as the AVX512-VNNI kernels
-multiply them. A panel's super-block (16 blocks: 2,304 bytes for Q4_K, 3,360
-for Q6_K) holds each field of the block in turn, in the block's order, word
-by word across the 16 rows (``PANEL_FIELDS``)::
+Q4_K, Q6_K, Q4_0 and Q4_1 weights may be stored in *panels* of 16 rows
+instead (header word [5], FLAGS, bit 0: every part of the blob in whole
+panels, the K-quants together or the legacy 4-bit types together, as their
+tokens are rounded per 256 or per 32), where the compiled op reads them
+(``pack_quant_panels``): the same bytes, reordered so that 16 rows sit side
+by side as the AVX512-VNNI kernels multiply them. A panel's block (16
+blocks: 2,304 bytes for Q4_K, 3,360 for Q6_K, 288 for Q4_0, 320 for Q4_1)
+holds each field of the block in turn, in the block's order, word by word
+across the 16 rows (``PANEL_FIELDS``)::
 
     Q4_K  [16 rows][4]        each row's d and dmin (fp16)
           [12][16 rows]       byte j of each row's packed 6-bit scales and mins
@@ -34,6 +36,9 @@ by word across the 16 rows (``PANEL_FIELDS``)::
           [16][16 rows][4]    qh word u: the same inputs' 2-bit highs (four runs)
           [16][16 rows]       each row's 16 int8 sub-block scales
           [16 rows][2]        each row's d (fp16)
+    Q4_0  [16 rows][2]        each row's d (fp16)
+          [4][16 rows][4]     nibble word w: inputs 4 w .. + 3 low, 16 + 4 w .. high
+    Q4_1  [16 rows][2], [16 rows][2], [4][16 rows][4]: d, m, then the same words
 
 Why: one int32 lane a row, a lane sums a whole sub-block before its scale,
 where in the file's order each dot product of 64 weights takes its own
@@ -60,12 +65,19 @@ HEADER_WORDS = 8
 PART_WORDS = 4
 ALIGN = 64
 FLAGS_WORD = 5
-PANELS = 1  # FLAGS bit: every part is Q4_K or Q6_K in 16-row panels
+PANELS = 1  # FLAGS bit: every part is in 16-row panels
 PANEL_ROWS = 16
 # A panel's fields per type, in the block's order: (first byte, bytes, word).
 # The C++ reader (kernels/cpu/csrc/quant_blob.h, kPanelFields) holds the same table.
 PANEL_FIELDS = {"Q4_K": ((0, 4, 4), (4, 12, 1), (16, 128, 4)),
-                "Q6_K": ((0, 128, 4), (128, 64, 4), (192, 16, 1), (208, 2, 2))}
+                "Q6_K": ((0, 128, 4), (128, 64, 4), (192, 16, 1), (208, 2, 2)),
+                "Q4_0": ((0, 2, 2), (2, 16, 4)),
+                "Q4_1": ((0, 2, 2), (2, 2, 2), (4, 16, 4))}
+# Types that may share a blob in panels: the tokens meet a blob at one rounding
+# (per 256 inputs for K-quants, per 32 for the legacy types).
+# Q8_0 stays in the file's order: its rows there read as fast once K is past
+# ~1,500 inputs (docs/performance.md, 2026-12-04 evening).
+PANEL_FAMILIES = (frozenset({"Q4_K", "Q6_K"}), frozenset({"Q4_0", "Q4_1"}))
 
 
 @dataclass(frozen=True)
@@ -106,10 +118,11 @@ def _align(n: int) -> int:
 def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: int,
                       panels: bool = False) -> torch.Tensor:
     """One blob of the parts (type name, uint8 [rows, row_bytes]), stacked
-    along N; with `panels`, each part's rows in 16-row panels (every part
-    must be Q4_K or Q6_K of whole panels: ``can_panel``)."""
+    along N; with `panels`, each part's rows in 16-row panels (``can_panel``
+    must hold)."""
     if panels and not can_panel(parts):
-        raise ValueError("16-row panels take Q4_K or Q6_K parts of a multiple of 16 rows, got "
+        raise ValueError("16-row panels take parts of a multiple of 16 rows, all Q4_K or Q6_K, "
+                         "or all Q4_0 or Q4_1, got "
                          f"{[(name, tuple(data.shape)) for name, data in parts]}")
     header = [MAGIC, VERSION, in_features, sum(p.shape[0] for _, p in parts), len(parts),
               PANELS if panels else 0, 0, 0]
@@ -134,18 +147,21 @@ def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: in
 
 
 def can_panel(parts: Sequence[tuple[str, torch.Tensor]]) -> bool:
-    """Whether the parts can be stored in 16-row panels: Q4_K or Q6_K, whole panels."""
-    return bool(parts) and all(name in PANEL_FIELDS and data.shape[0] % PANEL_ROWS == 0 for name, data in parts)
+    """Whether the parts can be stored in 16-row panels: whole panels, every
+    type of one family (``PANEL_FAMILIES``)."""
+    names = {name for name, _ in parts}
+    return (bool(parts) and any(names <= family for family in PANEL_FAMILIES)
+            and all(data.shape[0] % PANEL_ROWS == 0 for _, data in parts))
 
 
 def _panel_view(type_name: str, data: torch.Tensor) -> tuple[int, int, int]:
-    """(panels, super-blocks a row, bytes a block) of a part."""
+    """(panels, blocks a row, bytes a block) of a part."""
     block = QUANT_TYPES[type_name].block_bytes
     return data.shape[0] // PANEL_ROWS, data.shape[1] // block, block
 
 
 def to_panels(type_name: str, data: torch.Tensor) -> torch.Tensor:
-    """A Q4_K or Q6_K part's rows (uint8 [rows, row_bytes]) in 16-row panels
+    """A part's rows (uint8 [rows, row_bytes], a type of ``PANEL_FIELDS``) in 16-row panels
     (the layout in the module docstring), the same shape and bytes reordered."""
     panels, blocks, block = _panel_view(type_name, data)
     rows = data.reshape(panels, PANEL_ROWS, blocks, block)

@@ -297,10 +297,11 @@ def test_a_blob_of_another_width_is_refused(builds, session_seed):
             ops.quant_linear(torch.zeros(1, 64), torch.zeros(64, dtype=torch.float32), None)
 
 
-# -- Q4_K and Q6_K in 16-row panels (kernels/quant.py) ---------------------------------------
+# -- 16-row panels (kernels/quant.py): Q4_K and Q6_K, Q4_0 and Q4_1 ---------------------------
 
-# Blobs of panels: one type, and Q4_K_M's fused qkv (q and k Q4_K, v Q6_K).
-PANEL_PARTS = (["Q4_K", "Q4_K"], ["Q6_K", "Q6_K"], ["Q4_K", "Q6_K"])
+# Blobs of panels: one type, Q4_K_M's fused qkv (q and k Q4_K, v Q6_K), the legacy pair.
+PANEL_PARTS = (["Q4_K", "Q4_K"], ["Q6_K", "Q6_K"], ["Q4_K", "Q6_K"], ["Q4_0", "Q4_0"], ["Q4_1", "Q4_1"],
+               ["Q4_1", "Q4_0", "Q4_1"])
 
 
 def test_panels_are_the_file_bytes_reordered(session_seed):
@@ -319,8 +320,9 @@ def test_panels_are_the_file_bytes_reordered(session_seed):
     assert has_panels(paneled) and not has_panels(blob) and paneled.numel() == blob.numel()
     for (name, got), (want_name, want) in zip(quant_parts(paneled), quant_parts(blob)):
         assert name == want_name and torch.equal(got, want)
-    legacy = _blob(generator, ["Q4_K", "Q8_0"], 32, 512)
-    assert pack_quant_panels(legacy) is legacy  # panels hold Q4_K and Q6_K parts only
+    for types in (["Q4_K", "Q8_0"], ["Q4_K", "Q4_0"], ["Q4_1", "Q8_0"], ["Q5_0", "Q5_0"]):
+        other = _blob(generator, types, 32, 512)
+        assert pack_quant_panels(other) is other  # one family a blob: Q4_K and Q6_K, or Q4_0 and Q4_1
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         pack_quant_weight([("Q4_K", data[:24])], 512, panels=True)
 
@@ -343,6 +345,22 @@ def test_q6k_panels_are_the_file_bytes_reordered(session_seed):
         assert name == want_name and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+def test_legacy_panels_are_the_file_bytes_reordered(name, session_seed):
+    generator = torch.Generator().manual_seed(session_seed)
+    data = random_quant_blocks(name, 32, 96, generator)  # 3 blocks a row
+    panels = to_panels(name, data)
+    assert panels.shape == data.shape and torch.equal(from_panels(name, panels), data)
+    # row 7 of the second panel, block 2: its d, m (Q4_1) and nibble word 3
+    size = QUANT_TYPES[name].block_bytes
+    chunk, block = panels.view(2, 3, 16 * size)[1, 2], data[16 + 7, 2 * size:3 * size]
+    assert chunk[2 * 7:][:2].tolist() == block[:2].tolist()
+    codes = 4 if name == "Q4_1" else 2  # where a block's code bytes start
+    if name == "Q4_1":
+        assert chunk[32 + 2 * 7:][:2].tolist() == block[2:4].tolist()
+    assert chunk[16 * codes + 64 * 3 + 4 * 7:][:4].tolist() == block[codes + 4 * 3:][:4].tolist()
+
+
 @pytest.mark.parametrize("types", PANEL_PARTS, ids="+".join)
 def test_panels_dequantize_bit_for_bit(builds, types, session_seed):
     """Every build reads a panel blob's weights back as gguf's numbers."""
@@ -360,12 +378,13 @@ def test_panels_dequantize_bit_for_bit(builds, types, session_seed):
 @pytest.mark.parametrize("shape", [(1, 768), (3, 768), (13, 768), (16, 768), (128, 768), (5, 8192)])
 def test_panels_product_is_within_the_activation_bound(builds, shape, types, session_seed):
     """The AVX512-VNNI build multiplies panels at every token count (its int8
-    strips, tokens rounded per 256); the other builds refuse them."""
+    strips; tokens rounded per 256 against K-quants, per 32 against the legacy
+    types); the other builds refuse them."""
     rows, in_features = shape
     generator = torch.Generator().manual_seed(session_seed)
     blob = _blob(generator, types, 48, in_features, zero_rows=2)
     paneled = pack_quant_panels(blob)
-    bias = torch.randn(96, generator=generator)
+    bias = torch.randn(48 * len(types), generator=generator)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, in_features, generator=generator).to(dtype)
         expected = quant_linear_reference(x, blob, bias, True)
@@ -380,3 +399,9 @@ def test_panels_product_is_within_the_activation_bound(builds, shape, types, ses
             assert worst <= 1, f"{isa} {dtype} {shape} seed {session_seed}: {worst:.2f}x the bound"
             if rows >= 8 and dtype == torch.bfloat16:  # the strips either way: the same sums
                 assert torch.equal(got, ops.quant_linear(x, blob, bias, True)), (isa, shape)
+            if rows < 8 and _token_block(blob) == 32:
+                # the file order's rows round the tokens alike: only the order of the float sums differs
+                file_rows = ops.quant_linear(x, blob, bias, True)
+                tight = x.float().abs() @ dequantize_reference(blob).abs().t() * 4e-5 + 1e-30
+                worst = ((got - file_rows).abs() / tight).max().item()
+                assert worst <= 1, f"{isa} {dtype} {shape}: {worst:.2f}x float32's rounding off the file order's"

@@ -15,7 +15,7 @@ namespace quant {
 struct Part {
   int64_t type, rows, row_bytes;
   const uint8_t* data;
-  bool panels;  // Q4_K or Q6_K rows in 16-row panels (kernels/quant.py), not the file's order
+  bool panels;  // rows in 16-row panels (kernels/quant.py), not the file's order
 };
 
 struct Blob {
@@ -24,7 +24,8 @@ struct Blob {
   bool panels;  // every part in 16-row panels
 };
 
-constexpr int64_t kPanelRows = 16, kQ4KId = 12, kQ6KId = 14, kQ4KBytes = 144, kQ6KBytes = 210;
+constexpr int64_t kPanelRows = 16, kQ4_0Id = 2, kQ4_1Id = 3, kQ4KId = 12, kQ6KId = 14;
+constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210;
 constexpr int64_t kPanelChunk = kPanelRows * kQ4KBytes, kQ6KPanelChunk = kPanelRows * kQ6KBytes;
 constexpr int64_t kMaxBlockBytes = 210;  // a row_block buffer: the largest block (Q6_K's)
 // Where a Q6_K panel's fields start in its super-block (kernels/quant.py):
@@ -40,7 +41,22 @@ struct PanelField {
 inline const std::vector<PanelField>& panel_fields(int64_t type) {
   static const std::vector<PanelField> q4k{{0, 4, 4}, {4, 12, 1}, {16, 128, 4}};
   static const std::vector<PanelField> q6k{{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
-  return type == kQ6KId ? q6k : q4k;
+  static const std::vector<PanelField> q4_0{{0, 2, 2}, {2, 16, 4}};
+  static const std::vector<PanelField> q4_1{{0, 2, 2}, {2, 2, 2}, {4, 16, 4}};
+  switch (type) {
+    case kQ6KId: return q6k;
+    case kQ4_0Id: return q4_0;
+    case kQ4_1Id: return q4_1;
+    default: return q4k;
+  }
+}
+
+// The families whose types may share a blob in panels (kernels/quant.py's
+// PANEL_FAMILIES): 1 the K-quants, 2 the legacy 4-bit types, 0 neither.
+inline int panel_family(int64_t type) {
+  if (type == kQ4KId || type == kQ6KId) return 1;
+  if (type == kQ4_0Id || type == kQ4_1Id) return 2;
+  return 0;
 }
 
 inline Blob parse(const at::Tensor& blob) {
@@ -54,13 +70,15 @@ inline Blob parse(const at::Tensor& blob) {
   TORCH_CHECK((words[5] & ~int64_t(1)) == 0, "quant_linear: unknown blob flags ", words[5]);
   Blob b{words[2], words[3], {}, (words[5] & 1) != 0};
   int64_t rows = 0;
+  int family = -1;  // the first part's panel family
   for (int64_t p = 0; p < words[4]; ++p) {
     int64_t w[4];
     std::memcpy(w, base + 8 * (8 + 4 * p), sizeof(w));
     TORCH_CHECK(w[2] + w[1] * w[3] <= blob.numel(), "quant_linear: a part runs past the blob");
-    TORCH_CHECK(!b.panels || ((w[0] == kQ4KId || w[0] == kQ6KId) && w[1] % kPanelRows == 0),
-                "quant_linear: 16-row panels hold Q4_K or Q6_K parts of whole panels, got type ", w[0], ", ", w[1],
-                " rows");
+    if (family < 0) family = panel_family(w[0]);
+    TORCH_CHECK(!b.panels || (family > 0 && panel_family(w[0]) == family && w[1] % kPanelRows == 0),
+                "quant_linear: 16-row panels hold parts of whole panels, all Q4_K or Q6_K or all Q4_0 or Q4_1, "
+                "got type ", w[0], ", ", w[1], " rows");
     b.parts.push_back(Part{w[0], w[1], w[3], base + w[2], b.panels});
     rows += w[1];
   }

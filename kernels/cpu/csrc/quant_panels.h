@@ -1,4 +1,4 @@
-// The quantized linear at a few tokens over Q4_K and Q6_K weights in 16-row panels
+// The quantized linear at a few tokens over Q4_K, Q6_K, Q4_0 and Q4_1 weights in 16-row panels
 // (kernels/quant.py draws the layout; kernels.pack_linear makes it at
 // load where this build runs without AMX).  From kFewTokens tokens on, a
 // panel blob takes the int8 strips instead (quant_vnni.h decodes a panel
@@ -171,29 +171,93 @@ inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const T
   for (int t = 0; t < T; ++t) out[t] = f[t];
 }
 
+// The same for a Q4_0 or Q4_1 panel (kernels/quant.py's layout: the 16 rows'
+// d, Q4_1's m, then 4 nibble words a block: word w's low nibbles are inputs
+// 4 w .. 4 w + 3, its high nibbles 16 + 4 w ..).  The tokens are rounded per
+// 32, as the file order's rows round them for these types, so each block's
+// int32 sums (8 vpdpbusd over its 32 inputs, the codes as stored, 0..15)
+// take d times the token's scale in one conversion and FMA, and its min
+// (Q4_1's m; Q4_0's centre as -8 d) meets the token's d x code sum in one
+// more FMA: ~3 operations a vpdpbusd, where the file order's rows spend
+// ~14 (quant_lanes.h: four blocks of one row a vector, their codes put
+// together from four loads, a row's lanes reduced at its end).
+// A legacy panel's chunks (288 or 320 bytes) are not whole lines: a
+// cursor kAhead past the reads asks for each line once, in address order.
+struct LinesAhead {
+  const char* p;
+  explicit LinesAhead(const uint8_t* panel)
+      : p(reinterpret_cast<const char*>(uintptr_t(panel + kAhead) & ~uintptr_t(63))) {}
+  void through(const uint8_t* read_end) {  // the lines up to kAhead past read_end
+    for (const char* until = reinterpret_cast<const char*>(read_end + kAhead); p < until; p += 64) prefetch_l2(p);
+  }
+};
+
+template <bool kHasMin, int T>
+inline void panel_times_tokens_q4(const uint8_t* panel, int64_t blocks, const Tokens& x, int64_t m,
+                                  __m512 (&out)[T]) {
+  constexpr int64_t kScales = kPanelRows * (kHasMin ? 4 : 2), kChunk = kScales + kPanelRows * 16;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const int64_t K = x.K, groups = x.groups;
+  const uint8_t* codes = x.codes.get() + m * K;
+  LinesAhead ahead(panel);
+  __m512 f[T];
+  for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* chunk = panel + b * kChunk;
+    ahead.through(chunk + kChunk);
+    __m512i lo[T], hi[T];
+    for (int t = 0; t < T; ++t) lo[t] = hi[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512i v = _mm512_loadu_si512(chunk + kScales + 64 * k);
+      const __m512i wl = _mm512_and_si512(v, nibble), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      for (int t = 0; t < T; ++t) {
+        int32_t a, c;
+        std::memcpy(&a, codes + t * K + 32 * b + 4 * k, 4);
+        std::memcpy(&c, codes + t * K + 32 * b + 16 + 4 * k, 4);
+        lo[t] = _mm512_dpbusd_epi32(lo[t], wl, _mm512_set1_epi32(a));
+        hi[t] = _mm512_dpbusd_epi32(hi[t], wh, _mm512_set1_epi32(c));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+    const __m512 wm = kHasMin ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32)))
+                              : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    for (int t = 0; t < T; ++t) {
+      const size_t at = size_t((m + t) * groups + b);
+      const __m512i sum = _mm512_add_epi32(lo[t], hi[t]);
+      f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x.d[at])), f[t]);
+      f[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x.sums[at]), f[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = f[t];
+}
+
 // y = x W^T (+ bias) for M < kFewTokens tokens over a blob in panels: the
 // threads split the panels (every part's, in order), each runs all tokens.
 template <typename TX, typename TOut>
 inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
-  const int64_t K = blob.K, N = blob.N, blocks = K / 256;
-  const Tokens tokens = quantize_tokens(x, M, K, 8, false);
+  const int64_t K = blob.K, N = blob.N;
+  const int per = groups_a_scale(blob);  // 8: K-quants (per 256), 1: the legacy types (per 32)
+  const Tokens tokens = quantize_tokens(x, M, K, per, false);
   struct Panel {
     const uint8_t* data;
-    bool q6k;
+    int64_t type;
   };
   std::vector<Panel> at;
   for (const Part& p : blob.parts)
-    for (int64_t r = 0; r < p.rows; r += kPanelRows) at.push_back({p.data + r * p.row_bytes, p.type == kQ6KId});
+    for (int64_t r = 0; r < p.rows; r += kPanelRows) at.push_back({p.data + r * p.row_bytes, p.type});
   at::parallel_for(0, int64_t(at.size()), 4, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const __m512 b = bias ? _mm512_loadu_ps(bias + kPanelRows * i) : _mm512_setzero_ps();
       auto tile = [&](auto count, int64_t m) {
         constexpr int T = decltype(count)::value;
+        const uint8_t* data = at[size_t(i)].data;
         __m512 f[T];
-        if (at[size_t(i)].q6k) {
-          panel_times_tokens_q6k<T>(at[size_t(i)].data, blocks, tokens, m, f);
-        } else {
-          panel_times_tokens<T>(at[size_t(i)].data, blocks, tokens, m, f);
+        switch (at[size_t(i)].type) {
+          case kQ6KId: panel_times_tokens_q6k<T>(data, K / 256, tokens, m, f); break;
+          case kQ4KId: panel_times_tokens<T>(data, K / 256, tokens, m, f); break;
+          case kQ4_1Id: panel_times_tokens_q4<true, T>(data, K / 32, tokens, m, f); break;
+          default: panel_times_tokens_q4<false, T>(data, K / 32, tokens, m, f); break;  // Q4_0 (parse checks)
         }
         for (int t = 0; t < T; ++t) vnni::store16(out + (m + t) * N + kPanelRows * i, _mm512_add_ps(f[t], b), 0xFFFF);
       };

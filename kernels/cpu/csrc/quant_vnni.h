@@ -346,6 +346,31 @@ inline void decode_panel_column_q6k(const Part& p, int64_t K, int64_t r0, int8_t
   }
 }
 
+// The same out of a Q4_0 or Q4_1 part in panels: a block is a group, its
+// word k the low (k < 4) or high nibbles of nibble word k % 4; Q4_0's less
+// its centre, 8 (Q4_0::q_avx2's codes); d, and Q4_1's m, one load each.
+template <typename Q>
+inline void decode_panel_column_q4(const Part& p, int64_t K, int64_t r0, int8_t* codes, GroupMeta* meta) {
+  constexpr int64_t kScales = kPanelRows * (Q::kMin ? 4 : 2), kChunk = kPanelRows * Q::kBytes;
+  const uint8_t* panel = p.data + r0 * p.row_bytes;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), centre = _mm512_set1_epi8(char(Q::kCentre));
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const uint8_t* chunk = panel + g * kChunk;
+    __m512i v[8];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i c = _mm512_loadu_si512(chunk + kScales + 64 * k);
+      v[k] = _mm512_sub_epi8(_mm512_and_si512(c, nibble), centre);
+      v[4 + k] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(c, 4), nibble), centre);
+    }
+    for (int k = 0; k < 8; ++k) _mm512_storeu_si512(codes + g * 512 + 64 * k, v[k]);
+    GroupMeta& m = meta[g];
+    _mm512_store_si512(m.init[0], minus_128_sums<Q>(v, 0, 8));
+    _mm512_store_ps(m.wd[0], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk))));
+    if (Q::kMin)
+      _mm512_store_ps(m.wm, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32))));
+  }
+}
+
 // T tokens (from m) against C columns (codes and meta `c` columns apart):
 // f[t][c] lane l = the sum for token m + t and the column's row l.  With a
 // token scale a group (kPer = 1) each group's integer sums take both scales
@@ -451,6 +476,8 @@ struct Form {
       if (p.panels) return decode_panel_column(p, K, r0, codes, meta);
     } else if constexpr (std::is_same_v<Q, Q6_K>) {
       if (p.panels) return decode_panel_column_q6k(p, K, r0, codes, meta);
+    } else if constexpr (std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1>) {
+      if (p.panels) return decode_panel_column_q4<Q>(p, K, r0, codes, meta);
     }
     vnni::decode_column<Q>(p, K, r0, rows, codes, meta);
   }
