@@ -19,19 +19,21 @@ the file's bytes unchanged, so de-quantizing them gives the file's numbers
 bit for bit (tests/kernels/test_quant_linear.py holds the compiled decoder to
 `gguf.quants.dequantize`, the reference here).
 
-Q4_K, Q6_K, Q4_0 and Q4_1 weights may be stored in *panels* of 16 rows
-instead (header word [5], FLAGS, bit 0: every part of the blob in whole
-panels, the K-quants together or the legacy 4-bit types together, as their
-tokens are rounded per 256 or per 32), where the compiled op reads them
+Q4_K, Q5_K, Q6_K, Q4_0 and Q4_1 weights may be stored in *panels* of 16
+rows instead (header word [5], FLAGS, bit 0: every part of the blob in
+whole panels, the K-quants together or the legacy 4-bit types together, as
+their tokens are rounded per 256 or per 32), where the compiled op reads them
 (``pack_quant_panels``): the same bytes, reordered so that 16 rows sit side
 by side as the AVX512-VNNI kernels multiply them. A panel's block (16
-blocks: 2,304 bytes for Q4_K, 3,360 for Q6_K, 288 for Q4_0, 320 for Q4_1)
+blocks: 2,304 bytes for Q4_K, 2,816 for Q5_K, 3,360 for Q6_K, 288 for Q4_0,
+320 for Q4_1)
 holds each field of the block in turn, in the block's order, word by word
 across the 16 rows (``PANEL_FIELDS``)::
 
     Q4_K  [16 rows][4]        each row's d and dmin (fp16)
           [12][16 rows]       byte j of each row's packed 6-bit scales and mins
           [32][16 rows][4]    code word w (bytes 4 w .. + 3) of each row
+    Q5_K  as Q4_K, with [8][16 rows][4] qh word u (the fifth bits) before the codes
     Q6_K  [32][16 rows][4]    ql word w: 4 inputs' low nibbles (two runs of 32)
           [16][16 rows][4]    qh word u: the same inputs' 2-bit highs (four runs)
           [16][16 rows]       each row's 16 int8 sub-block scales
@@ -70,6 +72,7 @@ PANEL_ROWS = 16
 # A panel's fields per type, in the block's order: (first byte, bytes, word).
 # The C++ reader (kernels/cpu/csrc/quant_blob.h, kPanelFields) holds the same table.
 PANEL_FIELDS = {"Q4_K": ((0, 4, 4), (4, 12, 1), (16, 128, 4)),
+                "Q5_K": ((0, 4, 4), (4, 12, 1), (16, 32, 4), (48, 128, 4)),
                 "Q6_K": ((0, 128, 4), (128, 64, 4), (192, 16, 1), (208, 2, 2)),
                 "Q4_0": ((0, 2, 2), (2, 16, 4)),
                 "Q4_1": ((0, 2, 2), (2, 2, 2), (4, 16, 4))}
@@ -77,7 +80,7 @@ PANEL_FIELDS = {"Q4_K": ((0, 4, 4), (4, 12, 1), (16, 128, 4)),
 # (per 256 inputs for K-quants, per 32 for the legacy types).
 # Q8_0 stays in the file's order: its rows there read as fast once K is past
 # ~1,500 inputs (docs/performance.md, 2026-12-04 evening).
-PANEL_FAMILIES = (frozenset({"Q4_K", "Q6_K"}), frozenset({"Q4_0", "Q4_1"}))
+PANEL_FAMILIES = (frozenset({"Q4_K", "Q5_K", "Q6_K"}), frozenset({"Q4_0", "Q4_1"}))
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: in
     along N; with `panels`, each part's rows in 16-row panels (``can_panel``
     must hold)."""
     if panels and not can_panel(parts):
-        raise ValueError("16-row panels take parts of a multiple of 16 rows, all Q4_K or Q6_K, "
+        raise ValueError("16-row panels take parts of a multiple of 16 rows, all Q4_K, Q5_K or Q6_K, "
                          "or all Q4_0 or Q4_1, got "
                          f"{[(name, tuple(data.shape)) for name, data in parts]}")
     header = [MAGIC, VERSION, in_features, sum(p.shape[0] for _, p in parts), len(parts),

@@ -297,11 +297,12 @@ def test_a_blob_of_another_width_is_refused(builds, session_seed):
             ops.quant_linear(torch.zeros(1, 64), torch.zeros(64, dtype=torch.float32), None)
 
 
-# -- 16-row panels (kernels/quant.py): Q4_K and Q6_K, Q4_0 and Q4_1 ---------------------------
+# -- 16-row panels (kernels/quant.py): Q4_K, Q5_K and Q6_K; Q4_0 and Q4_1 -----------------------
 
-# Blobs of panels: one type, Q4_K_M's fused qkv (q and k Q4_K, v Q6_K), the legacy pair.
-PANEL_PARTS = (["Q4_K", "Q4_K"], ["Q6_K", "Q6_K"], ["Q4_K", "Q6_K"], ["Q4_0", "Q4_0"], ["Q4_1", "Q4_1"],
-               ["Q4_1", "Q4_0", "Q4_1"])
+# Blobs of panels: one type, Q4_K_M's and Q5_K_M's fused qkv (q and k Q4_K or Q5_K, v Q6_K), the
+# legacy pair.
+PANEL_PARTS = (["Q4_K", "Q4_K"], ["Q6_K", "Q6_K"], ["Q4_K", "Q6_K"], ["Q5_K", "Q5_K"], ["Q5_K", "Q6_K"],
+               ["Q4_0", "Q4_0"], ["Q4_1", "Q4_1"], ["Q4_1", "Q4_0", "Q4_1"])
 
 
 def test_panels_are_the_file_bytes_reordered(session_seed):
@@ -320,9 +321,9 @@ def test_panels_are_the_file_bytes_reordered(session_seed):
     assert has_panels(paneled) and not has_panels(blob) and paneled.numel() == blob.numel()
     for (name, got), (want_name, want) in zip(quant_parts(paneled), quant_parts(blob)):
         assert name == want_name and torch.equal(got, want)
-    for types in (["Q4_K", "Q8_0"], ["Q4_K", "Q4_0"], ["Q4_1", "Q8_0"], ["Q5_0", "Q5_0"]):
+    for types in (["Q4_K", "Q8_0"], ["Q5_K", "Q4_0"], ["Q4_1", "Q8_0"], ["Q5_0", "Q5_0"]):
         other = _blob(generator, types, 32, 512)
-        assert pack_quant_panels(other) is other  # one family a blob: Q4_K and Q6_K, or Q4_0 and Q4_1
+        assert pack_quant_panels(other) is other  # one family a blob: K-quants, or Q4_0 and Q4_1
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         pack_quant_weight([("Q4_K", data[:24])], 512, panels=True)
 
@@ -343,6 +344,19 @@ def test_q6k_panels_are_the_file_bytes_reordered(session_seed):
     assert has_panels(paneled) and paneled.numel() == qkv.numel()
     for (name, got), (want_name, want) in zip(quant_parts(paneled), quant_parts(qkv)):
         assert name == want_name and torch.equal(got, want)
+
+
+def test_q5k_panels_are_the_file_bytes_reordered(session_seed):
+    generator = torch.Generator().manual_seed(session_seed)
+    data = random_quant_blocks("Q5_K", 32, 512, generator)
+    panels = to_panels("Q5_K", data)
+    assert panels.shape == data.shape and torch.equal(from_panels("Q5_K", panels), data)
+    # row 3 of the second panel, super-block 1: its d and dmin, scale byte 9, qh word 6, code word 21
+    chunk, block = panels.view(2, 2, 2816)[1, 1], data[16 + 3, 176:352]
+    assert chunk[4 * 3:][:4].tolist() == block[:4].tolist()
+    assert chunk[64 + 16 * 9 + 3] == block[4 + 9]
+    assert chunk[256 + 64 * 6 + 4 * 3:][:4].tolist() == block[16 + 4 * 6:][:4].tolist()
+    assert chunk[768 + 64 * 21 + 4 * 3:][:4].tolist() == block[48 + 4 * 21:][:4].tolist()
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])

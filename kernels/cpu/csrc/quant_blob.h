@@ -24,9 +24,10 @@ struct Blob {
   bool panels;  // every part in 16-row panels
 };
 
-constexpr int64_t kPanelRows = 16, kQ4_0Id = 2, kQ4_1Id = 3, kQ4KId = 12, kQ6KId = 14;
-constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210;
+constexpr int64_t kPanelRows = 16, kQ4_0Id = 2, kQ4_1Id = 3, kQ4KId = 12, kQ5KId = 13, kQ6KId = 14;
+constexpr int64_t kQ4KBytes = 144, kQ5KBytes = 176, kQ6KBytes = 210;
 constexpr int64_t kPanelChunk = kPanelRows * kQ4KBytes, kQ6KPanelChunk = kPanelRows * kQ6KBytes;
+constexpr int64_t kQ5KPanelChunk = kPanelRows * kQ5KBytes;
 constexpr int64_t kMaxBlockBytes = 210;  // a row_block buffer: the largest block (Q6_K's)
 // Where a Q6_K panel's fields start in its super-block (kernels/quant.py):
 // ql words at 0, qh words, the int8 scales, the rows' d.
@@ -40,10 +41,12 @@ struct PanelField {
 };
 inline const std::vector<PanelField>& panel_fields(int64_t type) {
   static const std::vector<PanelField> q4k{{0, 4, 4}, {4, 12, 1}, {16, 128, 4}};
+  static const std::vector<PanelField> q5k{{0, 4, 4}, {4, 12, 1}, {16, 32, 4}, {48, 128, 4}};
   static const std::vector<PanelField> q6k{{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
   static const std::vector<PanelField> q4_0{{0, 2, 2}, {2, 16, 4}};
   static const std::vector<PanelField> q4_1{{0, 2, 2}, {2, 2, 2}, {4, 16, 4}};
   switch (type) {
+    case kQ5KId: return q5k;
     case kQ6KId: return q6k;
     case kQ4_0Id: return q4_0;
     case kQ4_1Id: return q4_1;
@@ -54,7 +57,7 @@ inline const std::vector<PanelField>& panel_fields(int64_t type) {
 // The families whose types may share a blob in panels (kernels/quant.py's
 // PANEL_FAMILIES): 1 the K-quants, 2 the legacy 4-bit types, 0 neither.
 inline int panel_family(int64_t type) {
-  if (type == kQ4KId || type == kQ6KId) return 1;
+  if (type == kQ4KId || type == kQ5KId || type == kQ6KId) return 1;
   if (type == kQ4_0Id || type == kQ4_1Id) return 2;
   return 0;
 }
@@ -77,7 +80,7 @@ inline Blob parse(const at::Tensor& blob) {
     TORCH_CHECK(w[2] + w[1] * w[3] <= blob.numel(), "quant_linear: a part runs past the blob");
     if (family < 0) family = panel_family(w[0]);
     TORCH_CHECK(!b.panels || (family > 0 && panel_family(w[0]) == family && w[1] % kPanelRows == 0),
-                "quant_linear: 16-row panels hold parts of whole panels, all Q4_K or Q6_K or all Q4_0 or Q4_1, "
+                "quant_linear: 16-row panels hold parts of whole panels, all Q4_K, Q5_K or Q6_K or all Q4_0 or Q4_1, "
                 "got type ", w[0], ", ", w[1], " rows");
     b.parts.push_back(Part{w[0], w[1], w[3], base + w[2], b.panels});
     rows += w[1];

@@ -1,4 +1,4 @@
-// The quantized linear at a few tokens over Q4_K, Q6_K, Q4_0 and Q4_1 weights in 16-row panels
+// The quantized linear at a few tokens over Q4_K, Q5_K, Q6_K, Q4_0 and Q4_1 weights in 16-row panels
 // (kernels/quant.py draws the layout; kernels.pack_linear makes it at
 // load where this build runs without AMX).  From kFewTokens tokens on, a
 // panel blob takes the int8 strips instead (quant_vnni.h decodes a panel
@@ -16,10 +16,12 @@
 // this loop read a 2,048 -> 8,192 matrix at 1.8x the rows' rate on one
 // thread, cold (docs/performance.md).
 //
-// The numbers: each token is rounded to int8 per 256 inputs (quant_tokens.h,
-// as the strips do for K-quant blobs), the codes meet the weights' nibbles
-// (0..15, the high ones kept at 16x and their scale's sum shifted to match)
-// in integers, a sub-block's sums take its 6-bit scale in integers, and a
+// The numbers: each token is rounded to int8 per 256 inputs against a
+// K-quant blob (quant_tokens.h, as the strips do for K-quant blobs), per 32
+// against a Q4_0 / Q4_1 one (as the file order's rows round it); the codes
+// meet the weights' nibbles (0..15; Q4_K's high ones kept at 16x and their
+// scale's sum shifted to match; Q5_K's with their fifth bit, 0..31) in
+// integers, a sub-block's sums take its 6-bit scale in integers, and a
 // super-block's take d and the token's scale in float.  The mins: each
 // sub-block's -dmin x min times the token's code sum, in float.
 #pragma once
@@ -40,19 +42,30 @@ namespace panels {
 // strips: their decode is paid once a call and shared by the tokens.
 constexpr int64_t kFewTokens = 8;
 
-// Tokens [m, m + T) against one panel (`blocks` super-blocks of 16 rows):
-// out[t] lane l = token m + t's sum for the panel's row l.
-template <int T>
+// Tokens [m, m + T) against one Q4_K panel (`blocks` super-blocks of 16
+// rows), or with kFifth a Q5_K one: out[t] lane l = token m + t's sum for
+// the panel's row l.  Q5_K's fifth bits (bit 2 pair of qh byte i for code
+// byte i's low nibble, bit 2 pair + 1 for its high one; qh word k holds
+// those of code word k of every pair) are shifted to bit 4 and joined to the
+// nibbles by one ternary op, so its high nibbles are shifted down, not kept
+// at 16x as Q4_K's are.
+template <bool kFifth, int T>
 inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Tokens& x, int64_t m, __m512 (&out)[T]) {
-  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0));
+  constexpr int64_t kChunk = kFifth ? kQ5KPanelChunk : kPanelChunk, kCodes = kFifth ? 768 : 256;
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0)), bit4 = _mm512_set1_epi8(0x10);
   const int64_t K = x.K, groups = x.groups, scales = groups / 8;
   const uint8_t* codes = x.codes.get() + m * K;
+  // qh byte i's bit `bit` at bit 4 of the byte (the 16-bit shift's crossings masked off)
+  auto fifth = [&](__m512i qh, int bit) {
+    return _mm512_and_si512(bit <= 4 ? _mm512_slli_epi16(qh, 4 - bit) : _mm512_srli_epi16(qh, bit - 4), bit4);
+  };
+  auto join = [&](__m512i a, __m512i b) { return _mm512_ternarylogic_epi32(a, b, low, 0xEC); };  // (a & low) | b
   __m512 f[T];
   for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* chunk = panel + b * kPanelChunk;
-    const char* ahead = reinterpret_cast<const char*>(chunk + 2 * kPanelChunk);
-    for (int line = 32; line < 36; ++line) prefetch_l2(ahead + 64 * line);
+    const uint8_t* chunk = panel + b * kChunk;
+    const char* ahead = reinterpret_cast<const char*>(chunk + 2 * kChunk);
+    for (int line = 32; line < kChunk / 64; ++line) prefetch_l2(ahead + 64 * line);
     __m512 d, minus_dmin;
     vnni::panel_k4_d_dmin(chunk, d, minus_dmin);
     __m512i sums[T];
@@ -68,8 +81,16 @@ inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Token
 #pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) {
         prefetch_l2(ahead + 64 * (8 * pair + k));
-        const __m512i v = _mm512_loadu_si512(chunk + 256 + 512 * pair + 64 * k);
-        const __m512i wl = _mm512_and_si512(v, low), wh = _mm512_and_si512(v, high);
+        const __m512i v = _mm512_loadu_si512(chunk + kCodes + 512 * pair + 64 * k);
+        __m512i wl, wh;
+        if constexpr (kFifth) {
+          const __m512i qh = _mm512_loadu_si512(chunk + 256 + 64 * k);
+          wl = join(v, fifth(qh, 2 * pair));
+          wh = join(_mm512_srli_epi16(v, 4), fifth(qh, 2 * pair + 1));
+        } else {
+          wl = _mm512_and_si512(v, low);
+          wh = _mm512_and_si512(v, high);
+        }
         for (int t = 0; t < T; ++t) {
           int32_t a, c;
           std::memcpy(&a, xq + t * K + 4 * k, 4);
@@ -79,7 +100,7 @@ inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Token
         }
       }
       // |a sub-block's sum| <= 32 x 127 x 240, times a scale <= 63: eight fit an int32
-      const __m512i sc_lo = _mm512_slli_epi32(vnni::panel_k4_field(chunk, 2 * pair, false), 4);
+      const __m512i sc_lo = _mm512_slli_epi32(vnni::panel_k4_field(chunk, 2 * pair, false), kFifth ? 0 : 4);
       const __m512i sc_hi = vnni::panel_k4_field(chunk, 2 * pair + 1, false);
       const __m512 wm_lo = _mm512_mul_ps(minus_dmin, _mm512_cvtepi32_ps(vnni::panel_k4_field(chunk, 2 * pair, true)));
       const __m512 wm_hi = _mm512_mul_ps(minus_dmin, _mm512_cvtepi32_ps(vnni::panel_k4_field(chunk, 2 * pair + 1, true)));
@@ -91,7 +112,8 @@ inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Token
         mins[t] = _mm512_fmadd_ps(wm_hi, _mm512_set1_ps(s[1]), mins[t]);
       }
     }
-    const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(1.f / 16));  // the high nibbles' 16x, exactly
+    // Q4_K: the high nibbles' 16x, exactly
+    const __m512 d16 = kFifth ? d : _mm512_mul_ps(d, _mm512_set1_ps(1.f / 16));
     for (int t = 0; t < T; ++t) {
       const __m512 xd = _mm512_set1_ps(x.d[size_t((m + t) * scales + b)]);
       f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(d16, xd), f[t]);
@@ -255,7 +277,8 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
         __m512 f[T];
         switch (at[size_t(i)].type) {
           case kQ6KId: panel_times_tokens_q6k<T>(data, K / 256, tokens, m, f); break;
-          case kQ4KId: panel_times_tokens<T>(data, K / 256, tokens, m, f); break;
+          case kQ4KId: panel_times_tokens<false, T>(data, K / 256, tokens, m, f); break;
+          case kQ5KId: panel_times_tokens<true, T>(data, K / 256, tokens, m, f); break;
           case kQ4_1Id: panel_times_tokens_q4<true, T>(data, K / 32, tokens, m, f); break;
           default: panel_times_tokens_q4<false, T>(data, K / 32, tokens, m, f); break;  // Q4_0 (parse checks)
         }

@@ -279,31 +279,39 @@ inline void panel_k4_d_dmin(const uint8_t* chunk, __m512& d, __m512& minus_dmin)
   minus_dmin = _mm512_xor_ps(_mm512_set1_ps(-0.f), dmin);
 }
 
-// A column out of a Q4_K part in 16-row panels (kernels/quant.py): the panel
-// holding rows [r0, r0 + 16), decoded into the strips' codes and meta.  Why
-// it is cheap: a panel already keeps each code word's 16 rows side by side,
-// so a pair of groups is a load and two masks a word, where the file's order
-// needs the 16 x 16 transposes of decode_column.
+// A column out of a Q4_K (or, kFifth, Q5_K) part in 16-row panels
+// (kernels/quant.py): the panel holding rows [r0, r0 + 16), decoded into the
+// strips' codes and meta.  Why it is cheap: a panel already keeps each code
+// word's 16 rows side by side, so a pair of groups is a load and two masks a
+// word (Q5_K: and its qh word's two bits), where the file's order needs the
+// 16 x 16 transposes of decode_column.
+template <bool kFifth = false>
 inline void decode_panel_column(const Part& p, int64_t K, int64_t r0, int8_t* codes, GroupMeta* meta) {
+  constexpr int64_t kChunk = kFifth ? kQ5KPanelChunk : kPanelChunk, kCodes = kFifth ? 768 : 256;
   const uint8_t* panel = p.data + r0 * p.row_bytes;  // r0: a multiple of 16 (parse checks whole panels)
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
   for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* chunk = panel + b * kPanelChunk;
+    const uint8_t* chunk = panel + b * kChunk;
     __m512 d, minus_dmin;
     panel_k4_d_dmin(chunk, d, minus_dmin);
     for (int pair = 0; pair < 4; ++pair) {
       __m512i v[16];  // v[k]: group 2 pair's word k, v[8 + k]: group 2 pair + 1's
       for (int k = 0; k < 8; ++k) {
-        const __m512i c = _mm512_loadu_si512(chunk + 256 + 512 * pair + 64 * k);
+        const __m512i c = _mm512_loadu_si512(chunk + kCodes + 512 * pair + 64 * k);
         v[k] = _mm512_and_si512(c, nibble);
         v[8 + k] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
+        if constexpr (kFifth) {  // bits 2 pair and 2 pair + 1 of qh word k's bytes, as 16
+          const __m512i qh = _mm512_srli_epi16(_mm512_loadu_si512(chunk + 256 + 64 * k), 2 * pair);
+          v[k] = _mm512_or_si512(v[k], _mm512_slli_epi16(_mm512_and_si512(qh, one), 4));
+          v[8 + k] = _mm512_or_si512(v[8 + k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 1), one), 4));
+        }
       }
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * pair + h;
         const int64_t g = 8 * b + j;
         for (int k = 0; k < 8; ++k) _mm512_storeu_si512(codes + g * 512 + 64 * k, v[8 * h + k]);
         GroupMeta& m = meta[g];
-        _mm512_store_si512(m.init[0], minus_128_sums<Q4_K>(v + 8 * h, 0, 8));
+        _mm512_store_si512(m.init[0], minus_128_sums<std::conditional_t<kFifth, Q5_K, Q4_K>>(v + 8 * h, 0, 8));
         const __m512 sc = _mm512_cvtepi32_ps(panel_k4_field(chunk, j, false));
         const __m512 mn = _mm512_cvtepi32_ps(panel_k4_field(chunk, j, true));
         _mm512_store_ps(m.wd[0], _mm512_mul_ps(d, sc));
@@ -472,8 +480,8 @@ struct Form {
   static int64_t columns_for(int64_t K) { return vnni::columns_for(K); }
   template <typename Q>
   static void decode_column(const Part& p, int64_t K, int64_t r0, int64_t rows, int8_t* codes, GroupMeta* meta) {
-    if constexpr (std::is_same_v<Q, Q4_K>) {
-      if (p.panels) return decode_panel_column(p, K, r0, codes, meta);
+    if constexpr (std::is_same_v<Q, Q4_K> || std::is_same_v<Q, Q5_K>) {
+      if (p.panels) return decode_panel_column<std::is_same_v<Q, Q5_K>>(p, K, r0, codes, meta);
     } else if constexpr (std::is_same_v<Q, Q6_K>) {
       if (p.panels) return decode_panel_column_q6k(p, K, r0, codes, meta);
     } else if constexpr (std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1>) {
