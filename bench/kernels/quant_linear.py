@@ -7,8 +7,10 @@ shape beside it.
         [--layout file|engine|both]
 
 ``--layout engine`` times the blob as the engine serves it (kernels.pack_linear:
-Q4_K and Q6_K in 16-row panels on the AVX512-VNNI build), ``both`` the two
-side by side, shape by shape.
+16-row panels of the K-quants, Q4_0 and Q4_1 on the AVX512-VNNI build),
+``both`` the two side by side, shape by shape, then alternated in pairs
+(file / engine, the median and range of 8 pairs' ratios: the machine's
+drift between the two rows cancels in a pair).
 
 Cache-cold-ish: every timing cycles through enough copies of the weight to
 pass 64 MB (more than this machine's L2 and L3 together), because a decode
@@ -31,6 +33,8 @@ SHAPES = (
     ("SmolLM2 gate_up", "Q4_1", 576, 1536),
     ("SmolLM2 down", "Q4_1", 1536, 576),
     ("SmolLM2 LM head", "Q8_0", 576, 49152),
+    ("Qwen3-0.6B gate_up", "Q5_K", 1024, 6144),
+    ("Llama-1B up", "Q4_0", 2048, 8192),
     ("Llama-1B up", "Q4_K", 2048, 8192),
     ("Llama-1B up", "Q8_0", 2048, 8192),
     ("Llama-1B down", "Q6_K", 8192, 2048),
@@ -68,15 +72,33 @@ LAYOUTS = {"file": lambda blob: blob, "engine": kernels.pack_linear}
 
 
 def bench_shape(ops, label, type_name, K, N, rows, generator, layouts=("file",)) -> list[str]:
-    lines = []
+    lines, copies = [], {}
     for layout in layouts:
         make = lambda: LAYOUTS[layout](  # noqa: E731
             pack_quant_weight([(type_name, random_quant_blocks(type_name, N, K, generator))], K))
-        blobs = _copies(make, make().numel())
+        blobs = copies[layout] = _copies(make, make().numel())
         for m in rows:
             lines.append(_row(ops, f"{label} {type_name} {K}->{N}" + (f" ({layout})" if len(layouts) > 1 else ""),
                               blobs, K, N, m))
+    if len(layouts) == 2:
+        for m in rows:
+            lines.append(_pairs(ops, f"{label} {type_name} {K}->{N} ({layouts[0]} / {layouts[1]}, 8 pairs)",
+                                [copies[layout] for layout in layouts], K, m))
     return lines
+
+
+def _pairs(ops, label, blob_sets, K, m, pairs: int = 8) -> str:
+    """The two layouts timed in turn, `pairs` times: the median and range of
+    first / second (above 1: the second is faster)."""
+    x = torch.randn(m, K).bfloat16() * 0.1
+    ratios = []
+    for _ in range(pairs):
+        first, second = (_micros(lambda b: ops.quant_linear(x, b, None, False), blobs, seconds=0.1)
+                         for blobs in blob_sets)
+        ratios.append(first / second)
+    ratios.sort()
+    median = (ratios[pairs // 2 - 1] + ratios[pairs // 2]) / 2
+    return f"| {label} | {m} | {median:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) | | |"
 
 
 def _row(ops, label, blobs, K, N, m) -> str:
