@@ -92,8 +92,8 @@ def over_rows(op, x, in_features, weight, bias, float_out):
 
 def pack_quant_linear(blob: torch.Tensor) -> torch.Tensor:
     """A CPU blob in 16-row panels where this process's compiled op reads
-    them (its AVX512-VNNI build without AMX; Q4_K, Q5_K and Q6_K, or Q4_0 and
-    Q4_1, parts of whole panels: kernels/quant.py), else the blob itself.  Made at load for the build
+    them (its AVX512-VNNI build without AMX; K-quant parts, or Q4_0, Q4_1,
+    Q5_0 and Q5_1 ones, of whole panels: kernels/quant.py), else the blob itself.  Made at load for the build
     that will multiply it: another build refuses a panel blob."""
     ops = cpu_ops.ops_for(quant_shape(blob)[1])
     if blob.is_cpu and ops is not None and hasattr(ops, "quant_panels") and ops.quant_panels():

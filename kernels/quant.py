@@ -19,14 +19,15 @@ the file's bytes unchanged, so de-quantizing them gives the file's numbers
 bit for bit (tests/kernels/test_quant_linear.py holds the compiled decoder to
 `gguf.quants.dequantize`, the reference here).
 
-Q4_K, Q5_K, Q6_K, Q4_0 and Q4_1 weights may be stored in *panels* of 16
-rows instead (header word [5], FLAGS, bit 0: every part of the blob in
-whole panels, the K-quants together or the legacy 4-bit types together, as
-their tokens are rounded per 256 or per 32), where the compiled op reads them
+Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q5_1 weights may be stored in
+*panels* of 16 rows instead (header word [5], FLAGS, bit 0: every part of
+the blob in whole panels, the K-quants together or the legacy 4- and 5-bit
+types together, as their tokens are rounded per 256 or per 32), where the
+compiled op reads them
 (``pack_quant_panels``): the same bytes, reordered so that 16 rows sit side
 by side as the AVX512-VNNI kernels multiply them. A panel's block (16
 blocks: 2,304 bytes for Q4_K, 2,816 for Q5_K, 3,360 for Q6_K, 288 for Q4_0,
-320 for Q4_1)
+320 for Q4_1, 352 for Q5_0, 384 for Q5_1)
 holds each field of the block in turn, in the block's order, word by word
 across the 16 rows (``PANEL_FIELDS``)::
 
@@ -41,6 +42,7 @@ across the 16 rows (``PANEL_FIELDS``)::
     Q4_0  [16 rows][2]        each row's d (fp16)
           [4][16 rows][4]     nibble word w: inputs 4 w .. + 3 low, 16 + 4 w .. high
     Q4_1  [16 rows][2], [16 rows][2], [4][16 rows][4]: d, m, then the same words
+    Q5_0, Q5_1  as Q4_0, Q4_1, with [16 rows][4] qh (the fifth bits) before the words
 
 Why: one int32 lane a row, a lane sums a whole sub-block before its scale,
 where in the file's order each dot product of 64 weights takes its own
@@ -75,12 +77,14 @@ PANEL_FIELDS = {"Q4_K": ((0, 4, 4), (4, 12, 1), (16, 128, 4)),
                 "Q5_K": ((0, 4, 4), (4, 12, 1), (16, 32, 4), (48, 128, 4)),
                 "Q6_K": ((0, 128, 4), (128, 64, 4), (192, 16, 1), (208, 2, 2)),
                 "Q4_0": ((0, 2, 2), (2, 16, 4)),
-                "Q4_1": ((0, 2, 2), (2, 2, 2), (4, 16, 4))}
+                "Q4_1": ((0, 2, 2), (2, 2, 2), (4, 16, 4)),
+                "Q5_0": ((0, 2, 2), (2, 4, 4), (6, 16, 4)),
+                "Q5_1": ((0, 2, 2), (2, 2, 2), (4, 4, 4), (8, 16, 4))}
 # Types that may share a blob in panels: the tokens meet a blob at one rounding
 # (per 256 inputs for K-quants, per 32 for the legacy types).
 # Q8_0 stays in the file's order: its rows there read as fast once K is past
 # ~1,500 inputs (docs/performance.md, 2026-12-04 evening).
-PANEL_FAMILIES = (frozenset({"Q4_K", "Q5_K", "Q6_K"}), frozenset({"Q4_0", "Q4_1"}))
+PANEL_FAMILIES = (frozenset({"Q4_K", "Q5_K", "Q6_K"}), frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1"}))
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ def pack_quant_weight(parts: Sequence[tuple[str, torch.Tensor]], in_features: in
     must hold)."""
     if panels and not can_panel(parts):
         raise ValueError("16-row panels take parts of a multiple of 16 rows, all Q4_K, Q5_K or Q6_K, "
-                         "or all Q4_0 or Q4_1, got "
+                         "or all Q4_0, Q4_1, Q5_0 or Q5_1, got "
                          f"{[(name, tuple(data.shape)) for name, data in parts]}")
     header = [MAGIC, VERSION, in_features, sum(p.shape[0] for _, p in parts), len(parts),
               PANELS if panels else 0, 0, 0]

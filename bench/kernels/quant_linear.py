@@ -7,7 +7,7 @@ shape beside it.
         [--layout file|engine|both]
 
 ``--layout engine`` times the blob as the engine serves it (kernels.pack_linear:
-16-row panels of the K-quants, Q4_0 and Q4_1 on the AVX512-VNNI build),
+16-row panels of the K-quants and legacy 4- and 5-bit types on the AVX512-VNNI build),
 ``both`` the two side by side, shape by shape, then alternated in pairs
 (file / engine, the median and range of 8 pairs' ratios: the machine's
 drift between the two rows cancels in a pair).

@@ -68,7 +68,7 @@ def test_a_family_served_from_its_blocks_agrees_with_its_floats(tiny_gguf, float
     assert llm.engine.config.quantization == "gguf"
     attention = llm.engine.runner.model.layers[0].self_attn
     assert isinstance(attention.qkv_proj, QuantLinear) and isinstance(attention.o_proj, QuantLinear)
-    if tensor_type in ("Q4_K_M", "Q4_0", "Q4_1", "Q5_K"):  # projections in 16-row panels where the op wants them
+    if tensor_type in ("Q4_K_M", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K"):  # in 16-row panels where the op wants
         ops = cpu_ops.current_ops()
         wanted = ops is not None and ops.quant_panels()
         model = llm.engine.runner.model

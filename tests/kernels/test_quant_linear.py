@@ -297,12 +297,13 @@ def test_a_blob_of_another_width_is_refused(builds, session_seed):
             ops.quant_linear(torch.zeros(1, 64), torch.zeros(64, dtype=torch.float32), None)
 
 
-# -- 16-row panels (kernels/quant.py): Q4_K, Q5_K and Q6_K; Q4_0 and Q4_1 -----------------------
+# -- 16-row panels (kernels/quant.py): Q4_K, Q5_K and Q6_K; Q4_0, Q4_1, Q5_0 and Q5_1 ------------
 
 # Blobs of panels: one type, Q4_K_M's and Q5_K_M's fused qkv (q and k Q4_K or Q5_K, v Q6_K), the
-# legacy pair.
+# legacy types together.
 PANEL_PARTS = (["Q4_K", "Q4_K"], ["Q6_K", "Q6_K"], ["Q4_K", "Q6_K"], ["Q5_K", "Q5_K"], ["Q5_K", "Q6_K"],
-               ["Q4_0", "Q4_0"], ["Q4_1", "Q4_1"], ["Q4_1", "Q4_0", "Q4_1"])
+               ["Q4_0", "Q4_0"], ["Q4_1", "Q4_1"], ["Q5_0", "Q5_0"], ["Q5_1", "Q5_1"],
+               ["Q4_1", "Q5_0", "Q4_0", "Q5_1"])
 
 
 def test_panels_are_the_file_bytes_reordered(session_seed):
@@ -321,9 +322,9 @@ def test_panels_are_the_file_bytes_reordered(session_seed):
     assert has_panels(paneled) and not has_panels(blob) and paneled.numel() == blob.numel()
     for (name, got), (want_name, want) in zip(quant_parts(paneled), quant_parts(blob)):
         assert name == want_name and torch.equal(got, want)
-    for types in (["Q4_K", "Q8_0"], ["Q5_K", "Q4_0"], ["Q4_1", "Q8_0"], ["Q5_0", "Q5_0"]):
+    for types in (["Q4_K", "Q8_0"], ["Q5_K", "Q4_0"], ["Q4_1", "Q8_0"], ["Q5_0", "Q8_0"]):
         other = _blob(generator, types, 32, 512)
-        assert pack_quant_panels(other) is other  # one family a blob: K-quants, or Q4_0 and Q4_1
+        assert pack_quant_panels(other) is other  # one family a blob: K-quants, or the legacy 4- and 5-bit
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         pack_quant_weight([("Q4_K", data[:24])], 512, panels=True)
 
@@ -359,19 +360,22 @@ def test_q5k_panels_are_the_file_bytes_reordered(session_seed):
     assert chunk[768 + 64 * 21 + 4 * 3:][:4].tolist() == block[48 + 4 * 21:][:4].tolist()
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_legacy_panels_are_the_file_bytes_reordered(name, session_seed):
     generator = torch.Generator().manual_seed(session_seed)
     data = random_quant_blocks(name, 32, 96, generator)  # 3 blocks a row
     panels = to_panels(name, data)
     assert panels.shape == data.shape and torch.equal(from_panels(name, panels), data)
-    # row 7 of the second panel, block 2: its d, m (Q4_1) and nibble word 3
+    # row 7 of the second panel, block 2: its d, m (the _1 types), qh (the Q5 types) and nibble word 3
     size = QUANT_TYPES[name].block_bytes
     chunk, block = panels.view(2, 3, 16 * size)[1, 2], data[16 + 7, 2 * size:3 * size]
     assert chunk[2 * 7:][:2].tolist() == block[:2].tolist()
-    codes = 4 if name == "Q4_1" else 2  # where a block's code bytes start
-    if name == "Q4_1":
+    qh = 4 if name.endswith("_1") else 2  # where a block's fifth bits (the Q5 types) start
+    codes = qh + (4 if name.startswith("Q5") else 0)  # where its nibbles start
+    if name.endswith("_1"):
         assert chunk[32 + 2 * 7:][:2].tolist() == block[2:4].tolist()
+    if name.startswith("Q5"):
+        assert chunk[16 * qh + 4 * 7:][:4].tolist() == block[qh:qh + 4].tolist()
     assert chunk[16 * codes + 64 * 3 + 4 * 7:][:4].tolist() == block[codes + 4 * 3:][:4].tolist()
 
 

@@ -64,7 +64,7 @@ class QuantLinear(nn.Module):
 
 def pack_quant_linears(model: nn.Module, kernels) -> None:
     """Every QuantLinear's blob into the layout the backend multiplies fastest
-    (kernels.pack_linear: K-quants, Q4_0 and Q4_1 in 16-row panels for the AVX512-VNNI
+    (kernels.pack_linear: K-quants, Q4_0/Q4_1/Q5_0/Q5_1 in 16-row panels for the AVX512-VNNI
     build), one blob at a time.  An embedding's table is the model's to pack
     (a tied head's, models/llama.py): its row lookups read either layout."""
     for module in model.modules():

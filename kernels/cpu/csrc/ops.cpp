@@ -60,7 +60,7 @@ bool amx_in_use() {
 #endif
 }
 
-// Whether quant_linear wants K-quant, Q4_0 and Q4_1 weights in 16-row panels (kernels/quant.py):
+// Whether quant_linear wants K-quant and legacy 4- and 5-bit weights in 16-row panels (kernels/quant.py):
 // the AVX512-VNNI build, where AMX does not take the many-token calls (its
 // tiles read the file's order).
 bool quant_panels() {

@@ -24,7 +24,8 @@ struct Blob {
   bool panels;  // every part in 16-row panels
 };
 
-constexpr int64_t kPanelRows = 16, kQ4_0Id = 2, kQ4_1Id = 3, kQ4KId = 12, kQ5KId = 13, kQ6KId = 14;
+constexpr int64_t kPanelRows = 16, kQ4_0Id = 2, kQ4_1Id = 3, kQ5_0Id = 6, kQ5_1Id = 7;
+constexpr int64_t kQ4KId = 12, kQ5KId = 13, kQ6KId = 14;
 constexpr int64_t kQ4KBytes = 144, kQ5KBytes = 176, kQ6KBytes = 210;
 constexpr int64_t kPanelChunk = kPanelRows * kQ4KBytes, kQ6KPanelChunk = kPanelRows * kQ6KBytes;
 constexpr int64_t kQ5KPanelChunk = kPanelRows * kQ5KBytes;
@@ -45,20 +46,24 @@ inline const std::vector<PanelField>& panel_fields(int64_t type) {
   static const std::vector<PanelField> q6k{{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
   static const std::vector<PanelField> q4_0{{0, 2, 2}, {2, 16, 4}};
   static const std::vector<PanelField> q4_1{{0, 2, 2}, {2, 2, 2}, {4, 16, 4}};
+  static const std::vector<PanelField> q5_0{{0, 2, 2}, {2, 4, 4}, {6, 16, 4}};
+  static const std::vector<PanelField> q5_1{{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}};
   switch (type) {
     case kQ5KId: return q5k;
     case kQ6KId: return q6k;
     case kQ4_0Id: return q4_0;
     case kQ4_1Id: return q4_1;
+    case kQ5_0Id: return q5_0;
+    case kQ5_1Id: return q5_1;
     default: return q4k;
   }
 }
 
 // The families whose types may share a blob in panels (kernels/quant.py's
-// PANEL_FAMILIES): 1 the K-quants, 2 the legacy 4-bit types, 0 neither.
+// PANEL_FAMILIES): 1 the K-quants, 2 the legacy 4- and 5-bit types, 0 neither.
 inline int panel_family(int64_t type) {
   if (type == kQ4KId || type == kQ5KId || type == kQ6KId) return 1;
-  if (type == kQ4_0Id || type == kQ4_1Id) return 2;
+  if (type == kQ4_0Id || type == kQ4_1Id || type == kQ5_0Id || type == kQ5_1Id) return 2;
   return 0;
 }
 
@@ -80,8 +85,8 @@ inline Blob parse(const at::Tensor& blob) {
     TORCH_CHECK(w[2] + w[1] * w[3] <= blob.numel(), "quant_linear: a part runs past the blob");
     if (family < 0) family = panel_family(w[0]);
     TORCH_CHECK(!b.panels || (family > 0 && panel_family(w[0]) == family && w[1] % kPanelRows == 0),
-                "quant_linear: 16-row panels hold parts of whole panels, all Q4_K, Q5_K or Q6_K or all Q4_0 or Q4_1, "
-                "got type ", w[0], ", ", w[1], " rows");
+                "quant_linear: 16-row panels hold parts of whole panels, all Q4_K, Q5_K or Q6_K or all "
+                "Q4_0, Q4_1, Q5_0 or Q5_1, got type ", w[0], ", ", w[1], " rows");
     b.parts.push_back(Part{w[0], w[1], w[3], base + w[2], b.panels});
     rows += w[1];
   }

@@ -34,7 +34,7 @@
 // int8 strips on AVX512-VNNI below AMX's count (quant_vnni.h) and on AVX2
 // (quant_maddubs.h), elsewhere AMX or de-quantized strips.
 //
-// A blob whose K-quant (or Q4_0 and Q4_1) parts are stored in 16-row
+// A blob whose K-quant (or Q4_0, Q4_1, Q5_0, Q5_1) parts are stored in 16-row
 // panels (kernels/quant.py; made at load for the AVX512-VNNI build without
 // AMX) takes neither path:
 // below 8 tokens quant_panels.h's rows, from 8 the int8 strips, which read a

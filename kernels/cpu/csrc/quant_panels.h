@@ -1,4 +1,4 @@
-// The quantized linear at a few tokens over Q4_K, Q5_K, Q6_K, Q4_0 and Q4_1 weights in 16-row panels
+// The quantized linear at a few tokens over K-quant, Q4_0, Q4_1, Q5_0 and Q5_1 weights in 16-row panels
 // (kernels/quant.py draws the layout; kernels.pack_linear makes it at
 // load where this build runs without AMX).  From kFewTokens tokens on, a
 // panel blob takes the int8 strips instead (quant_vnni.h decodes a panel
@@ -18,7 +18,7 @@
 //
 // The numbers: each token is rounded to int8 per 256 inputs against a
 // K-quant blob (quant_tokens.h, as the strips do for K-quant blobs), per 32
-// against a Q4_0 / Q4_1 one (as the file order's rows round it); the codes
+// against a Q4_0, Q4_1, Q5_0 or Q5_1 one (as the file order's rows round it); the codes
 // meet the weights' nibbles (0..15; Q4_K's high ones kept at 16x and their
 // scale's sum shifted to match; Q5_K's with their fifth bit, 0..31) in
 // integers, a sub-block's sums take its 6-bit scale in integers, and a
@@ -193,17 +193,20 @@ inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const T
   for (int t = 0; t < T; ++t) out[t] = f[t];
 }
 
-// The same for a Q4_0 or Q4_1 panel (kernels/quant.py's layout: the 16 rows'
-// d, Q4_1's m, then 4 nibble words a block: word w's low nibbles are inputs
-// 4 w .. 4 w + 3, its high nibbles 16 + 4 w ..).  The tokens are rounded per
-// 32, as the file order's rows round them for these types, so each block's
-// int32 sums (8 vpdpbusd over its 32 inputs, the codes as stored, 0..15)
-// take d times the token's scale in one conversion and FMA, and its min
-// (Q4_1's m; Q4_0's centre as -8 d) meets the token's d x code sum in one
-// more FMA: ~3 operations a vpdpbusd, where the file order's rows spend
-// ~14 (quant_lanes.h: four blocks of one row a vector, their codes put
-// together from four loads, a row's lanes reduced at its end).
-// A legacy panel's chunks (288 or 320 bytes) are not whole lines: a
+// The same for a Q4_0, Q4_1, Q5_0 or Q5_1 panel (kernels/quant.py's layout:
+// the 16 rows' d, the _1 types' m, the Q5 types' qh words, then 4 nibble
+// words a block: word w's low nibbles are inputs 4 w .. 4 w + 3, its high
+// nibbles 16 + 4 w ..).  The tokens are rounded per 32, as the file order's
+// rows round them for these types, so each block's int32 sums (8 vpdpbusd
+// over its 32 inputs, the codes as stored, 0..15 or with a fifth bit 0..31,
+// added as 16 under a byte mask: vnni::fifth_bits) take d times the token's
+// scale in one conversion and FMA, and its min (the _1 types' m; a
+// symmetric type's centre as -8 d or -16 d) meets the token's d x code sum
+// in one more FMA: ~3 operations a vpdpbusd for Q4_0 / Q4_1 (~6 with the
+// fifth bits), where the file order's rows spend ~14 (quant_lanes.h: four
+// blocks of one row a vector, their codes put together from four loads, a
+// row's lanes reduced at its end).
+// A legacy panel's chunks (288-384 bytes) are not whole lines: a
 // cursor kAhead past the reads asks for each line once, in address order.
 struct LinesAhead {
   const char* p;
@@ -214,11 +217,11 @@ struct LinesAhead {
   }
 };
 
-template <bool kHasMin, int T>
-inline void panel_times_tokens_q4(const uint8_t* panel, int64_t blocks, const Tokens& x, int64_t m,
-                                  __m512 (&out)[T]) {
-  constexpr int64_t kScales = kPanelRows * (kHasMin ? 4 : 2), kChunk = kScales + kPanelRows * 16;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
+template <typename Q, int T>
+inline void panel_times_tokens_legacy(const uint8_t* panel, int64_t blocks, const Tokens& x, int64_t m,
+                                      __m512 (&out)[T]) {
+  constexpr int64_t kChunk = kPanelRows * Q::kBytes, kWords = kPanelRows * Q::kQs, kQh = kPanelRows * Q::kHigh;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
   const int64_t K = x.K, groups = x.groups;
   const uint8_t* codes = x.codes.get() + m * K;
   LinesAhead ahead(panel);
@@ -231,8 +234,13 @@ inline void panel_times_tokens_q4(const uint8_t* panel, int64_t blocks, const To
     for (int t = 0; t < T; ++t) lo[t] = hi[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
-      const __m512i v = _mm512_loadu_si512(chunk + kScales + 64 * k);
-      const __m512i wl = _mm512_and_si512(v, nibble), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      const __m512i v = _mm512_loadu_si512(chunk + kWords + 64 * k);
+      __m512i wl = _mm512_and_si512(v, nibble), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      if constexpr (Q::kLevels == 32) {
+        const __m512i qh = _mm512_loadu_si512(chunk + kQh);
+        wl = _mm512_mask_add_epi8(wl, vnni::fifth_bits(qh, k, 0), wl, sixteen);
+        wh = _mm512_mask_add_epi8(wh, vnni::fifth_bits(qh, k, 1), wh, sixteen);
+      }
       for (int t = 0; t < T; ++t) {
         int32_t a, c;
         std::memcpy(&a, codes + t * K + 32 * b + 4 * k, 4);
@@ -242,8 +250,8 @@ inline void panel_times_tokens_q4(const uint8_t* panel, int64_t blocks, const To
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
-    const __m512 wm = kHasMin ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32)))
-                              : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    const __m512 wm = Q::kMin ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32)))
+                              : _mm512_mul_ps(d, _mm512_set1_ps(-float(Q::kCentre)));
     for (int t = 0; t < T; ++t) {
       const size_t at = size_t((m + t) * groups + b);
       const __m512i sum = _mm512_add_epi32(lo[t], hi[t]);
@@ -279,8 +287,10 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
           case kQ6KId: panel_times_tokens_q6k<T>(data, K / 256, tokens, m, f); break;
           case kQ4KId: panel_times_tokens<false, T>(data, K / 256, tokens, m, f); break;
           case kQ5KId: panel_times_tokens<true, T>(data, K / 256, tokens, m, f); break;
-          case kQ4_1Id: panel_times_tokens_q4<true, T>(data, K / 32, tokens, m, f); break;
-          default: panel_times_tokens_q4<false, T>(data, K / 32, tokens, m, f); break;  // Q4_0 (parse checks)
+          case kQ4_0Id: panel_times_tokens_legacy<Q4_0, T>(data, K / 32, tokens, m, f); break;
+          case kQ4_1Id: panel_times_tokens_legacy<Q4_1, T>(data, K / 32, tokens, m, f); break;
+          case kQ5_0Id: panel_times_tokens_legacy<Q5_0, T>(data, K / 32, tokens, m, f); break;
+          default: panel_times_tokens_legacy<Q5_1, T>(data, K / 32, tokens, m, f); break;  // parse checks the type
         }
         for (int t = 0; t < T; ++t) vnni::store16(out + (m + t) * N + kPanelRows * i, _mm512_add_ps(f[t], b), 0xFFFF);
       };

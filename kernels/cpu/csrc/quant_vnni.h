@@ -354,21 +354,41 @@ inline void decode_panel_column_q6k(const Part& p, int64_t K, int64_t r0, int8_t
   }
 }
 
-// The same out of a Q4_0 or Q4_1 part in panels: a block is a group, its
-// word k the low (k < 4) or high nibbles of nibble word k % 4; Q4_0's less
-// its centre, 8 (Q4_0::q_avx2's codes); d, and Q4_1's m, one load each.
+// The bytes of a Q5_0 / Q5_1 panel's nibble word k (h = 0: its low
+// nibbles, inputs 4 k .. 4 k + 3; h = 1: its high ones, 16 + 4 k ..) whose
+// fifth bit is set, from the 16 rows' qh words (a vector, lane l: row l's):
+// each lane's qh byte 2 h + k / 2 spread over its 4 bytes by one shuffle,
+// then byte j tested against bit 4 (k % 2) + j.
+inline __mmask64 fifth_bits(__m512i qh, int k, int h) {
+  const __m512i lanes = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);  // each dword's first byte
+  const __m512i spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(lanes, _mm512_set1_epi8(char(2 * h + k / 2))));
+  return _mm512_test_epi8_mask(spread, _mm512_set1_epi32(int32_t(0x08040201u << (4 * (k % 2)))));
+}
+
+// The same out of a Q4_0, Q4_1, Q5_0 or Q5_1 part in panels: a block is a
+// group, its word k the low (k < 4) or high nibbles of nibble word k % 4
+// (with the Q5 types' fifth bits as 16), less the symmetric types' centre
+// (Q::q_avx2's codes); d, and the _1 types' m, one load each.
 template <typename Q>
-inline void decode_panel_column_q4(const Part& p, int64_t K, int64_t r0, int8_t* codes, GroupMeta* meta) {
-  constexpr int64_t kScales = kPanelRows * (Q::kMin ? 4 : 2), kChunk = kPanelRows * Q::kBytes;
+inline void decode_panel_column_legacy(const Part& p, int64_t K, int64_t r0, int8_t* codes, GroupMeta* meta) {
+  constexpr int64_t kChunk = kPanelRows * Q::kBytes, kWords = kPanelRows * Q::kQs, kQh = kPanelRows * Q::kHigh;
   const uint8_t* panel = p.data + r0 * p.row_bytes;
   const __m512i nibble = _mm512_set1_epi8(0x0F), centre = _mm512_set1_epi8(char(Q::kCentre));
+  const __m512i sixteen = _mm512_set1_epi8(0x10);
   for (int64_t g = 0; g < K / 32; ++g) {
     const uint8_t* chunk = panel + g * kChunk;
     __m512i v[8];
     for (int k = 0; k < 4; ++k) {
-      const __m512i c = _mm512_loadu_si512(chunk + kScales + 64 * k);
-      v[k] = _mm512_sub_epi8(_mm512_and_si512(c, nibble), centre);
-      v[4 + k] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(c, 4), nibble), centre);
+      const __m512i c = _mm512_loadu_si512(chunk + kWords + 64 * k);
+      v[k] = _mm512_and_si512(c, nibble);
+      v[4 + k] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
+      if constexpr (Q::kLevels == 32) {
+        const __m512i qh = _mm512_loadu_si512(chunk + kQh);
+        v[k] = _mm512_mask_add_epi8(v[k], fifth_bits(qh, k, 0), v[k], sixteen);
+        v[4 + k] = _mm512_mask_add_epi8(v[4 + k], fifth_bits(qh, k, 1), v[4 + k], sixteen);
+      }
+      v[k] = _mm512_sub_epi8(v[k], centre);
+      v[4 + k] = _mm512_sub_epi8(v[4 + k], centre);
     }
     for (int k = 0; k < 8; ++k) _mm512_storeu_si512(codes + g * 512 + 64 * k, v[k]);
     GroupMeta& m = meta[g];
@@ -484,8 +504,9 @@ struct Form {
       if (p.panels) return decode_panel_column<std::is_same_v<Q, Q5_K>>(p, K, r0, codes, meta);
     } else if constexpr (std::is_same_v<Q, Q6_K>) {
       if (p.panels) return decode_panel_column_q6k(p, K, r0, codes, meta);
-    } else if constexpr (std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1>) {
-      if (p.panels) return decode_panel_column_q4<Q>(p, K, r0, codes, meta);
+    } else if constexpr (std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1> || std::is_same_v<Q, Q5_0> ||
+                         std::is_same_v<Q, Q5_1>) {
+      if (p.panels) return decode_panel_column_legacy<Q>(p, K, r0, codes, meta);
     }
     vnni::decode_column<Q>(p, K, r0, rows, codes, meta);
   }
