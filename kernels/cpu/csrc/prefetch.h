@@ -60,6 +60,18 @@ struct Ahead {
   }
 };
 
+// The same in address order from kAhead past `start`, for reads in chunks
+// that are not whole lines (quant_panels.h's legacy panels: 288-384 bytes):
+// through(end) asks for every line up to kAhead past `end` not asked yet.
+struct LinesAhead {
+  const char* p;
+  explicit LinesAhead(const uint8_t* start)
+      : p(reinterpret_cast<const char*>(uintptr_t(start + kAhead) & ~uintptr_t(63))) {}
+  void through(const uint8_t* end) {
+    for (const char* until = reinterpret_cast<const char*>(end + kAhead); p < until; p += 64) prefetch_l2(p);
+  }
+};
+
 // The panel of rows to ask for while reading the panel at w (`panel` bytes
 // of contiguous rows): the next one, or where a panel is shorter than
 // kAhead the first one at least kAhead past w.  Why: a panel of four short

@@ -206,17 +206,8 @@ inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const T
 // fifth bits), where the file order's rows spend ~14 (quant_lanes.h: four
 // blocks of one row a vector, their codes put together from four loads, a
 // row's lanes reduced at its end).
-// A legacy panel's chunks (288-384 bytes) are not whole lines: a
-// cursor kAhead past the reads asks for each line once, in address order.
-struct LinesAhead {
-  const char* p;
-  explicit LinesAhead(const uint8_t* panel)
-      : p(reinterpret_cast<const char*>(uintptr_t(panel + kAhead) & ~uintptr_t(63))) {}
-  void through(const uint8_t* read_end) {  // the lines up to kAhead past read_end
-    for (const char* until = reinterpret_cast<const char*>(read_end + kAhead); p < until; p += 64) prefetch_l2(p);
-  }
-};
-
+// A legacy panel's chunks (288-384 bytes) are not whole lines: prefetch.h's
+// LinesAhead asks for each line once, in address order.
 template <typename Q, int T>
 inline void panel_times_tokens_legacy(const uint8_t* panel, int64_t blocks, const Tokens& x, int64_t m,
                                       __m512 (&out)[T]) {
@@ -232,12 +223,12 @@ inline void panel_times_tokens_legacy(const uint8_t* panel, int64_t blocks, cons
     ahead.through(chunk + kChunk);
     __m512i lo[T], hi[T];
     for (int t = 0; t < T; ++t) lo[t] = hi[t] = _mm512_setzero_si512();
+    [[maybe_unused]] const __m512i qh = Q::kLevels == 32 ? _mm512_loadu_si512(chunk + kQh) : _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       const __m512i v = _mm512_loadu_si512(chunk + kWords + 64 * k);
       __m512i wl = _mm512_and_si512(v, nibble), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       if constexpr (Q::kLevels == 32) {
-        const __m512i qh = _mm512_loadu_si512(chunk + kQh);
         wl = _mm512_mask_add_epi8(wl, vnni::fifth_bits(qh, k, 0), wl, sixteen);
         wh = _mm512_mask_add_epi8(wh, vnni::fifth_bits(qh, k, 1), wh, sixteen);
       }

@@ -378,12 +378,12 @@ inline void decode_panel_column_legacy(const Part& p, int64_t K, int64_t r0, int
   for (int64_t g = 0; g < K / 32; ++g) {
     const uint8_t* chunk = panel + g * kChunk;
     __m512i v[8];
+    [[maybe_unused]] const __m512i qh = Q::kLevels == 32 ? _mm512_loadu_si512(chunk + kQh) : _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k) {
       const __m512i c = _mm512_loadu_si512(chunk + kWords + 64 * k);
       v[k] = _mm512_and_si512(c, nibble);
       v[4 + k] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
       if constexpr (Q::kLevels == 32) {
-        const __m512i qh = _mm512_loadu_si512(chunk + kQh);
         v[k] = _mm512_mask_add_epi8(v[k], fifth_bits(qh, k, 0), v[k], sixteen);
         v[4 + k] = _mm512_mask_add_epi8(v[4 + k], fifth_bits(qh, k, 1), v[4 + k], sixteen);
       }
