@@ -40,8 +40,11 @@ struct DecodePlan {
 // stays whole: a second thread's start costs what it saves.  Measured on the
 // 2-vCPU Xeon, 28 layers' caches read cold, cut / whole: SmolLM2's 3 x 64 at
 // 128-160 tokens (24-31K) 0.96-1.05x, at 256 (49K) 0.81x; Qwen3-0.6B's
-// 8 x 128 at 32 tokens (32K) 0.85x, at 256 0.67x.
-constexpr int64_t kSplitHeadsMin = 1 << 15;
+// 8 x 128 at 32 tokens (32K) 0.85x, at 256 0.67x.  On the 2-vCPU Zen 4
+// EPYC SmolLM2's one-stream steps over 9-137 tokens (2-26K) took 0.82x the
+// attention time cut (docs/performance.md, 2026-12-04), so the bar sits
+// lower: 8K, ~43 of SmolLM2's tokens, 8 of Qwen3-0.6B's.
+constexpr int64_t kSplitHeadsMin = 1 << 13;
 
 // Each item's kv heads cut into parts, where the items are fewer than twice
 // the threads: two items a thread keep them even.  Why: a one-stream step's

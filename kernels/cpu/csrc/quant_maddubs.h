@@ -175,7 +175,7 @@ inline void tile(const Tokens& x, int64_t m, const int8_t* codes, const GroupMet
   __m256(&sums)[T][C] = kPer == 1 ? f : p;  // what a group's sums go into
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) f[t][c] = p[t][c] = _mm256_setzero_ps();
-  const uint8_t* xq = x.codes.get() + m * x.K;
+  const uint8_t* xq = x.codes + m * x.K;
   for (int64_t g = 0; g < groups; ++g) {
     ahead.fetch(per_group);
     const uint8_t* xg = xq + 32 * g;
@@ -184,7 +184,7 @@ inline void tile(const Tokens& x, int64_t m, const int8_t* codes, const GroupMet
     for (int h = 0; h < kHalves; ++h) {
       __m256i acc[T][C];
       for (int t = 0; t < T; ++t) {
-        const int32_t* sum = x.halves.data() + 2 * ((m + t) * groups + g);
+        const int32_t* sum = x.halves + 2 * ((m + t) * groups + g);
         const int32_t codes_sum = Q::kSplit ? sum[h] : sum[0] + sum[1];
         const __m256i init = _mm256_set1_epi32(-Q::kCentre * codes_sum);
         for (int c = 0; c < C; ++c) acc[t][c] = init;

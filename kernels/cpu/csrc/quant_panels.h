@@ -54,7 +54,7 @@ inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Token
   constexpr int64_t kChunk = kFifth ? kQ5KPanelChunk : kPanelChunk, kCodes = kFifth ? 768 : 256;
   const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0)), bit4 = _mm512_set1_epi8(0x10);
   const int64_t K = x.K, groups = x.groups, scales = groups / 8;
-  const uint8_t* codes = x.codes.get() + m * K;
+  const uint8_t* codes = x.codes + m * K;
   // qh byte i's bit `bit` at bit 4 of the byte (the 16-bit shift's crossings masked off)
   auto fifth = [&](__m512i qh, int bit) {
     return _mm512_and_si512(bit <= 4 ? _mm512_slli_epi16(qh, 4 - bit) : _mm512_srli_epi16(qh, bit - 4), bit4);
@@ -137,7 +137,7 @@ inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const T
                                    __m512 (&out)[T]) {
   const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
   const int64_t K = x.K, groups = x.groups, scales = groups / 8;
-  const uint8_t* codes = x.codes.get() + m * K;
+  const uint8_t* codes = x.codes + m * K;
   // (a & nibble) | b, one vpternlogd: b holds the 2 high bits at 4-5 already
   auto join = [&](__m512i a, __m512i b) { return _mm512_ternarylogic_epi32(a, b, nibble, 0xEC); };
   __m512 f[T];
@@ -214,7 +214,7 @@ inline void panel_times_tokens_legacy(const uint8_t* panel, int64_t blocks, cons
   constexpr int64_t kChunk = kPanelRows * Q::kBytes, kWords = kPanelRows * Q::kQs, kQh = kPanelRows * Q::kHigh;
   const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
   const int64_t K = x.K, groups = x.groups;
-  const uint8_t* codes = x.codes.get() + m * K;
+  const uint8_t* codes = x.codes + m * K;
   LinesAhead ahead(panel);
   __m512 f[T];
   for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
@@ -260,21 +260,31 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
   const int64_t K = blob.K, N = blob.N;
   const int per = groups_a_scale(blob);  // 8: K-quants (per 256), 1: the legacy types (per 32)
   const Tokens tokens = quantize_tokens(x, M, K, per, false);
-  struct Panel {
-    const uint8_t* data;
-    int64_t type;
+  // Panel i is found by walking the (one to three) parts, not from a list
+  // built per call: at one token that list's ~190 pushes cost ~1 us of a
+  // layer's serial time (docs/performance.md).
+  int64_t panels = 0;
+  for (const Part& p : blob.parts) panels += p.rows / kPanelRows;
+  auto panel = [&](int64_t i, int64_t& type) {
+    for (const Part& p : blob.parts) {
+      const int64_t n = p.rows / kPanelRows;
+      if (i < n) {
+        type = p.type;
+        return p.data + i * kPanelRows * p.row_bytes;
+      }
+      i -= n;
+    }
+    return static_cast<const uint8_t*>(nullptr);  // not reached: i < panels
   };
-  std::vector<Panel> at;
-  for (const Part& p : blob.parts)
-    for (int64_t r = 0; r < p.rows; r += kPanelRows) at.push_back({p.data + r * p.row_bytes, p.type});
-  at::parallel_for(0, int64_t(at.size()), 4, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, panels, 4, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const __m512 b = bias ? _mm512_loadu_ps(bias + kPanelRows * i) : _mm512_setzero_ps();
+      int64_t type = 0;
+      const uint8_t* data = panel(i, type);
       auto tile = [&](auto count, int64_t m) {
         constexpr int T = decltype(count)::value;
-        const uint8_t* data = at[size_t(i)].data;
         __m512 f[T];
-        switch (at[size_t(i)].type) {
+        switch (type) {
           case kQ6KId: panel_times_tokens_q6k<T>(data, K / 256, tokens, m, f); break;
           case kQ4KId: panel_times_tokens<false, T>(data, K / 256, tokens, m, f); break;
           case kQ5KId: panel_times_tokens<true, T>(data, K / 256, tokens, m, f); break;

@@ -58,13 +58,27 @@ inline int32_t hsum4(__m128i v) {
 // unsigned: quant_vnni.h), a scale d per `per` groups, what a weight's min
 // multiplies per group (the sum of its codes, times d where d is the
 // group's own, per = 1), and each 16 codes' sum (quant_maddubs.h takes a
-// weight's centre off with it).
+// weight's centre off with it).  The four arrays share one allocation: at
+// one token a layer's four linears each quantize their input, and four
+// zeroed vectors a call measured ~0.8 us of a ~3 us fixed cost that the
+// other thread waits through (SmolLM2, Zen 4, docs/performance.md).
 struct Tokens {
   int64_t K, groups, per;
-  std::unique_ptr<uint8_t[]> codes;  // [tokens, K], every byte written by quantize_tokens
-  std::vector<float> d;              // [tokens, groups / per]
-  std::vector<float> sums;           // [tokens, groups]
-  std::vector<int32_t> halves;       // [tokens, groups, 2]
+  std::unique_ptr<uint8_t[]> buffer;  // the arrays below, every byte written by quantize_tokens
+  uint8_t* codes;                     // [tokens, K]
+  float* d;                           // [tokens, groups / per]
+  float* sums;                        // [tokens, groups]
+  int32_t* halves;                    // [tokens, groups, 2]
+
+  Tokens(int64_t M, int64_t K_, int64_t per_) : K(K_), groups(K_ / 32), per(per_) {
+    // K is a multiple of 32, so the float arrays after the codes stay aligned.
+    const size_t code_bytes = size_t(M * K), scales = size_t(M * (groups / per)), group_rows = size_t(M * groups);
+    buffer.reset(new uint8_t[code_bytes + 4 * (scales + 3 * group_rows)]);
+    codes = buffer.get();
+    d = reinterpret_cast<float*>(codes + code_bytes);
+    sums = d + scales;
+    halves = reinterpret_cast<int32_t*>(sums + group_rows);
+  }
 };
 
 // quant_act.h's rounding (d = max|x| / 127 over `per` groups, codes to
@@ -73,13 +87,7 @@ struct Tokens {
 template <typename TX>
 inline Tokens quantize_tokens(const TX* x, int64_t M, int64_t K, int64_t per, bool unsigned_codes) {
   const int64_t groups = K / 32, scales = groups / per;
-  Tokens t{K,
-           groups,
-           per,
-           std::unique_ptr<uint8_t[]>(new uint8_t[size_t(M * K)]),
-           std::vector<float>(size_t(M * scales)),
-           std::vector<float>(size_t(M * groups)),
-           std::vector<int32_t>(size_t(M * groups * 2))};
+  Tokens t(M, K, per);
   const __m256i flip = _mm256_set1_epi8(unsigned_codes ? char(0x80) : 0);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
@@ -95,7 +103,7 @@ inline Tokens quantize_tokens(const TX* x, int64_t M, int64_t K, int64_t per, bo
           const __m256i wide = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
           t.halves[size_t(2 * (m * groups + g))] = hsum4(_mm256_castsi256_si128(wide));
           t.halves[size_t(2 * (m * groups + g) + 1)] = hsum4(_mm256_extracti128_si256(wide, 1));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.codes.get() + m * K + 32 * g), _mm256_xor_si256(q, flip));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.codes + m * K + 32 * g), _mm256_xor_si256(q, flip));
         }
       }
   });

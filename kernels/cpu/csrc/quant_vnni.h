@@ -414,7 +414,7 @@ inline void tile(const Tokens& x, int64_t m, const int8_t* codes, const GroupMet
   __m512(&sums)[T][C] = kPer == 1 ? f : p;  // what a group's sums go into
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) f[t][c] = p[t][c] = _mm512_setzero_ps();
-  const uint8_t* xu = x.codes.get() + m * x.K;
+  const uint8_t* xu = x.codes + m * x.K;
   // One loop over the groups, the token scale's at its last: a loop over
   // scales around one over their 8 groups ran Llama-1B's Q6_K down
   // projection 1.2x slower than this.
