@@ -155,17 +155,25 @@ def _stack_args(ws, step, cos, sin, caches):
             KV_HEADS, EPS, SCALE)
 
 
-@pytest.mark.parametrize("quantized,qk_norm", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("lens,decode", [([7], 1), ([5, 18, 30], 1), ([12], 0)])
+@pytest.mark.parametrize("quantized,qk_norm", [(False, False), (True, False), (True, True), ("packed", False)])
+@pytest.mark.parametrize("lens,decode", [([7], 1), ([9, 30, 3], 3), ([5, 18, 30], 1), ([12], 0)])
 def test_stack_op_is_the_layer_op_layer_by_layer(ops, session_seed, lens, decode, quantized, qk_norm):
     """Three layers with their own weights and caches: the stack op against
     the layer op called for each in turn (the first without a residual);
-    bf16 weights, or blobs (_quantized); with or without per-head norms."""
+    bf16 weights, or blobs (_quantized), or blobs in the layout this build
+    multiplies (kernels.pack_linear: 16-row panels on the VNNI build); with
+    or without per-head norms.  A step of decode rows alone over quantized
+    weights runs its layers in one region (kernels/cpu/csrc/team.h); the
+    layer op never does, so the two must agree to the bit."""
     g = torch.Generator().manual_seed(session_seed)
     step = _step(g, lens, decode)
     ws, caches = [_weights(g, qk_norm) for _ in range(3)], [_caches(g) for _ in range(3)]
     if quantized:
         ws = [_quantized(g, w) for w in ws]
+    if quantized == "packed":
+        import kernels
+
+        ws = [dict(w, **{k: kernels.pack_linear(w[k]) for k in ("qkv", "o", "gate_up", "down")}) for w in ws]
     hidden = torch.randn(len(step["slots"]), HIDDEN, generator=g).bfloat16()
     cos, sin = _rope(step["positions"])
     theirs = [[c.clone() for c in pair] for pair in caches]

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "team.h"
 #include "types.h"
 #include "vec.h"
 
@@ -70,7 +71,7 @@ inline at::Tensor silu_and_mul(const at::Tensor& x) {
     using T = decltype(tag);
     const T* xp = reinterpret_cast<const T*>(x.data_ptr());
     T* op = reinterpret_cast<T*>(out.data_ptr());
-    at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
+    pagedserve::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {  // the team's, in a stack's region
       for (int64_t t = t0; t < t1; ++t)
         activation::row(xp + t * 2 * width, xp + t * 2 * width + width, op + t * width, width);
     });

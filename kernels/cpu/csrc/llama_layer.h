@@ -46,6 +46,7 @@
 #include "quant_linear.h"
 #include "rms_norm.h"
 #include "rope.h"
+#include "team.h"
 
 namespace pagedserve {
 namespace layer_parts {
@@ -190,6 +191,22 @@ inline at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const a
   return out;
 }
 
+// Whether a stack's step runs in one region (team.h): a few decode rows, no
+// adapters, every projection quantized.  Then the loops team.h does not
+// route (norms, RoPE, the cache's stores, the tokens' rounding) run on the
+// calling thread, a few microseconds at 8 tokens, and the quantized
+// linears, SiLU and the decode attention route theirs.
+constexpr int64_t kTeamTokens = 8;
+template <typename Weight>
+inline bool few_decode_rows(const at::Tensor& hidden, int64_t num_decode_tokens, bool plain, int64_t layers,
+                            const Weight& weight) {
+  if (hidden.size(0) > kTeamTokens || num_decode_tokens != hidden.size(0) || !plain) return false;
+  for (int64_t l = 0; l < layers; ++l)
+    for (int i : {1, 3, 6, 8})  // qkv, o, gate_up, down
+      if (weight(l, i).scalar_type() != at::kByte) return false;
+  return true;
+}
+
 }  // namespace layer_parts
 
 // Returns (this layer's MLP output, the residual stream).  Without a residual
@@ -265,20 +282,24 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layers(
     TORCH_CHECK_VALUE(w.has_value() && w->defined(), "llama_layers: layer ", l, " weight ", i, " is None");
     return *w;
   };
-  at::Tensor h = hidden;
-  std::optional<at::Tensor> residual;  // none before the first layer: hidden is the stream
-  for (int64_t l = 0; l < layers; ++l) {
-    auto optional = [&](int i) { return weights.get(kPer * l + i); };
-    auto stack = [&](int i) { return i < kPer ? optional(i) : std::optional<at::Tensor>(); };
-    std::tie(h, residual) = llama_layer(
-        h, residual, weight(l, 0), weight(l, 1), optional(2), weight(l, 3), optional(4), weight(l, 5),
-        weight(l, 6), optional(7), weight(l, 8), optional(9), optional(10), optional(11), cos, sin,
-        k_caches[l], v_caches[l], slot_mapping, num_decode_tokens, decode_block_tables, decode_context_lens,
-        prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, num_heads, num_kv_heads, eps, scale,
-        sliding_window, logits_soft_cap, lora_ids, stack(12), stack(13), stack(14), stack(15), stack(16),
-        stack(17), stack(18), stack(19));
-  }
-  return {h, *residual};
+  auto run = [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    at::Tensor h = hidden;
+    std::optional<at::Tensor> residual;  // none before the first layer: hidden is the stream
+    for (int64_t l = 0; l < layers; ++l) {
+      auto optional = [&](int i) { return weights.get(kPer * l + i); };
+      auto stack = [&](int i) { return i < kPer ? optional(i) : std::optional<at::Tensor>(); };
+      std::tie(h, residual) = llama_layer(
+          h, residual, weight(l, 0), weight(l, 1), optional(2), weight(l, 3), optional(4), weight(l, 5),
+          weight(l, 6), optional(7), weight(l, 8), optional(9), optional(10), optional(11), cos, sin,
+          k_caches[l], v_caches[l], slot_mapping, num_decode_tokens, decode_block_tables, decode_context_lens,
+          prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, num_heads, num_kv_heads, eps,
+          scale, sliding_window, logits_soft_cap, lora_ids, stack(12), stack(13), stack(14), stack(15),
+          stack(16), stack(17), stack(18), stack(19));
+    }
+    return {h, *residual};
+  };
+  return layer_parts::few_decode_rows(hidden, num_decode_tokens, kPer == 12, layers, weight) ? with_team(run)
+                                                                                                : run();
 }
 
 }  // namespace pagedserve

@@ -56,6 +56,7 @@
 #include "quant_gemv.h"
 #include "quant_blocks.h"
 #include "quant_strips.h"
+#include "team.h"
 #include "types.h"
 
 namespace pagedserve {
@@ -280,7 +281,7 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
     };
   };
   if constexpr (std::is_same_v<Fold, NoFold>) {
-    at::parallel_for(0, tiles.back(), 4, [&](int64_t t0, int64_t t1) { tiles_rows(t0, t1, base_rows(NoStep{})); });
+    pagedserve::parallel_for(0, tiles.back(), 4, [&](int64_t t0, int64_t t1) { tiles_rows(t0, t1, base_rows(NoStep{})); });
   } else {
     TORCH_CHECK(fold != nullptr, "quant_linear: no adapter to fold");
   // Each thread: its base rows (fetching its share of the adapter's bytes as

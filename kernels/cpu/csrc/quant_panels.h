@@ -34,6 +34,8 @@
 
 #include <vector>
 
+#include "team.h"
+
 namespace pagedserve {
 namespace quant {
 namespace panels {
@@ -276,7 +278,7 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
     }
     return static_cast<const uint8_t*>(nullptr);  // not reached: i < panels
   };
-  at::parallel_for(0, panels, 4, [&](int64_t i0, int64_t i1) {
+  pagedserve::parallel_for(0, panels, 4, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const __m512 b = bias ? _mm512_loadu_ps(bias + kPanelRows * i) : _mm512_setzero_ps();
       int64_t type = 0;

@@ -24,6 +24,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "team.h"
+
 namespace pagedserve {
 
 // Each of min(threads, count) threads makes its own scratch once and runs
@@ -31,8 +33,17 @@ namespace pagedserve {
 template <typename Make, typename Take>
 void with_counter(int64_t count, const Make& make, const Take& take) {
   if (count == 0) return;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
   std::atomic<int64_t> next{0};
+  if (Team* team = free_team(); team != nullptr && count > 1) {  // a layer stack's region (team.h)
+    const int64_t threads = std::min<int64_t>(team->threads(), count);
+    team->all([&](int tid) {
+      if (tid >= threads) return;
+      auto scratch = make();
+      take(scratch, next);
+    });
+    return;
+  }
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     auto scratch = make();
     take(scratch, next);
