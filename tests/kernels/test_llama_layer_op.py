@@ -155,6 +155,19 @@ def _stack_args(ws, step, cos, sin, caches):
             KV_HEADS, EPS, SCALE)
 
 
+def _assert_stack_is_layer_by_layer(ops, ws, step, cos, sin, caches, hidden):
+    """The stack op's outputs and caches equal the layer op's called for each
+    layer in turn (the first without a residual) on copies of the caches."""
+    theirs = [[c.clone() for c in pair] for pair in caches]
+    expected, stream = hidden.clone(), None
+    for w, pair in zip(ws, theirs):
+        expected, stream = ops.llama_layer(expected, stream, *_layer_args(w, step, cos, sin, pair))
+    out, out_stream = ops.llama_layers(hidden.clone(), *_stack_args(ws, step, cos, sin, caches))
+    assert torch.equal(out, expected) and torch.equal(out_stream, stream)
+    for mine, their in zip(caches, theirs):
+        assert torch.equal(mine[0], their[0]) and torch.equal(mine[1], their[1])
+
+
 @pytest.mark.parametrize("quantized,qk_norm", [(False, False), (True, False), (True, True), ("packed", False)])
 @pytest.mark.parametrize("lens,decode", [([7], 1), ([9, 30, 3], 3), ([5, 18, 30], 1), ([12], 0)])
 def test_stack_op_is_the_layer_op_layer_by_layer(ops, session_seed, lens, decode, quantized, qk_norm):
@@ -176,14 +189,26 @@ def test_stack_op_is_the_layer_op_layer_by_layer(ops, session_seed, lens, decode
         ws = [dict(w, **{k: kernels.pack_linear(w[k]) for k in ("qkv", "o", "gate_up", "down")}) for w in ws]
     hidden = torch.randn(len(step["slots"]), HIDDEN, generator=g).bfloat16()
     cos, sin = _rope(step["positions"])
-    theirs = [[c.clone() for c in pair] for pair in caches]
-    expected, stream = hidden.clone(), None
-    for w, pair in zip(ws, theirs):
-        expected, stream = ops.llama_layer(expected, stream, *_layer_args(w, step, cos, sin, pair))
-    out, out_stream = ops.llama_layers(hidden.clone(), *_stack_args(ws, step, cos, sin, caches))
-    assert torch.equal(out, expected) and torch.equal(out_stream, stream)
-    for mine, their in zip(caches, theirs):
-        assert torch.equal(mine[0], their[0]) and torch.equal(mine[1], their[1])
+    _assert_stack_is_layer_by_layer(ops, ws, step, cos, sin, caches, hidden)
+
+
+def test_stack_op_raises_from_its_region_and_serves_after(ops, session_seed):
+    """A decode step over quantized weights runs its layers in one region
+    (kernels/cpu/csrc/team.h): an error inside it (a slot past the cache, in
+    the second layer) comes out as the layer op's error, the threads left
+    the region, and the next call gives the layer op's numbers."""
+    g = torch.Generator().manual_seed(session_seed)
+    step = _step(g, [9, 30, 3], 3)
+    ws, caches = [_quantized(g, _weights(g)) for _ in range(2)], [_caches(g) for _ in range(2)]
+    hidden = torch.randn(3, HIDDEN, generator=g).bfloat16()
+    cos, sin = _rope(step["positions"])
+    args = list(_stack_args(ws, step, cos, sin, caches))
+    bad = list(args)
+    small = torch.zeros(1, BLOCK_SIZE, KV_HEADS, HEAD_DIM).bfloat16()  # layer 1's caches: 16 slots
+    bad[3], bad[4] = [args[3][0], small], [args[4][0], small.clone()]
+    with pytest.raises(RuntimeError, match="is outside the cache's 16 slots"):
+        ops.llama_layers(hidden.clone(), *bad)
+    _assert_stack_is_layer_by_layer(ops, ws, step, cos, sin, caches, hidden)
 
 
 def test_stack_op_checks_its_lists(ops, session_seed):

@@ -306,12 +306,18 @@ PANEL_PARTS = (["Q4_K", "Q4_K"], ["Q6_K", "Q6_K"], ["Q4_K", "Q6_K"], ["Q5_K", "Q
                ["Q4_1", "Q5_0", "Q4_0", "Q5_1"])
 
 
+def _panels_round_trip(name, rows, in_features, generator):
+    """Random valid blocks of `name` and their panels, checked to come back whole."""
+    data = random_quant_blocks(name, rows, in_features, generator)
+    panels = to_panels(name, data)
+    assert panels.shape == data.shape and torch.equal(from_panels(name, panels), data)
+    return data, panels
+
+
 def test_panels_are_the_file_bytes_reordered(session_seed):
     generator = torch.Generator().manual_seed(session_seed)
-    data = random_quant_blocks("Q4_K", 48, 512, generator)
-    panels = to_panels("Q4_K", data)
-    assert panels.shape == data.shape and not torch.equal(panels, data)
-    assert torch.equal(from_panels("Q4_K", panels), data)
+    data, panels = _panels_round_trip("Q4_K", 48, 512, generator)
+    assert not torch.equal(panels, data)
     # row 5 of the first panel, super-block 1: where its d, scale byte 7 and code byte 77 went
     chunk, block = panels.view(3, 2, 2304)[0, 1], data[5, 144:288]
     assert chunk[20:24].tolist() == block[:4].tolist()
@@ -331,9 +337,7 @@ def test_panels_are_the_file_bytes_reordered(session_seed):
 
 def test_q6k_panels_are_the_file_bytes_reordered(session_seed):
     generator = torch.Generator().manual_seed(session_seed)
-    data = random_quant_blocks("Q6_K", 32, 512, generator)
-    panels = to_panels("Q6_K", data)
-    assert panels.shape == data.shape and torch.equal(from_panels("Q6_K", panels), data)
+    data, panels = _panels_round_trip("Q6_K", 32, 512, generator)
     # row 9 of the second panel, super-block 1: its ql word 5, qh word 3, scale 11 and d
     chunk, block = panels.view(2, 2, 3360)[1, 1], data[16 + 9, 210:420]
     assert chunk[64 * 5 + 4 * 9:][:4].tolist() == block[4 * 5:][:4].tolist()
@@ -349,9 +353,7 @@ def test_q6k_panels_are_the_file_bytes_reordered(session_seed):
 
 def test_q5k_panels_are_the_file_bytes_reordered(session_seed):
     generator = torch.Generator().manual_seed(session_seed)
-    data = random_quant_blocks("Q5_K", 32, 512, generator)
-    panels = to_panels("Q5_K", data)
-    assert panels.shape == data.shape and torch.equal(from_panels("Q5_K", panels), data)
+    data, panels = _panels_round_trip("Q5_K", 32, 512, generator)
     # row 3 of the second panel, super-block 1: its d and dmin, scale byte 9, qh word 6, code word 21
     chunk, block = panels.view(2, 2, 2816)[1, 1], data[16 + 3, 176:352]
     assert chunk[4 * 3:][:4].tolist() == block[:4].tolist()
@@ -363,9 +365,7 @@ def test_q5k_panels_are_the_file_bytes_reordered(session_seed):
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_legacy_panels_are_the_file_bytes_reordered(name, session_seed):
     generator = torch.Generator().manual_seed(session_seed)
-    data = random_quant_blocks(name, 32, 96, generator)  # 3 blocks a row
-    panels = to_panels(name, data)
-    assert panels.shape == data.shape and torch.equal(from_panels(name, panels), data)
+    data, panels = _panels_round_trip(name, 32, 96, generator)  # 3 blocks a row
     # row 7 of the second panel, block 2: its d, m (the _1 types), qh (the Q5 types) and nibble word 3
     size = QUANT_TYPES[name].block_bytes
     chunk, block = panels.view(2, 3, 16 * size)[1, 2], data[16 + 7, 2 * size:3 * size]

@@ -54,14 +54,9 @@ constexpr int64_t kFewTokens = 8;
 template <bool kFifth, int T>
 inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Tokens& x, int64_t m, __m512 (&out)[T]) {
   constexpr int64_t kChunk = kFifth ? kQ5KPanelChunk : kPanelChunk, kCodes = kFifth ? 768 : 256;
-  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0)), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0));
   const int64_t K = x.K, groups = x.groups, scales = groups / 8;
   const uint8_t* codes = x.codes + m * K;
-  // qh byte i's bit `bit` at bit 4 of the byte (the 16-bit shift's crossings masked off)
-  auto fifth = [&](__m512i qh, int bit) {
-    return _mm512_and_si512(bit <= 4 ? _mm512_slli_epi16(qh, 4 - bit) : _mm512_srli_epi16(qh, bit - 4), bit4);
-  };
-  auto join = [&](__m512i a, __m512i b) { return _mm512_ternarylogic_epi32(a, b, low, 0xEC); };  // (a & low) | b
   __m512 f[T];
   for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -87,8 +82,8 @@ inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Token
         __m512i wl, wh;
         if constexpr (kFifth) {
           const __m512i qh = _mm512_loadu_si512(chunk + 256 + 64 * k);
-          wl = join(v, fifth(qh, 2 * pair));
-          wh = join(_mm512_srli_epi16(v, 4), fifth(qh, 2 * pair + 1));
+          wl = vnni::nibble_or(v, vnni::k5_fifth(qh, 2 * pair));
+          wh = vnni::nibble_or(_mm512_srli_epi16(v, 4), vnni::k5_fifth(qh, 2 * pair + 1));
         } else {
           wl = _mm512_and_si512(v, low);
           wh = _mm512_and_si512(v, high);
@@ -137,11 +132,9 @@ inline void panel_times_tokens(const uint8_t* panel, int64_t blocks, const Token
 template <int T>
 inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const Tokens& x, int64_t m,
                                    __m512 (&out)[T]) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i top = _mm512_set1_epi8(0x30);
   const int64_t K = x.K, groups = x.groups, scales = groups / 8;
   const uint8_t* codes = x.codes + m * K;
-  // (a & nibble) | b, one vpternlogd: b holds the 2 high bits at 4-5 already
-  auto join = [&](__m512i a, __m512i b) { return _mm512_ternarylogic_epi32(a, b, nibble, 0xEC); };
   __m512 f[T];
   for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -162,10 +155,10 @@ inline void panel_times_tokens_q6k(const uint8_t* panel, int64_t blocks, const T
           const __m512i qa = _mm512_loadu_si512(chunk + 64 * (16 * n + u));
           const __m512i qb = _mm512_loadu_si512(chunk + 64 * (16 * n + u + 8));
           const __m512i qh = _mm512_loadu_si512(chunk + kQ6KPanelQh + 64 * (8 * n + u));
-          const __m512i w[4] = {join(qa, _mm512_and_si512(_mm512_slli_epi16(qh, 4), top)),
-                                join(qb, _mm512_and_si512(_mm512_slli_epi16(qh, 2), top)),
-                                join(_mm512_srli_epi16(qa, 4), _mm512_and_si512(qh, top)),
-                                join(_mm512_srli_epi16(qb, 4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), top))};
+          const __m512i w[4] = {vnni::nibble_or(qa, _mm512_and_si512(_mm512_slli_epi16(qh, 4), top)),
+                                vnni::nibble_or(qb, _mm512_and_si512(_mm512_slli_epi16(qh, 2), top)),
+                                vnni::nibble_or(_mm512_srli_epi16(qa, 4), _mm512_and_si512(qh, top)),
+                                vnni::nibble_or(_mm512_srli_epi16(qb, 4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), top))};
           for (int t = 0; t < T; ++t) {
             const uint8_t* xq = codes + t * K + 256 * b + 128 * n + 4 * u;
             for (int r = 0; r < 4; ++r) {

@@ -279,6 +279,20 @@ inline void panel_k4_d_dmin(const uint8_t* chunk, __m512& d, __m512& minus_dmin)
   minus_dmin = _mm512_xor_ps(_mm512_set1_ps(-0.f), dmin);
 }
 
+// (a & 0x0F) | b in every byte, one vpternlogd: a code's nibble joined to
+// its high bits, which b holds in place already (Q5_K's fifth at bit 4,
+// Q6_K's two at bits 4-5), for the panels' rows and their strips' decode.
+inline __m512i nibble_or(__m512i a, __m512i b) {
+  return _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi8(0x0F), 0xEC);
+}
+
+// Bit `bit` of each byte of a Q5_K panel's qh word at bit 4 of that byte,
+// the other bits zero (the 16-bit shift's crossings masked off).
+inline __m512i k5_fifth(__m512i qh, int bit) {
+  const __m512i moved = bit <= 4 ? _mm512_slli_epi16(qh, 4 - bit) : _mm512_srli_epi16(qh, bit - 4);
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+}
+
 // A column out of a Q4_K (or, kFifth, Q5_K) part in 16-row panels
 // (kernels/quant.py): the panel holding rows [r0, r0 + 16), decoded into the
 // strips' codes and meta.  Why it is cheap: a panel already keeps each code
@@ -289,7 +303,7 @@ template <bool kFifth = false>
 inline void decode_panel_column(const Part& p, int64_t K, int64_t r0, int8_t* codes, GroupMeta* meta) {
   constexpr int64_t kChunk = kFifth ? kQ5KPanelChunk : kPanelChunk, kCodes = kFifth ? 768 : 256;
   const uint8_t* panel = p.data + r0 * p.row_bytes;  // r0: a multiple of 16 (parse checks whole panels)
-  const __m512i nibble = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* chunk = panel + b * kChunk;
     __m512 d, minus_dmin;
@@ -298,12 +312,13 @@ inline void decode_panel_column(const Part& p, int64_t K, int64_t r0, int8_t* co
       __m512i v[16];  // v[k]: group 2 pair's word k, v[8 + k]: group 2 pair + 1's
       for (int k = 0; k < 8; ++k) {
         const __m512i c = _mm512_loadu_si512(chunk + kCodes + 512 * pair + 64 * k);
-        v[k] = _mm512_and_si512(c, nibble);
-        v[8 + k] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
         if constexpr (kFifth) {  // bits 2 pair and 2 pair + 1 of qh word k's bytes, as 16
-          const __m512i qh = _mm512_srli_epi16(_mm512_loadu_si512(chunk + 256 + 64 * k), 2 * pair);
-          v[k] = _mm512_or_si512(v[k], _mm512_slli_epi16(_mm512_and_si512(qh, one), 4));
-          v[8 + k] = _mm512_or_si512(v[8 + k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 1), one), 4));
+          const __m512i qh = _mm512_loadu_si512(chunk + 256 + 64 * k);
+          v[k] = nibble_or(c, k5_fifth(qh, 2 * pair));
+          v[8 + k] = nibble_or(_mm512_srli_epi16(c, 4), k5_fifth(qh, 2 * pair + 1));
+        } else {
+          v[k] = _mm512_and_si512(c, nibble);
+          v[8 + k] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
         }
       }
       for (int h = 0; h < 2; ++h) {
@@ -326,7 +341,7 @@ inline void decode_panel_column(const Part& p, int64_t K, int64_t r0, int8_t* co
 // the centre, 32; the meta as column_scales and minus_128_sums make it.
 inline void decode_panel_column_q6k(const Part& p, int64_t K, int64_t r0, int8_t* codes, GroupMeta* meta) {
   const uint8_t* panel = p.data + r0 * p.row_bytes;
-  const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3), centre = _mm512_set1_epi8(32);
+  const __m512i two = _mm512_set1_epi8(3), centre = _mm512_set1_epi8(32);
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* chunk = panel + b * kQ6KPanelChunk;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + kQ6KPanelD)));
@@ -337,9 +352,8 @@ inline void decode_panel_column_q6k(const Part& p, int64_t K, int64_t r0, int8_t
       for (int k = 0; k < 8; ++k) {
         const __m512i ql = _mm512_loadu_si512(chunk + 64 * (16 * n + k + 8 * (run % 2)));
         const __m512i qh = _mm512_loadu_si512(chunk + kQ6KPanelQh + 64 * (8 * n + k));
-        const __m512i low = _mm512_and_si512(run < 2 ? ql : _mm512_srli_epi16(ql, 4), nibble);
         const __m512i high = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * run), two);
-        v[k] = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), centre);
+        v[k] = _mm512_sub_epi8(nibble_or(run < 2 ? ql : _mm512_srli_epi16(ql, 4), _mm512_slli_epi16(high, 4)), centre);
         _mm512_storeu_si512(codes + g * 512 + 64 * k, v[k]);
       }
       GroupMeta& m = meta[g];
