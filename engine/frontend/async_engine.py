@@ -38,6 +38,7 @@ from engine.config import EngineConfig
 from engine.frontend.bridge import Command, EngineDeadError, EngineStats, QueueFullError
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.request_stream import RequestStream
+from engine.model.cpu_allocator import one_arena
 from engine.model.kv_cache import dtype_name
 from engine.sampling_params import SamplingParams
 
@@ -75,6 +76,7 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the engine thread; outputs are delivered on `loop` (the running one)."""
         self._loop = loop or asyncio.get_running_loop()
+        one_arena()  # its steps' activations from the main heap (cpu_allocator says why)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -102,6 +104,7 @@ class AsyncEngine:
             handed.set_result(bridge)
             bridge._run()
 
+        one_arena()  # its steps' activations from the main heap (cpu_allocator says why)
         threading.Thread(target=main, name="engine", daemon=True).start()
         try:
             return await asyncio.wrap_future(handed)

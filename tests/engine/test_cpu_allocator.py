@@ -117,6 +117,44 @@ def test_an_idle_thread_gives_back_the_top_of_its_own_arena():
     assert kept_again > 40, kept_again  # the next step's activations stay: the threshold is put back
 
 
+# A fresh process: the arena limit holds for threads that take their first
+# arena after it is set, and the test process's threads took theirs long ago.
+THREAD_BLOCK_IN_THE_MAIN_HEAP = """
+import sys, threading, torch
+from engine.model import cpu_allocator
+assert cpu_allocator.keep_freed_memory() and cpu_allocator.activations_from_heap()
+if sys.argv[1] == "one":
+    assert cpu_allocator.one_arena()
+found = []
+
+def step():
+    block = torch.ones(100 << 20, dtype=torch.uint8)  # a step's activation past a thread heap's 64 MiB
+    with open("/proc/self/maps") as maps:
+        heap = [line.split()[0] for line in maps if line.rstrip().endswith("[heap]")]
+    start, end = (int(x, 16) for x in heap[0].split("-"))
+    found.append(start <= block.data_ptr() < end and int(block.sum()) == 100 << 20)
+
+worker = threading.Thread(target=step)
+worker.start()
+worker.join()
+print(found[0])
+"""
+
+
+@pytest.mark.parametrize("arenas", ["one", "default"])
+def test_an_engine_thread_takes_large_blocks_from_the_main_heap_with_one_arena(arenas):
+    """A thread started after one_arena allocates a 100 MiB block from the
+    main heap (the [heap] mapping), where by default its own arena's heaps
+    hold at most 64 MiB and the block is a fresh mmap, faulted in again at
+    every step."""
+    if platform.system() != "Linux" or ctypes.util.find_library("c") is None:
+        pytest.skip("glibc's mallopt exists only on Linux")
+    done = subprocess.run([sys.executable, "-c", THREAD_BLOCK_IN_THE_MAIN_HEAP, arenas], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(arenas == "one")]
+
+
 def _smaps_field(address: int, field: str, pid: str = "self") -> list[str]:
     """A field ("VmFlags", "AnonHugePages") of the mapping holding `address`,
     from /proc/PID/smaps, split into words."""

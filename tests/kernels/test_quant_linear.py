@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.quant import (QUANT_TYPES, dequantize_reference, from_panels, has_panels, pack_quant_panels,
+from kernels.quant import (PANEL_FAMILIES, QUANT_TYPES, dequantize_reference, from_panels, has_panels, pack_quant_panels,
                            pack_quant_weight, quant_linear_reference, quant_parts, random_quant_blocks, to_panels)
 
 TYPES = tuple(QUANT_TYPES)
@@ -423,3 +423,57 @@ def test_panels_product_is_within_the_activation_bound(builds, shape, types, ses
                 tight = x.float().abs() @ dequantize_reference(blob).abs().t() * 4e-5 + 1e-30
                 worst = ((got - file_rows).abs() / tight).max().item()
                 assert worst <= 1, f"{isa} {dtype} {shape}: {worst:.2f}x float32's rounding off the file order's"
+
+
+def _tokens_kept_exactly(generator, rows: int, in_features: int, dtype) -> torch.Tensor:
+    """Tokens the 8-bit rounding keeps exactly: every block of 32 inputs is
+    integers of -127..127 with a +-127 among them, times a power of two that
+    each block of 256 shares (each of 32 where a row is not whole blocks of
+    256), so per 32 or per 256 the scale is that power and every code the
+    integer."""
+    blocks = in_features // 32
+    codes = torch.randint(-127, 128, (rows, blocks, 32), generator=generator)
+    where = torch.randint(0, 32, (rows, blocks, 1), generator=generator)
+    sign = torch.randint(0, 2, (rows, blocks, 1), generator=generator) * 2 - 1
+    codes.scatter_(2, where, 127 * sign)
+    share = 8 if in_features % 256 == 0 else 1
+    power = torch.exp2(torch.randint(-8, 5, (rows, blocks // share, 1), generator=generator).float())
+    return (codes * power.repeat_interleave(share, 1)).reshape(rows, in_features).to(dtype)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_tokens_the_rounding_keeps_give_the_float_product(builds, type_name, session_seed):
+    """Where the 8-bit rounding of the tokens loses nothing, the integer
+    forms owe the reference only float32's rounding of their sums:
+    |y - y_ref| <= 2^-17 sum |x| |w|, about a thousandth of the activation
+    bound, so a constant of a tile's bookkeeping a little off (the running
+    sums' base of quant_vnni.h 0.1 % short) fails here where it passes that
+    bound.  The forms: every count of tokens on the AVX2 build (its rows
+    and maddubs strips), bf16 tokens on the AVX512 build where AMX does not
+    take them (its lanes and VNNI strips), and a blob in panels on a build
+    that makes them, at any dtype; the others multiply de-quantized floats."""
+    generator = torch.Generator().manual_seed(session_seed)
+    in_features = 3 * 256 if QUANT_TYPES[type_name].block_elems == 256 else 13 * 32
+    blob = _blob(generator, [type_name, type_name], 48, in_features, zero_rows=2)
+    paneled = pack_quant_panels(blob) if any(type_name in family for family in PANEL_FAMILIES) else None
+    magnitude_of = dequantize_reference(blob).abs().t()
+    checked = 0
+    for rows in (1, 3, 16, 42, 128):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _tokens_kept_exactly(generator, rows, in_features, dtype)
+            expected = quant_linear_reference(x, blob, None, float_out=True)
+            tight = x.float().abs() @ magnitude_of * 2.0**-17 + 1e-30
+            for isa, ops in builds.items():
+                forms = []
+                if isa == "avx2" or (isa == "avx512bf16" and dtype == torch.bfloat16 and not ops.amx()):
+                    forms.append(("file order", blob))
+                if paneled is not None and ops.quant_panels():
+                    forms.append(("panels", paneled))
+                for form, weight in forms:
+                    got = ops.quant_linear(x, weight, None, True)
+                    worst = ((got - expected).abs() / tight).max().item()
+                    assert worst <= 1, (f"{isa} {form} {type_name} {dtype} rows={rows} seed {session_seed}: "
+                                        f"{worst:.2f}x float32's rounding")
+                    checked += 1
+    if not checked:
+        pytest.skip("no build here multiplies int8 tokens")
