@@ -270,9 +270,10 @@ def _trim_own_top(libc) -> None:
     """Shrink the top of the calling thread's arena. glibc does that only
     inside free(): freeing a block of 64 KiB or more trims a thread arena's
     top when it exceeds M_TRIM_THRESHOLD, so the threshold is lowered for
-    one such free and put back. A server's engine thread keeps its steps'
-    activations there: SmolLM2 after 32 streams held 924 MB with the top
-    kept, 858 without (docs/performance.md)."""
+    one such free and put back. A server's engine thread kept its steps'
+    activations there before one_arena, and a thread that took its arena
+    before one_arena ran still does: SmolLM2 after 32 streams held 924 MB
+    with the top kept, 858 without (docs/performance.md)."""
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
