@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.quant import (PANEL_FAMILIES, QUANT_TYPES, dequantize_reference, from_panels, has_panels, pack_quant_panels,
+from kernels.quant import (QUANT_TYPES, can_panel, dequantize_reference, from_panels, has_panels, pack_quant_panels,
                            pack_quant_weight, quant_linear_reference, quant_parts, random_quant_blocks, to_panels)
 
 TYPES = tuple(QUANT_TYPES)
@@ -455,7 +455,7 @@ def test_tokens_the_rounding_keeps_give_the_float_product(builds, type_name, ses
     generator = torch.Generator().manual_seed(session_seed)
     in_features = 3 * 256 if QUANT_TYPES[type_name].block_elems == 256 else 13 * 32
     blob = _blob(generator, [type_name, type_name], 48, in_features, zero_rows=2)
-    paneled = pack_quant_panels(blob) if any(type_name in family for family in PANEL_FAMILIES) else None
+    paneled = pack_quant_panels(blob) if can_panel(quant_parts(blob)) else None
     magnitude_of = dequantize_reference(blob).abs().t()
     checked = 0
     for rows in (1, 3, 16, 42, 128):
