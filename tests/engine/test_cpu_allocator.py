@@ -119,40 +119,58 @@ def test_an_idle_thread_gives_back_the_top_of_its_own_arena():
 
 # A fresh process: the arena limit holds for threads that take their first
 # arena after it is set, and the test process's threads took theirs long ago.
+# "one" and "default": a plain thread after one_arena or without it;
+# "engine": the thread AsyncEngine.launch starts, asked through call().
 THREAD_BLOCK_IN_THE_MAIN_HEAP = """
-import sys, threading, torch
+import asyncio, sys, threading, torch
 from engine.model import cpu_allocator
+mode = sys.argv[1]
 assert cpu_allocator.keep_freed_memory() and cpu_allocator.activations_from_heap()
-if sys.argv[1] == "one":
+if mode == "one":
     assert cpu_allocator.one_arena()
-found = []
 
-def step():
+def block_in_heap(_=None):
     block = torch.ones(100 << 20, dtype=torch.uint8)  # a step's activation past a thread heap's 64 MiB
-    with open("/proc/self/maps") as maps:
-        heap = [line.split()[0] for line in maps if line.rstrip().endswith("[heap]")]
-    start, end = (int(x, 16) for x in heap[0].split("-"))
-    found.append(start <= block.data_ptr() < end and int(block.sum()) == 100 << 20)
+    with open("/proc/self/maps") as maps:  # advised huge pages split [heap] into several mappings
+        heap = [[int(x, 16) for x in line.split()[0].split("-")] for line in maps if line.rstrip().endswith("[heap]")]
+    inside = any(start <= block.data_ptr() < end for start, end in heap)
+    return inside and int(block.sum()) == 100 << 20
 
-worker = threading.Thread(target=step)
-worker.start()
-worker.join()
-print(found[0])
+if mode == "engine":
+    from engine.config import EngineConfig
+    from engine.frontend.async_engine import AsyncEngine
+    from engine.frontend.llm_engine import LLMEngine
+
+    async def main():
+        config = EngineConfig(model=sys.argv[2], max_model_len=256, kv_cache_memory_bytes=64 << 20, dtype="float32")
+        bridge = await AsyncEngine.launch(lambda: LLMEngine(config))
+        try:
+            return await bridge.call(block_in_heap)
+        finally:
+            bridge.shutdown(timeout=30)
+
+    print(asyncio.run(main()))
+else:
+    found = []
+    worker = threading.Thread(target=lambda: found.append(block_in_heap()))
+    worker.start()
+    worker.join()
+    print(found[0])
 """
 
 
-@pytest.mark.parametrize("arenas", ["one", "default"])
-def test_an_engine_thread_takes_large_blocks_from_the_main_heap_with_one_arena(arenas):
+@pytest.mark.parametrize("mode", ["one", "default", "engine"])
+def test_an_engine_thread_takes_large_blocks_from_the_main_heap_with_one_arena(mode, tiny_llama_path):
     """A thread started after one_arena allocates a 100 MiB block from the
     main heap (the [heap] mapping), where by default its own arena's heaps
     hold at most 64 MiB and the block is a fresh mmap, faulted in again at
-    every step."""
+    every step; AsyncEngine's engine thread is started after it."""
     if platform.system() != "Linux" or ctypes.util.find_library("c") is None:
         pytest.skip("glibc's mallopt exists only on Linux")
-    done = subprocess.run([sys.executable, "-c", THREAD_BLOCK_IN_THE_MAIN_HEAP, arenas], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", THREAD_BLOCK_IN_THE_MAIN_HEAP, mode, str(tiny_llama_path)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(arenas == "one")]
+    assert done.stdout.split() == [str(mode != "default")]
 
 
 def _smaps_field(address: int, field: str, pid: str = "self") -> list[str]:
