@@ -45,16 +45,6 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def _start_engine_thread(target: Callable[[], None]) -> threading.Thread:
-    """Start the thread that steps an engine, its allocations from the main
-    heap (cpu_allocator.one_arena says why; it must come before the thread's
-    first allocation)."""
-    one_arena()
-    thread = threading.Thread(target=target, name="engine", daemon=True)
-    thread.start()
-    return thread
-
-
 class AsyncEngine:
     def __init__(
         self,
@@ -86,7 +76,9 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the engine thread; outputs are delivered on `loop` (the running one)."""
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = _start_engine_thread(self._run)
+        one_arena()  # its steps' activations from the main heap (cpu_allocator says why)
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
 
     @classmethod
     async def launch(cls, build: Callable[[], LLMEngine], **options: Any) -> AsyncEngine:
@@ -112,7 +104,8 @@ class AsyncEngine:
             handed.set_result(bridge)
             bridge._run()
 
-        _start_engine_thread(main)
+        one_arena()  # its steps' activations from the main heap (cpu_allocator says why)
+        threading.Thread(target=main, name="engine", daemon=True).start()
         try:
             return await asyncio.wrap_future(handed)
         except asyncio.CancelledError:
