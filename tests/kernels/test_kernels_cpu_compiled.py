@@ -120,15 +120,22 @@ def test_cutting_a_short_batch_by_kv_head_changes_no_bit(ops, cache, lengths, se
     assert error is None, f"seed {session_seed}: {error}"
 
 
+@pytest.mark.parametrize("cache", ["float32", "bfloat16-int8"])
 @pytest.mark.parametrize("features", [{}] + feature_sets("both", 16) + feature_sets("window", 64))
-def test_chunked_prefill_and_decode_agree_bit_for_bit(ops, features, session_seed):
+def test_chunked_prefill_and_decode_agree_bit_for_bit(ops, features, cache, session_seed):
     """A prompt prefilled at once, in chunks over its own cached prefix, or
     token by token as decodes: each position gets the same bits (with a
-    sliding window and a soft cap too)."""
+    sliding window and a soft cap too).  The int8 cache under bf16 queries:
+    where the VNNI build runs P.V in integers, a decode's one block of rows
+    widens V as it reads it and a prefill's many widen a tile once."""
+    from kernels.kv_quant import quantize_rows
+
     gen = torch.Generator().manual_seed(session_seed)
-    length = 300
-    k, v, tables, _, _ = make_paged_cache([length], 3, 64, 16, torch.float32, "cpu", gen)
-    query = torch.randn(length, 9, 64, generator=gen)
+    length, dtype = 300, torch.float32 if cache == "float32" else torch.bfloat16
+    k, v, tables, _, _ = make_paged_cache([length], 3, 64, 16, dtype, "cpu", gen)
+    if cache.endswith("int8"):
+        k, v = quantize_rows(k), quantize_rows(v)
+    query = torch.randn(length, 9, 64, generator=gen).to(dtype)
 
     def prefill(start, end):
         cu = torch.tensor([0, end - start], dtype=torch.int32)
