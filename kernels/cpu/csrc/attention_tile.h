@@ -77,6 +77,35 @@ inline void full_scores(const bf16_t* q, const uint32_t* kt, int head_dim, int n
   }
 }
 
+// P.V of R encoder rows (Work::full) over V's tile packed as AMX reads it
+// (pack_v_pairs: a 32-bit word holds one element of two tokens, the even
+// elements' words, then the odd ones', 32 elements a block), so each
+// dot_acc adds two tokens' products for 16 elements: the weights rounded
+// to bf16, as amx_pv rounds them (and torch's flash attention for its bf16
+// P.V), the sums in fp32 in the rows' accumulators.  Half the multiplies of
+// pv_rows' fp32 FMAs over a converted V, and no conversion (those were a
+// BERT batch's attention's largest part on a CPU without AMX).
+template <int R>
+inline void full_pv(const float* p, const bf16_t* vt, float* acc, int head_dim) {
+  alignas(64) bf16_t weights[R][kTile];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kTile; i += vec::W) vec::store_bf16(&weights[r][i], vec::load(p + r * kTile + i));
+  for (int b = 0; b < head_dim / kPair; ++b) {
+    vec::F even[R], odd[R];
+    for (int r = 0; r < R; ++r) vec::load_pair(acc + r * head_dim + b * kPair, even[r], odd[r]);
+    for (int pair = 0; pair < kTile / 2; ++pair) {
+      const vec::BH ve = vec::load_bf16(vt + (kTile / 2 * (2 * b) + pair) * kPair);
+      const vec::BH vo = vec::load_bf16(vt + (kTile / 2 * (2 * b + 1) + pair) * kPair);
+      for (int r = 0; r < R; ++r) {
+        const vec::BH w = vec::broadcast_pair(&weights[r][2 * pair]);
+        even[r] = vec::dot_acc(even[r], w, ve);
+        odd[r] = vec::dot_acc(odd[r], w, vo);
+      }
+    }
+    for (int r = 0; r < R; ++r) vec::store_pair(acc + r * head_dim + b * kPair, even[r], odd[r]);
+  }
+}
+
 // Rows [first, last) of one head: K packed once, then 32 or 16 rows at a
 // time on AMX where the thread holds its tiles, four rows at a time else.
 template <typename T, typename QT>
@@ -146,11 +175,17 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
   int r = t.first;
 #if defined(PAGEDSERVE_HAS_AMX)
   if constexpr (std::is_same_v<QT, bf16_t> && std::is_same_v<VT, bf16_t>) {
-    if (w.amx && vs == nullptr) {  // an encoder's rows: whole 16-row blocks on AMX
+    if (w.full && vs == nullptr && s.vf.data() != nullptr) {  // an encoder's rows: V packed once
       auto* vt = reinterpret_cast<bf16_t*>(s.vf.data());  // a tile of fp32 rows holds its pairs
       pack_v_pairs(v, head_dim, vt);
-      for (; r + amx::kTile <= t.last; r += amx::kTile)
-        amx_pv(&s.scores[(base + r) * kTile], vt, &s.part_acc[(base + r) * head_dim], head_dim);
+      if (w.amx)  // whole 16-row blocks on AMX
+        for (; r + amx::kTile <= t.last; r += amx::kTile)
+          amx_pv(&s.scores[(base + r) * kTile], vt, &s.part_acc[(base + r) * head_dim], head_dim);
+      for (; r + 4 <= t.last; r += 4)
+        full_pv<4>(&s.scores[(base + r) * kTile], vt, &s.part_acc[(base + r) * head_dim], head_dim);
+      for (; r < t.last; ++r)
+        full_pv<1>(&s.scores[(base + r) * kTile], vt, &s.part_acc[(base + r) * head_dim], head_dim);
+      return;
     }
   }
 #endif
@@ -304,6 +339,18 @@ void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, cons
 // rows, so the tile is converted once into Scratch::kf / vf.  The dpbf16
 // path multiplies raw K.  Tokens before t.begin read the zero row instead
 // of the cache (their scores are -inf, their weights 0).
+// Where an encoder's P.V reads V's tile packed into pairs of tokens (AMX's
+// tiles, or full_pv's dot products where AMX does not take the rows): bf16
+// rows on the build with AMX's code (every AVX512-BF16 one), with a tile
+// buffer to pack into.
+template <typename T, typename QT>
+bool encoder_pairs(const Work<T>& w, bool convert) {
+#if defined(PAGEDSERVE_HAS_AMX)
+  if constexpr (std::is_same_v<T, bf16_t> && std::is_same_v<QT, bf16_t>) return w.full && convert;
+#endif
+  return w.amx;
+}
+
 template <typename T, typename QT>
 void run_plain_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t* slots, const Tile& t,
               bool convert) {
@@ -317,7 +364,7 @@ void run_plain_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t
     vp[i] = w.kv.v + slots[i] + offset;
   }
   for (int i = n; i < kTile; ++i) kp[i] = s.zero_t.data();  // Q.K works in groups of 8
-  if (w.amx) {  // an encoder's rows: V's raw rows, packed into AMX's pairs by tile_step
+  if (encoder_pairs<T, QT>(w, convert)) {  // V's raw rows, packed into pairs by tile_step
     for (int i = n; i < kTile; ++i) vp[i] = s.zero_t.data();
     tile_step<T, QT, T, T>(s, w, head, kp, vp, t);
     return;
