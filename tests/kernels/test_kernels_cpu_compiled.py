@@ -125,9 +125,9 @@ def test_cutting_a_short_batch_by_kv_head_changes_no_bit(ops, cache, lengths, se
 def test_chunked_prefill_and_decode_agree_bit_for_bit(ops, features, cache, session_seed):
     """A prompt prefilled at once, in chunks over its own cached prefix, or
     token by token as decodes: each position gets the same bits (with a
-    sliding window and a soft cap too).  The int8 cache under bf16 queries:
-    where the VNNI build runs P.V in integers, a decode's one block of rows
-    widens V as it reads it and a prefill's many widen a tile once."""
+    sliding window and a soft cap too).  The int8 cache under bf16 queries
+    too: a decode's one block of rows converts V's codes as it reads them,
+    a prefill's many convert a tile once into scratch."""
     from kernels.kv_quant import quantize_rows
 
     gen = torch.Generator().manual_seed(session_seed)

@@ -333,12 +333,6 @@ void run_q8_tile(Scratch<q8_t<L>, QT>& s, const Work<q8_t<L>>& w, int head, cons
   tile_step<q8_t<L>, QT, float, q8_t<L>>(s, w, head, kf, vp, t, ks, vs);
 }
 
-// One head of one tile.  Picks where K/V get converted to fp32: a few rows
-// (decode: one kv head's query heads) convert on the fly as they load; many
-// rows (prefill) would convert the same elements again for every block of
-// rows, so the tile is converted once into Scratch::kf / vf.  The dpbf16
-// path multiplies raw K.  Tokens before t.begin read the zero row instead
-// of the cache (their scores are -inf, their weights 0).
 // Where an encoder's P.V reads V's tile packed into pairs of tokens (AMX's
 // tiles, or full_pv's dot products where AMX does not take the rows): bf16
 // rows on the build with AMX's code (every AVX512-BF16 one), with a tile
@@ -351,6 +345,12 @@ bool encoder_pairs(const Work<T>& w, bool convert) {
   return w.amx;
 }
 
+// One head of one tile.  Picks where K/V get converted to fp32: a few rows
+// (decode: one kv head's query heads) convert on the fly as they load; many
+// rows (prefill) would convert the same elements again for every block of
+// rows, so the tile is converted once into Scratch::kf / vf.  The dpbf16
+// path multiplies raw K.  Tokens before t.begin read the zero row instead
+// of the cache (their scores are -inf, their weights 0).
 template <typename T, typename QT>
 void run_plain_tile(Scratch<T, QT>& s, const Work<T>& w, int head, const int64_t* slots, const Tile& t,
               bool convert) {
