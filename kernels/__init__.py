@@ -54,7 +54,7 @@ from kernels.packed_layout import (PACKED_DIMS, embedding, onednn_linear, over_r
                                    packed_linear, unpack_linear)
 from kernels.quant import dequantize_reference, quant_linear_reference
 from kernels.reference import (
-    attention_features, gelu_tanh_and_mul_reference, keep_layout, no_layer_op, linear_reference,
+    activate, attention_features, gelu_tanh_and_mul_reference, keep_layout, no_layer_op, linear_reference,
     paged_decode_attention_reference, paged_prefill_attention_reference, rms_norm_reference,
     rope_reference, silu_and_mul_reference, store_kvcache_reference,
 )
@@ -184,22 +184,24 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           float_out: bool = False) -> torch.Tensor:
-    """``x @ weight.T + bias``, like F.linear.  bf16 weights on the CPU go
+           float_out: bool = False, activation: str | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, like F.linear, then ``activation`` if named
+    (kernels.reference.LINEAR_ACTIVATIONS).  bf16 weights on the CPU go
     through the compiled op when it is built (fp32 accumulation, output in
     x's dtype, or float32 with ``float_out``: the logits, whose bf16 rounding
-    would make near-ties exact ties); oneDNN's layout, oneDNN's; else F.linear."""
+    would make near-ties exact ties; GELU and ReLU in its epilogue); oneDNN's
+    layout, oneDNN's (the activation its post-op); else F.linear."""
     # Called ~120 times per decode step: every check here is on the hot path
     # (a 2-D x skips the reshape and view, ~6 us a call on this machine).
     if weight.dim() == PACKED_DIMS:
-        return packed_linear(x, weight, bias, float_out)
+        return packed_linear(x, weight, bias, float_out, activation)
     if weight.is_mkldnn:
-        return onednn_linear(x, weight, bias, float_out)
+        return onednn_linear(x, weight, bias, float_out, activation)
     if weight.dtype == torch.bfloat16 and x.is_cpu:
         ops = cpu_ops.ops_for(weight.shape[1])
         if ops is not None:
-            return over_rows(ops.linear_bf16, x, weight.shape[1], weight, bias, float_out)
-    return linear_reference(x, weight, bias, float_out)
+            return activate(over_rows(ops.linear_bf16, x, weight.shape[1], weight, bias, float_out), activation)
+    return linear_reference(x, weight, bias, float_out, activation)
 
 
 def quant_linear(x: torch.Tensor, blob: torch.Tensor, bias: torch.Tensor | None = None,

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from kernels.reference import linear_reference
+from kernels.reference import activate, linear_reference
 
 logger = logging.getLogger(__name__)
 
@@ -175,11 +175,11 @@ class DecodeGemv:
         self.choices: dict[tuple, GemvConfig | None] = {}  # None: cuBLAS
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               float_out: bool = False) -> torch.Tensor:
+               float_out: bool = False, activation: str | None = None) -> torch.Tensor:
         """kernels.linear on CUDA: decode rows by the chosen product, the rest cuBLAS's."""
         if takes(x, weight):
-            return self(x, weight, bias, float_out)
-        return linear_reference(x, weight, bias, float_out)
+            return activate(self(x, weight, bias, float_out), activation)
+        return linear_reference(x, weight, bias, float_out, activation)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  float_out: bool) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
 from kernels.quant import is_quant_weight, pack_quant_panels, quant_shape
-from kernels.reference import linear_reference
+from kernels.reference import activate, linear_reference
 
 # -- weights packed for the bf16 dot product ------------------------------------------
 #
@@ -69,21 +69,30 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return rows.reshape(*ids.shape, 2 * weight.shape[1])
 
 
-def packed_linear(x, weight, bias=None, float_out=False):
-    """``linear`` over a weight in this layout (the compiled op; the reference
-    on the unpacked copy where the ops were turned off after packing)."""
+# The activations linear_bf16_packed applies in its epilogue (kernels/cpu/csrc/epilogue.h).
+EPILOGUE_ACTIVATIONS = ("gelu", "relu")
+
+
+def packed_linear(x, weight, bias=None, float_out=False, activation=None):
+    """``linear`` over a weight in this layout (the compiled op, with the
+    activation in its epilogue where it has it; the reference on the unpacked
+    copy where the ops were turned off after packing)."""
     in_features = 2 * weight.shape[1]
     ops = cpu_ops.ops_for(in_features)
     if ops is None:  # the ops were turned off after the weights were packed
-        return linear_reference(x, unpack_linear(weight), bias, float_out)
-    return over_rows(ops.linear_bf16_packed, x, in_features, weight, bias, float_out)
+        return linear_reference(x, unpack_linear(weight), bias, float_out, activation)
+    if activation is None:  # every decoder's call: nothing more to look up
+        return over_rows(ops.linear_bf16_packed, x, in_features, weight, bias, float_out)
+    if activation in EPILOGUE_ACTIVATIONS:
+        return over_rows(ops.linear_bf16_packed, x, in_features, weight, bias, float_out, activation)
+    return activate(over_rows(ops.linear_bf16_packed, x, in_features, weight, bias, float_out), activation)
 
 
-def over_rows(op, x, in_features, weight, bias, float_out):
+def over_rows(op, x, in_features, weight, bias, float_out, *options):
     """A compiled linear, which takes x as [tokens, in], over x of any leading shape."""
     if x.dim() == 2:
-        return op(x, weight, bias, float_out)
-    out = op(x.reshape(-1, in_features), weight, bias, float_out)
+        return op(x, weight, bias, float_out, *options)
+    out = op(x.reshape(-1, in_features), weight, bias, float_out, *options)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -112,8 +121,15 @@ def onednn_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().contiguous().to_mkldnn()
 
 
-def onednn_linear(x, weight, bias=None, float_out=False):
+# kernels.reference.LINEAR_ACTIVATIONS' names -> oneDNN's post-op and its algorithm.
+ONEDNN_POST_OPS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_pytorch_tanh": ("gelu", "tanh"),
+                   "relu": ("relu", "")}
+
+
+def onednn_linear(x, weight, bias=None, float_out=False, activation=None):
     """``linear`` over a weight in oneDNN's layout: the op inductor's fused
-    linears call, here with no fused activation."""
-    out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    linears call, with the activation as oneDNN's post-op (its GELU and ReLU
+    gave F.gelu's and F.relu's of its own product to the bit on BERT's shapes)."""
+    attr, algorithm = ONEDNN_POST_OPS[activation]
+    out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
     return out.float() if float_out else out

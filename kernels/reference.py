@@ -24,6 +24,8 @@ Paged layout (one layer)::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -352,13 +354,28 @@ def no_layer_op(*widths: int) -> None:
     return None
 
 
+# A layer's activation by HF's hidden_act name, as HF's ACT2FN computes it:
+# what a linear applies to its own output when asked (kernels.linear's
+# ``activation``: an encoder's up projection).
+LINEAR_ACTIVATIONS = {
+    "gelu": F.gelu,  # exact: x * Phi(x), through erf (BERT, XLM-RoBERTa)
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """``y`` through the named activation (LINEAR_ACTIVATIONS; None: ``y`` itself)."""
+    return y if activation is None else LINEAR_ACTIVATIONS[activation](y)
+
+
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     float_out: bool = False) -> torch.Tensor:
-    """``x @ weight.T + bias``: torch's own matmul, the ground truth of
-    kernels.linear; ``float_out`` returns it as float32 (rounded to x's dtype
-    first here: F.linear has no wider output)."""
+                     float_out: bool = False, activation: str | None = None) -> torch.Tensor:
+    """``activation(x @ weight.T + bias)``: torch's own ops, the ground truth
+    of kernels.linear; ``float_out`` returns the product as float32 (rounded
+    to x's dtype first here: F.linear has no wider output)."""
     out = F.linear(x, weight, bias)
-    return out.float() if float_out else out
+    return activate(out.float() if float_out else out, activation)
 
 
 def moe_groups(topk_ids: torch.Tensor, num_experts: int):

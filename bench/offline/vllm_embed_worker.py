@@ -5,8 +5,8 @@
 JOB.json: {"folder", "dtype", "texts", "query", "vectors", "enforce_eager"}
 (enforce_eager false: vLLM's default, torch.compile of the model at start).
 This script imports nothing of pagedserve (vLLM's virtualenv does not have it).
-It loads the model, embeds every text once (the warm-up; the vectors go to the
-"vectors" path, .npy, for the parent to compare) and the query three times,
+It loads the model, embeds every text twice (the warm-up; the first call's vectors
+go to the "vectors" path, .npy, for the parent to compare) and the query three times,
 answers {"version", "ready"}, then times what each stdin line asks: "texts" (one
 `embed` call with every text) or "query" (the query alone), and answers
 {"seconds"} with its own clock; "quit" ends it. Answers are one JSON object on a
@@ -39,6 +39,7 @@ def main(job_file: str) -> int:
     texts, query = job["texts"], [job["query"]]
     outputs = llm.embed(texts, use_tqdm=False)
     np.save(job["vectors"], np.array([o.outputs.embedding for o in outputs], dtype=np.float32))
+    llm.embed(texts, use_tqdm=False)  # a second warm-up, as the parent gives its own systems
     for _ in range(3):
         llm.embed(query, use_tqdm=False)
     reply({"version": vllm.__version__, "ready": True})

@@ -76,3 +76,15 @@ def test_only_a_float32_weight_that_gives_up_torch_leaves_its_layout(session_see
     bf16 = weight.bfloat16()
     assert torch.equal(kernels.unpack_linear(kernels.pack_linear(bf16, torch_float32=False)), bf16)
     assert not kernels.pack_linear(bf16, torch_float32=False).is_mkldnn
+
+
+@pytest.mark.parametrize("activation", ("gelu", "gelu_pytorch_tanh", "relu"))
+def test_the_activation_is_onednns_post_op(activation, session_seed):
+    """An encoder's up projection: the activation fused into oneDNN's matmul,
+    within float32 rounding of torch's activation of oneDNN's plain product."""
+    generator = torch.Generator().manual_seed(session_seed)
+    x, weight, bias = _inputs(generator, 16, 96, 40)
+    packed = kernels.pack_linear(weight, torch_float32=False)
+    out = kernels.linear(x, packed, bias, activation=activation)
+    expected = kernels.reference.LINEAR_ACTIVATIONS[activation](kernels.linear(x, packed, bias))
+    assert (out - expected).abs().max() <= 1e-6 * (1 + expected.abs().max())

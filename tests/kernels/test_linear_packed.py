@@ -99,6 +99,46 @@ def test_bad_inputs_are_refused(ops, x, message):
         ops.linear_bf16_packed(x, torch.ones(16, 64, dtype=torch.bfloat16), None)
 
 
+def _gelu_bound(pre):
+    """How far the epilogue's GELU of ``pre`` may sit from the exact one: one
+    bf16 rounding of the result (2^-8 of it, to be safe from the half step)
+    plus what the erf formula adds (|error| <= 1.5e-7, times |x| / 2, and
+    float arithmetic's share)."""
+    return F.gelu(pre.double()).abs() * 2**-8 + pre.double().abs() * 1e-7 + 1e-30
+
+
+@pytest.mark.parametrize("features", ((576, 112), (1536, 592)), ids=str)
+@pytest.mark.parametrize("tokens", (1, 9, 131))
+def test_gelu_and_relu_in_the_epilogue(ops, tokens, features, session_seed):
+    """The activation of the stored product (rounded to bf16, as torch stores
+    it before F.gelu reads it): GELU within its bound of the exact GELU of
+    that number, ReLU exactly torch's."""
+    generator = torch.Generator().manual_seed(session_seed + 5 * tokens)
+    x, weight, bias = _inputs(generator, tokens, *features)
+    x = (x.float() / features[0] ** 0.5).bfloat16()  # products of a few units: GELU's curved part
+    packed = kernels.pack_linear(weight)
+    for float_out in (False, True):
+        plain = ops.linear_bf16_packed(x, packed, bias, float_out)
+        out = ops.linear_bf16_packed(x, packed, bias, float_out, "gelu")
+        assert out.dtype == plain.dtype
+        error = (out.double() - F.gelu(plain.double())).abs()
+        assert (error <= _gelu_bound(plain)).all(), f"seed {session_seed}: {error.max():.2e}"
+        assert torch.equal(ops.linear_bf16_packed(x, packed, bias, float_out, "relu"), F.relu(plain))
+    # Against torch's bf16 GELU, the reference's (kernels.reference.linear_reference):
+    # one step of bf16 where the formulas round apart, and the absolute slack of
+    # torch's 1 + erf near -1, which loses a negative input's small outputs.
+    plain = ops.linear_bf16_packed(x, packed, bias)
+    torch_gelu = F.gelu(plain).double()
+    error = (ops.linear_bf16_packed(x, packed, bias, False, "gelu").double() - torch_gelu).abs()
+    assert (error <= torch_gelu.abs() * 2**-7 + 2e-6).all()
+
+
+def test_an_unknown_activation_is_refused(ops):
+    packed = kernels.pack_linear(torch.ones(16, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="activation must be none, gelu or relu, got silu"):
+        ops.linear_bf16_packed(torch.ones(2, 64, dtype=torch.bfloat16), packed, None, False, "silu")
+
+
 def test_the_layout_round_trips_and_embeds(ops, session_seed):
     generator = torch.Generator().manual_seed(session_seed)
     weight = torch.randn(48, 64, generator=generator).bfloat16()
@@ -129,10 +169,17 @@ def test_kernels_linear_multiplies_packed_weights(ops, monkeypatch, session_seed
                        ops.linear_bf16_packed(x, packed, bias).view(2, 3, 48))
     assert torch.equal(kernels.linear(x, packed, bias, float_out=True),
                        ops.linear_bf16_packed(x, packed, bias, True))
+    # GELU and ReLU in the op's epilogue; an activation it has not, after it.
+    for activation in ("gelu", "relu"):
+        assert torch.equal(kernels.linear(x, packed, bias, activation=activation),
+                           ops.linear_bf16_packed(x, packed, bias, False, activation))
+    assert torch.equal(kernels.linear(x, packed, bias, activation="gelu_pytorch_tanh"),
+                       F.gelu(ops.linear_bf16_packed(x, packed, bias), approximate="tanh"))
     # Turned off after packing: the reference over the unpacked weight.
     monkeypatch.setenv(cpu_ops.ENV_VAR, "off")
     b16 = bias.bfloat16()
     assert torch.equal(kernels.linear(x, packed, b16), F.linear(x, weight, b16))
+    assert torch.equal(kernels.linear(x, packed, b16, activation="gelu"), F.gelu(F.linear(x, weight, b16)))
 
 
 def _cpu_has_amx() -> bool:

@@ -5,10 +5,10 @@ and the plain MLP of encoders: down(act(up(x))), act BERT's exact (erf) GELU."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.layers.linear import Linear, all_reduce
+from kernels.reference import LINEAR_ACTIVATIONS
 
 # HF's hidden_act names -> the kernel backend's fused act(gate) * up.
 ACTIVATIONS = {
@@ -42,26 +42,20 @@ class MLP(nn.Module):
         return all_reduce(self.down_proj(gated), self.group)
 
 
-# HF's hidden_act names -> torch's function, as HF's ACT2FN computes it.
-PLAIN_ACTIVATIONS = {
-    "gelu": F.gelu,  # exact: x * Phi(x), through erf (BERT, XLM-RoBERTa)
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
-
-
 class PlainMLP(nn.Module):
     """An encoder's feed-forward block, ungated: down_proj(act(up_proj(x)))
-    (BERT's intermediate.dense and output.dense)."""
+    (BERT's intermediate.dense and output.dense).  The activation rides in
+    the up projection's call (kernels.linear's epilogue on the CPU), so its
+    [tokens, width] output is written once."""
 
     def __init__(self, hidden_size: int, width: int, kernels, activation: str = "gelu") -> None:
         super().__init__()
-        if activation not in PLAIN_ACTIVATIONS:
+        if activation not in LINEAR_ACTIVATIONS:
             raise ValueError(f"hidden activation {activation!r} is not supported; "
-                             f"supported: {', '.join(PLAIN_ACTIVATIONS)}")
-        self.act = PLAIN_ACTIVATIONS[activation]
+                             f"supported: {', '.join(LINEAR_ACTIVATIONS)}")
+        self.activation = activation
         self.up_proj = Linear(hidden_size, width, True, kernels)
         self.down_proj = Linear(width, hidden_size, True, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(self.up_proj(x, self.activation))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.reference import activate
+
 
 class Linear(nn.Linear):
     """nn.Linear whose product is the kernel backend's: on the CPU, bf16
@@ -26,9 +28,12 @@ class Linear(nn.Linear):
         layer before anything writes it never becomes resident (a 7B model's
         bf16 layers are 15 GB of pages that are never touched)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.linear(x, self.weight, self.bias)
-        return y if self.lora is None else self.lora.apply(x, y)
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """The product, then `activation` (kernels.reference.LINEAR_ACTIVATIONS:
+        in the compiled op's epilogue where it has it; after the adapters' rows)."""
+        if self.lora is None:
+            return self.kernels.linear(x, self.weight, self.bias, activation=activation)
+        return activate(self.lora.apply(x, self.kernels.linear(x, self.weight, self.bias)), activation)
 
 
 def packed(kernels, weight: nn.Parameter, torch_float32: bool = True) -> nn.Parameter:

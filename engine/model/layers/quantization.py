@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from kernels.quant import QUANT_TYPES, is_quant_weight, quant_parts, quant_shape, quantize_weight
+from kernels.reference import activate
 
 # What --quantization can quantize a float checkpoint into at load.
 LOAD_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
@@ -53,9 +54,9 @@ class QuantLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(blob, bias, linear.kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         y = self.kernels.quant_linear(x, self.weight, self.bias)
-        return y if self.lora is None else self.lora.apply(x, y)
+        return activate(y if self.lora is None else self.lora.apply(x, y), activation)
 
     def extra_repr(self) -> str:
         types = "+".join(name for name, _ in quant_parts(self.weight))

@@ -46,6 +46,7 @@
 #include <cstring>
 #include <vector>
 
+#include "epilogue.h"
 #include "prefetch.h"
 #include "vec.h"
 #include "work_items.h"
@@ -145,31 +146,30 @@ PAGEDSERVE_AMX_TARGET inline void tile(const bf16_t* x, int64_t stride, const B&
   store_sums<R, C>(stage);
 }
 
-// stage's first `rows` rows (+ bias) -> out[row, 16 block ...], rounded to TOut once.
+// stage's first `rows` rows through the epilogue -> out[row, 16 block ...].
 template <int C, typename TOut>
-inline void finish(const float* stage, int64_t rows, int64_t block, const float* bias, TOut* out,
+inline void finish(const float* stage, int64_t rows, int64_t block, const Epilogue& ep, TOut* out,
                    int64_t N) {
   for (int64_t r = 0; r < rows; ++r)
     for (int c = 0; c < C; ++c) {
       const int64_t n = (block + c) * kTile;
-      const vec::F s = vec::load(stage + r * C * kTile + c * kTile);
-      vec::store_to(out + r * N + n, bias ? vec::add(s, vec::load(bias + n)) : s);
+      vec::store_to(out + r * N + n, ep.apply<TOut>(vec::load(stage + r * C * kTile + c * kTile), n));
     }
 }
 
 // R A tiles of tokens against blocks [b0, b1), in 2-block tiles.
 template <int R, typename TOut>
 PAGEDSERVE_AMX_TARGET void panel(const bf16_t* x, int64_t stride, int64_t rows, const B& w, int64_t b0,
-                                 int64_t b1, bool fetch, const float* bias, TOut* out, int64_t N) {
+                                 int64_t b1, bool fetch, const Epilogue& ep, TOut* out, int64_t N) {
   alignas(64) float stage[2 * kTile * 2 * kTile];
   int64_t b = b0;
   for (; b + 2 <= b1; b += 2) {
     tile<R, 2>(x, stride, w, b, fetch, stage);
-    finish<2>(stage, rows, b, bias, out, N);
+    finish<2>(stage, rows, b, ep, out, N);
   }
   if (b < b1) {
     tile<R, 1>(x, stride, w, b, fetch, stage);
-    finish<1>(stage, rows, b, bias, out, N);
+    finish<1>(stage, rows, b, ep, out, N);
   }
 }
 
@@ -194,14 +194,14 @@ inline Rows rows_of(const bf16_t* x, int64_t M, int64_t K, std::vector<bf16_t>& 
 // panels, then 16, then the tail's tile.
 template <typename TOut>
 PAGEDSERVE_AMX_TARGET void rows_times_strip(const Rows& x, const B& w, int64_t r0, int64_t r1, int64_t b0,
-                                            int64_t b1, const float* bias, TOut* out, int64_t N) {
+                                            int64_t b1, const Epilogue& ep, TOut* out, int64_t N) {
   const int64_t K = x.K, stride = K * int64_t(sizeof(bf16_t));
   int64_t r = r0;
   for (; r + 2 * kTile <= r1; r += 2 * kTile)
-    panel<2>(x.x + r * K, stride, 2 * kTile, w, b0, b1, r == r0, bias, out + r * N, N);
+    panel<2>(x.x + r * K, stride, 2 * kTile, w, b0, b1, r == r0, ep, out + r * N, N);
   for (; r + kTile <= r1; r += kTile)
-    panel<1>(x.x + r * K, stride, kTile, w, b0, b1, r == r0, bias, out + r * N, N);
-  if (r < r1) panel<1>(x.tail, stride, r1 - r, w, b0, b1, r == r0, bias, out + r * N, N);
+    panel<1>(x.x + r * K, stride, kTile, w, b0, b1, r == r0, ep, out + r * N, N);
+  if (r < r1) panel<1>(x.tail, stride, r1 - r, w, b0, b1, r == r0, ep, out + r * N, N);
 }
 
 // Loads the tile configuration on this thread for the scope, then frees the
@@ -219,20 +219,20 @@ inline int64_t chunk_rows(int64_t K) {
   return std::max<int64_t>(2 * kTile, kChunkBytes / (2 * K) / (2 * kTile) * (2 * kTile));
 }
 
-// y [M, 16 blocks] = x [M, K] W^T (+ bias): each chunk of tokens against
-// every strip of blocks, threads taking strips.
+// y [M, 16 blocks] = x [M, K] W^T through the epilogue: each chunk of tokens against
+// every strip of blocks, threads taking (chunk, strip) items in chunk order
+// from one region (linear_packed.h's run says why).
 template <typename TOut>
-void run(const bf16_t* x, const B& w, const float* bias, int64_t M, TOut* out) {
-  const int64_t N = w.blocks * kTile, step = chunk_rows(w.K);
+void run(const bf16_t* x, const B& w, const Epilogue& ep, int64_t M, TOut* out) {
+  const int64_t N = w.blocks * kTile, step = chunk_rows(w.K), chunks = (M + step - 1) / step;
   const int64_t strips = (w.blocks + kStripBlocks - 1) / kStripBlocks;
   std::vector<bf16_t> storage;
   const Rows rows = rows_of(x, M, w.K, storage);
-  for (int64_t m0 = 0; m0 < M; m0 += step) {
-    const int64_t m1 = std::min(M, m0 + step);
-    run_items(strips, [] { return Tiles(); }, [&](const Tiles&, int64_t s) {
-      rows_times_strip(rows, w, m0, m1, s * kStripBlocks, std::min(w.blocks, (s + 1) * kStripBlocks), bias, out, N);
-    });
-  }
+  run_items(chunks * strips, [] { return Tiles(); }, [&](const Tiles&, int64_t item) {
+    const int64_t m0 = item / strips * step, s = item % strips;
+    rows_times_strip(rows, w, m0, std::min(M, m0 + step), s * kStripBlocks,
+                     std::min(w.blocks, (s + 1) * kStripBlocks), ep, out, N);
+  });
 }
 
 // AMX takes this call: the CPU has it, and the inputs are whole tile steps.

@@ -47,9 +47,18 @@ struct Tile {
 // prefill call's samples). Its sums run in another order than dot8's, so
 // only rows that never meet another path take it: an encoder's are never
 // chunked, cached or decoded.
+//
+// The packing is a transpose of 32-bit words, 16 tokens by 16 pairs at a
+// time (vec::transpose16): word by word it was ~1,000 scalar moves a tile.
 inline void pack_k_pairs(const bf16_t* const* k, int head_dim, uint32_t* kt) {
-  for (int t = 0; t < kTile; ++t)  // tokens past the tile's end read the zero row
-    for (int p = 0; p < head_dim / 2; ++p) std::memcpy(&kt[p * kTile + t], k[t] + 2 * p, sizeof(uint32_t));
+  static_assert(kTile % 16 == 0, "whole 16-token blocks");
+  for (int t0 = 0; t0 < kTile; t0 += 16)  // tokens past the tile's end read the zero row
+    for (int p0 = 0; p0 < head_dim / 2; p0 += 16) {
+      __m512i words[16];
+      for (int i = 0; i < 16; ++i) words[i] = _mm512_loadu_si512(k[t0 + i] + 2 * p0);
+      vec::transpose16(words);  // words[p]: pair p0 + p of the 16 tokens
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(&kt[(p0 + p) * kTile + t0], words[p]);
+    }
 }
 
 // Scores of R rows (q: R rows of head_dim) over the tile: log2 domain,

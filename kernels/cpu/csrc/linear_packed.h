@@ -1,5 +1,6 @@
 // Linear layers over bf16 weights packed at load time (kernels.pack_linear):
-// y = x W^T (+ bias), bf16 x, fp32 sums.  AVX512-BF16 and AVX2 builds.
+// y = x W^T (+ bias, then an activation: epilogue.h), bf16 x, fp32 sums.
+// AVX512-BF16 and AVX2 builds.
 //
 // Why: linear.h's dot-product tiles keep one vector accumulator per (token,
 // feature) whose lanes hold partial sums over different inputs, so every tile
@@ -61,8 +62,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "amx.h"
+#include "epilogue.h"
 #include "prefetch.h"
 #include "work_items.h"
 
@@ -100,15 +103,14 @@ inline const bf16_t* next_tile(const Packed& pw, int64_t b, bool prefetch) {
   return prefetch && b + 2 * C <= pw.blocks ? pw.block(b + C) : nullptr;
 }
 
-// acc[r][c * kSubs + s] (+ bias) -> out[r, (b + c) * 16 + s * W + lane], rounded to TOut once.
+// acc[r][c * kSubs + s] through the epilogue -> out[r, (b + c) * 16 + s * W + lane].
 template <int R, int C, typename TOut>
-inline void store_tile(const vec::F (&acc)[R][C * kSubs], int64_t b, const float* bias, TOut* out,
+inline void store_tile(const vec::F (&acc)[R][C * kSubs], int64_t b, const Epilogue& ep, TOut* out,
                        int64_t N) {
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < C * kSubs; ++v) {
       const int64_t n = b * kLanes + v * vec::W;
-      const vec::F sums = bias ? vec::add(acc[r][v], vec::load(bias + n)) : acc[r][v];
-      vec::store_to(out + r * N + n, sums);
+      vec::store_to(out + r * N + n, ep.apply<TOut>(acc[r][v], n));
     }
 }
 
@@ -116,7 +118,7 @@ inline void store_tile(const vec::F (&acc)[R][C * kSubs], int64_t b, const float
 // R tokens (rows of x, stride K) against blocks [b, b + C).  With
 // `prefetch`, the next tile's weights are fetched into L2 a line per line loaded.
 template <int R, int C, typename TOut>
-inline void tile(const bf16_t* x, const Packed& pw, int64_t b, bool prefetch, const float* bias,
+inline void tile(const bf16_t* x, const Packed& pw, int64_t b, bool prefetch, const Epilogue& ep,
                  TOut* out, int64_t N) {
   const int64_t stride = pw.block_elems(), K = pw.K;
   const bf16_t* w = pw.block(b);
@@ -135,7 +137,7 @@ inline void tile(const bf16_t* x, const Packed& pw, int64_t b, bool prefetch, co
       for (int c = 0; c < C; ++c) acc[r][c] = vec::dot_acc(acc[r][c], xv, wv[c]);
     }
   }
-  store_tile<R, C>(acc, b, bias, out, N);
+  store_tile<R, C>(acc, b, ep, out, N);
 }
 #else
 // The same with fp32 FMAs: per pair and half-block, x[2p] times the even
@@ -151,7 +153,7 @@ inline void tile(const bf16_t* x, const Packed& pw, int64_t b, bool prefetch, co
 // GFLOP/s for 7 tokens and 157 for 128, panels of 4 at 82 and 136, and 6
 // tokens a half-block at a time (the broadcasts loaded twice) at 92 and 112.
 template <int R, int C, typename TOut>
-inline void tile(const float* x, const Packed& pw, int64_t b, bool prefetch, const float* bias,
+inline void tile(const float* x, const Packed& pw, int64_t b, bool prefetch, const Epilogue& ep,
                  TOut* out, int64_t N) {
   const int64_t stride = pw.block_elems(), K = pw.K;
   const bf16_t* w = pw.block(b);
@@ -185,42 +187,42 @@ inline void tile(const float* x, const Packed& pw, int64_t b, bool prefetch, con
       }
     }
   }
-  store_tile<R, C>(acc, b, bias, out, N);
+  store_tile<R, C>(acc, b, ep, out, N);
 }
 #endif
 
 // R tokens against blocks [b0, b1): whole tiles of C blocks, then one at a time.
 template <int R, int C, typename TOut>
 void panel(const XT* x, const Packed& pw, int64_t b0, int64_t b1, bool prefetch,
-           const float* bias, TOut* out, int64_t N) {
+           const Epilogue& ep, TOut* out, int64_t N) {
   int64_t b = b0;
-  for (; b + C <= b1; b += C) tile<R, C>(x, pw, b, prefetch, bias, out, N);
-  for (; b < b1; ++b) tile<R, 1>(x, pw, b, prefetch, bias, out, N);
+  for (; b + C <= b1; b += C) tile<R, C>(x, pw, b, prefetch, ep, out, N);
+  for (; b < b1; ++b) tile<R, 1>(x, pw, b, prefetch, ep, out, N);
 }
 
 // The last rows < kRows tokens, as one panel of that height.
 template <int R, typename TOut>
 void leftover_rows(const XT* x, const Packed& pw, int64_t rows, int64_t b0, int64_t b1,
-                   bool prefetch, const float* bias, TOut* out, int64_t N) {
+                   bool prefetch, const Epilogue& ep, TOut* out, int64_t N) {
   if constexpr (R == 1) {
-    panel<1, kOneRowCols>(x, pw, b0, b1, prefetch, bias, out, N);
+    panel<1, kOneRowCols>(x, pw, b0, b1, prefetch, ep, out, N);
   } else if (rows == R) {
-    panel<R, kCols>(x, pw, b0, b1, prefetch, bias, out, N);
+    panel<R, kCols>(x, pw, b0, b1, prefetch, ep, out, N);
   } else {
-    leftover_rows<R - 1>(x, pw, rows, b0, b1, prefetch, bias, out, N);
+    leftover_rows<R - 1>(x, pw, rows, b0, b1, prefetch, ep, out, N);
   }
 }
 
 // Tokens [r0, r1) against blocks [b0, b1); the first panel prefetches.
 template <typename TOut>
 void rows_times_strip(const XT* x, const Packed& pw, int64_t r0, int64_t r1, int64_t b0,
-                      int64_t b1, const float* bias, TOut* out, int64_t N) {
+                      int64_t b1, const Epilogue& ep, TOut* out, int64_t N) {
   const int64_t K = pw.K;
   int64_t r = r0;
   for (; r + kRows <= r1; r += kRows)
-    panel<kRows, kCols>(x + r * K, pw, b0, b1, r == r0, bias, out + r * N, N);
+    panel<kRows, kCols>(x + r * K, pw, b0, b1, r == r0, ep, out + r * N, N);
   if (r < r1)
-    leftover_rows<kRows - 1>(x + r * K, pw, r1 - r, b0, b1, r == r0, bias, out + r * N, N);
+    leftover_rows<kRows - 1>(x + r * K, pw, r1 - r, b0, b1, r == r0, ep, out + r * N, N);
 }
 
 // Tokens per chunk: as few chunks as fit kChunkBytes, of even size in whole
@@ -233,22 +235,26 @@ inline int64_t chunk_rows(int64_t M, int64_t K) {
   return (rows + kRows - 1) / kRows * kRows;
 }
 
-// Every chunk of tokens against every strip of blocks.
+// Every chunk of tokens against every strip of blocks: one region, whose
+// items are (chunk, strip) in chunk order, so the threads still share a
+// chunk's x while it lasts, and none waits at a chunk's end for the other's
+// last strip.  A region a chunk did wait: BERT-base's 768-feature
+// projections have 8 strips, and a 128-text embed call ran ~120 chunks a
+// layer through them (libgomp's barrier spin was 2.5 % of its samples).
 template <typename TOut>
-void run(const XT* x, const Packed& pw, const float* bias, int64_t M, TOut* out) {
+void run(const XT* x, const Packed& pw, const Epilogue& ep, int64_t M, TOut* out) {
 #if defined(PAGEDSERVE_HAS_AMX)
   // The layout is AMX's B operand: where the CPU has AMX, every call takes its tiles (amx.h).
-  if (amx::takes(pw.K)) return amx::run(x, amx::B{pw.w, pw.blocks, pw.K}, bias, M, out);
+  if (amx::takes(pw.K)) return amx::run(x, amx::B{pw.w, pw.blocks, pw.K}, ep, M, out);
 #endif
   const int64_t N = pw.blocks * kLanes;
   const int64_t strips = (pw.blocks + kStripBlocks - 1) / kStripBlocks;
-  const int64_t step = chunk_rows(M, pw.K);
-  for (int64_t m0 = 0; m0 < M; m0 += step) {
-    const int64_t m1 = std::min(M, m0 + step);
-    run_items(strips, [] { return 0; }, [&](int, int64_t s) {
-      rows_times_strip(x, pw, m0, m1, s * kStripBlocks, std::min(pw.blocks, (s + 1) * kStripBlocks), bias, out, N);
-    });
-  }
+  const int64_t step = chunk_rows(M, pw.K), chunks = (M + step - 1) / step;
+  run_items(chunks * strips, [] { return 0; }, [&](int, int64_t item) {
+    const int64_t m0 = item / strips * step, s = item % strips;
+    rows_times_strip(x, pw, m0, std::min(M, m0 + step), s * kStripBlocks,
+                     std::min(pw.blocks, (s + 1) * kStripBlocks), ep, out, N);
+  });
 }
 
 // x as the tiles read it: bf16 as it is where the dot product takes it, else
@@ -273,10 +279,21 @@ inline const XT* tile_input(const at::Tensor& x, at::Tensor& scratch) {
 
 }  // namespace packed_linear
 
-// y = x W^T + bias with W packed as above (kernels.pack_linear): x [tokens, in] bf16,
-// bias [out] or None; y [tokens, out] bf16, or fp32 when float_out.
+// The epilogue's activation by name, as kernels.linear passes it.
+inline Act activation_named(c10::string_view name) {
+  if (name == "none") return Act::none;
+  if (name == "gelu") return Act::gelu;
+  TORCH_CHECK(name == "relu", "linear_bf16_packed: activation must be none, gelu or relu, got ",
+              std::string(name));
+  return Act::relu;
+}
+
+// y = act(x W^T + bias) with W packed as above (kernels.pack_linear): x [tokens, in] bf16,
+// bias [out] or None; y [tokens, out] bf16, or fp32 when float_out; act the
+// epilogue's (epilogue.h: "gelu" is erf's, torch's F.gelu).
 inline at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
-                                     const std::optional<at::Tensor>& bias, bool float_out) {
+                                     const std::optional<at::Tensor>& bias, bool float_out,
+                                     c10::string_view activation) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(),
               "linear_bf16_packed: tensors must be on the CPU");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == packed_linear::kLanes && packed.size(3) == 2 &&
@@ -293,16 +310,16 @@ inline at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& pack
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_bf16_packed: bias must be [out]");
     b = bias->to(at::kFloat).contiguous();
   }
+  const Epilogue ep{b.defined() ? b.data_ptr<float>() : nullptr, activation_named(activation)};
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
   at::Tensor scratch;
   const auto* xp = packed_linear::tile_input(xc, scratch);
-  const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
   if (float_out) {
-    packed_linear::run(xp, pw, bias_ptr, M, out.data_ptr<float>());
+    packed_linear::run(xp, pw, ep, M, out.data_ptr<float>());
   } else {
-    packed_linear::run(xp, pw, bias_ptr, M, reinterpret_cast<bf16_t*>(out.data_ptr()));
+    packed_linear::run(xp, pw, ep, M, reinterpret_cast<bf16_t*>(out.data_ptr()));
   }
   return out;
 }

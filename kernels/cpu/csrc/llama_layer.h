@@ -56,7 +56,7 @@ namespace layer_parts {
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   if (w.scalar_type() == at::kByte) return quant_linear(x, w, b, false);
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
-  if (w.dim() == 4) return linear_bf16_packed(x, w, b, false);
+  if (w.dim() == 4) return linear_bf16_packed(x, w, b, false, "none");
 #endif
   return linear_bf16(x, w, b, false);
 }

@@ -137,7 +137,8 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
 #if defined(PAGEDSERVE_HAS_PACKED_LINEAR)
   // AVX512-BF16 and AVX2 builds: kernels.pack_linear asks for it by name and
   // keeps nn.Linear's layout in the portable build.
-  m.def("linear_bf16_packed(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor",
+  m.def("linear_bf16_packed(Tensor x, Tensor weight, Tensor? bias, bool float_out=False, "
+        "str activation=\"none\") -> Tensor",
         &pagedserve::linear_bf16_packed);
 #endif
 }

@@ -21,6 +21,7 @@ using QueryOf = float;
 #endif
 
 constexpr int kPrefillRows = 48;  // query rows (tokens x group) per prefill item
+constexpr int kEncoderRows = 128;  // at most, per item of an encoder's rows (prefill.h)
 
 struct Layer {
   int64_t heads, kv_heads, group, head_dim, num_blocks, block_size, max_blocks;

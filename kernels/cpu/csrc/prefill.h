@@ -52,9 +52,14 @@ inline std::vector<PrefillItem> plan_prefill(const Layer& l, const int32_t* cu, 
   std::vector<int64_t> cost;
   for (int64_t i = 0; i < seqs; ++i) {
     const int64_t nq = cu[i + 1] - cu[i];
-    for (int64_t j0 = 0; j0 < nq; j0 += tokens_per_item)
+    // An encoder's rows all read every tile, and an item packs each tile's K
+    // and V once for its rows: the sequence in as few items as hold it, of
+    // even size (135 tokens: one item, not 48 + 48 + 39).
+    const int64_t pieces = std::max<int64_t>(1, (nq + tokens_per_item - 1) / tokens_per_item);
+    const int64_t per = causal ? tokens_per_item : (nq + pieces - 1) / pieces;
+    for (int64_t j0 = 0; j0 < nq; j0 += per)
       for (int64_t h = 0; h < l.kv_heads; ++h)
-        items.push_back({i, h, j0, std::min(nq, j0 + tokens_per_item)});
+        items.push_back({i, h, j0, std::min(nq, j0 + per)});
   }
   auto work = [&](const PrefillItem& it) {  // rows x the tokens the item reads
     const int64_t nq = cu[it.seq + 1] - cu[it.seq];
@@ -142,7 +147,7 @@ void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_
                    const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& cu,
                    const at::Tensor& lens, double scale, const Features& f, bool causal, at::Tensor& out) {
   using QT = QueryFor<T, C>;
-  const int64_t tokens_per_item = std::max<int64_t>(1, kPrefillRows / l.group);
+  const int64_t tokens_per_item = std::max<int64_t>(1, (causal ? kPrefillRows : kEncoderRows) / l.group);
   const std::vector<PrefillItem> items = plan_prefill(
       l, cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.numel(), tokens_per_item, f.window, causal);
   const PrefillArgs<T> a{{l, static_cast<const T*>(query.data_ptr()), static_cast<T*>(out.data_ptr()),

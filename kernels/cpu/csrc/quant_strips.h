@@ -222,7 +222,7 @@ inline void run_amx(const Blob& blob, const bf16_t* x, int64_t M, const float* b
     });
     const int64_t at = s.first + s.n0;
     amx::rows_times_strip(rows, amx::B{buf, blocks, K}, 0, M, 0, blocks,
-                          bias ? bias + at : nullptr, out + at, N);
+                          Epilogue{bias ? bias + at : nullptr}, out + at, N);
   });
 }
 
