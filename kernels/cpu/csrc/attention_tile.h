@@ -65,7 +65,7 @@ inline void pack_k_pairs(const bf16_t* const* k, int head_dim, uint32_t* kt) {
 // tokens from n on -inf.
 template <int R>
 inline void full_scores(const bf16_t* q, const uint32_t* kt, int head_dim, int n, float scale2,
-                        float* s) {
+                        float* s, int64_t stride = kTile) {
   static_assert(kTile == 2 * vec::W, "a tile is two vectors of tokens");
   vec::F acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec::zero();
@@ -80,9 +80,9 @@ inline void full_scores(const bf16_t* q, const uint32_t* kt, int head_dim, int n
   }
   const vec::F scale = vec::set1(scale2);
   for (int r = 0; r < R; ++r) {
-    vec::store(s + r * kTile, vec::mul(acc[r][0], scale));
-    vec::store(s + r * kTile + vec::W, vec::mul(acc[r][1], scale));
-    for (int i = n; i < kTile; ++i) s[r * kTile + i] = kNegInf;
+    vec::store(s + r * stride, vec::mul(acc[r][0], scale));
+    vec::store(s + r * stride + vec::W, vec::mul(acc[r][1], scale));
+    for (int i = n; i < kTile; ++i) s[r * stride + i] = kNegInf;
   }
 }
 
@@ -95,10 +95,10 @@ inline void full_scores(const bf16_t* q, const uint32_t* kt, int head_dim, int n
 // pv_rows' fp32 FMAs over a converted V, and no conversion (those were a
 // BERT batch's attention's largest part on a CPU without AMX).
 template <int R>
-inline void full_pv(const float* p, const bf16_t* vt, float* acc, int head_dim) {
+inline void full_pv(const float* p, const bf16_t* vt, float* acc, int head_dim, int64_t stride = kTile) {
   alignas(64) bf16_t weights[R][kTile];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < kTile; i += vec::W) vec::store_bf16(&weights[r][i], vec::load(p + r * kTile + i));
+    for (int i = 0; i < kTile; i += vec::W) vec::store_bf16(&weights[r][i], vec::load(p + r * stride + i));
   for (int b = 0; b < head_dim / kPair; ++b) {
     vec::F even[R], odd[R];
     for (int r = 0; r < R; ++r) vec::load_pair(acc + r * head_dim + b * kPair, even[r], odd[r]);
@@ -439,6 +439,101 @@ inline void prefetch_head_rows(const KvView<T>& kv, const int64_t* slots, int be
 // window, the tile of the first row's first token; else 0 or a multiple of
 // kPartition), so every tile starts at the same multiple of kTile however
 // the work was cut.
+#if defined(PAGEDSERVE_HAS_AMX)
+// The item's one kv head's K and V rows of tokens [t0, t0 + n); the rest of
+// a tile reads the zero row.
+template <typename T, typename QT>
+void whole_tile_rows(const Scratch<T, QT>& s, const Work<T>& w, int64_t t0, int n, const T** kp,
+                     const T** vp) {
+  int64_t slots[kTile];
+  tile_slots(w.kv, t0, n, slots);
+  for (int i = 0; i < n; ++i) {
+    kp[i] = w.kv.k + slots[i];
+    vp[i] = w.kv.v + slots[i];
+  }
+  for (int i = n; i < kTile; ++i) kp[i] = vp[i] = s.zero_t.data();
+}
+
+// An encoder's rows without the online softmax.  Every row of an encoder's
+// item sees all `end` tokens of its sequence, so where they fit a partition
+// (BERT's 512 positions do) the item scores whole rows first, Q.K tile by
+// tile into `wide` (rows x end, padded to whole tiles), takes each row's max
+// and sum once, then runs P.V tile by tile.  The online softmax paid a max
+// and a sum across the lanes, and a rescale of the accumulator whenever the
+// max grew, per row and 32-token tile: ~60 % of tile_step's samples in a
+// BERT batch.  Q.K and P.V are the tile loop's own (full_scores, full_pv:
+// the weights rounded to bf16 as there); only the exponentials' reference
+// point moves, from the max so far to the row's max.  Rows on AMX tiles
+// (w.amx) keep the tile loop.  False, and nothing done, where the rows
+// do not qualify.
+template <typename T, typename QT>
+bool attend_whole(Scratch<T, QT>& s, const Work<T>& w, int64_t end, bool convert, std::vector<float>& wide) {
+  if constexpr (!std::is_same_v<T, bf16_t> || !std::is_same_v<QT, bf16_t>) {
+    return false;
+  } else {
+    if (!w.full || w.amx || !convert || w.kv.heads != 1 || w.lo != nullptr || w.cap2 != 0.0f ||
+        end > kPartition)
+      return false;
+    const int head_dim = w.kv.head_dim, rows = w.rows;
+    const int64_t stride = (end + kTile - 1) / kTile * kTile;
+    if (wide.size() < size_t(rows) * size_t(stride)) wide.resize(size_t(rows) * size_t(stride));
+    reset_rows(s.tot_m.data(), s.tot_l.data(), s.tot_acc.data(), rows, head_dim);
+    auto* kt = reinterpret_cast<uint32_t*>(s.kf.data());  // a tile of fp32 rows holds a tile of pairs
+    auto* vt = reinterpret_cast<bf16_t*>(s.vf.data());
+    const T* kp[kTile];
+    const T* vp[kTile];
+    const T* next_k[kTile];
+    const T* next_v[kTile];
+    const int64_t bytes = int64_t(sizeof(T)) * head_dim;
+    for (int64_t t0 = 0; t0 < end; t0 += kTile) {  // Q.K; the next tile's K and V asked into L2
+      const int n = int(std::min<int64_t>(kTile, end - t0));
+      whole_tile_rows(s, w, t0, n, kp, vp);
+      if (t0 + kTile < end) {
+        const int next_n = int(std::min<int64_t>(kTile, end - t0 - kTile));
+        whole_tile_rows(s, w, t0 + kTile, next_n, next_k, next_v);
+        for (int i = 0; i < next_n; ++i)
+          for (int64_t o = 0; o < bytes; o += 64) {
+            prefetch_l2(reinterpret_cast<const char*>(next_k[i]) + o);
+            prefetch_l2(reinterpret_cast<const char*>(next_v[i]) + o);
+          }
+      }
+      pack_k_pairs(kp, head_dim, kt);
+      float* scores = wide.data() + t0;
+      int r = 0;
+      for (; r + 4 <= rows; r += 4)
+        full_scores<4>(&s.q[size_t(r) * head_dim], kt, head_dim, n, w.scale2, scores + r * stride, stride);
+      for (; r < rows; ++r)
+        full_scores<1>(&s.q[size_t(r) * head_dim], kt, head_dim, n, w.scale2, scores + r * stride, stride);
+    }
+    for (int r = 0; r < rows; ++r) {  // each row's max and sum, its weights in place
+      float* row = wide.data() + r * stride;
+      vec::F top = vec::load(row);
+      for (int64_t i = vec::W; i < stride; i += vec::W) top = vec::max(top, vec::load(row + i));
+      s.tot_m[r] = vec::reduce_max(top);
+      const vec::F shift = vec::set1(s.tot_m[r]);
+      vec::F sum = vec::zero();
+      for (int64_t i = 0; i < stride; i += vec::W) {
+        const vec::F p = vec::exp2(vec::sub(vec::load(row + i), shift));
+        vec::store(row + i, p);
+        sum = vec::add(sum, p);
+      }
+      s.tot_l[r] = vec::reduce_add(sum);
+    }
+    for (int64_t t0 = 0; t0 < end; t0 += kTile) {  // P.V
+      whole_tile_rows(s, w, t0, int(std::min<int64_t>(kTile, end - t0)), kp, vp);
+      pack_v_pairs(vp, head_dim, vt);
+      const float* weights = wide.data() + t0;
+      int r = 0;
+      for (; r + 4 <= rows; r += 4)
+        full_pv<4>(weights + r * stride, vt, &s.tot_acc[size_t(r) * head_dim], head_dim, stride);
+      for (; r < rows; ++r)
+        full_pv<1>(weights + r * stride, vt, &s.tot_acc[size_t(r) * head_dim], head_dim, stride);
+    }
+    return true;
+  }
+}
+#endif
+
 template <typename T, typename QT>
 void attend(Scratch<T, QT>& s, const Work<T>& w, int64_t begin, int64_t end, bool convert) {
   const int head_dim = w.kv.head_dim, all_rows = w.kv.heads * w.rows;

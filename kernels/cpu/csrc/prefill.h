@@ -80,6 +80,7 @@ struct PrefillScratch {
   Scratch<C, QT> s;
 #if defined(PAGEDSERVE_HAS_AMX)
   std::optional<amx::Tiles> tiles;
+  std::vector<float> wide;  // an encoder item's whole rows of scores (attend_whole)
 #endif
 };
 
@@ -97,7 +98,8 @@ bool amx_attention_for(const PrefillArgs<T>& a) {
 }
 
 template <typename T, typename C, typename QT>
-void prefill_item(Scratch<C, QT>& s, const PrefillArgs<T>& a, const PrefillItem& it, bool amx) {
+void prefill_item(PrefillScratch<C, QT>& p, const PrefillArgs<T>& a, const PrefillItem& it, bool amx) {
+  Scratch<C, QT>& s = p.s;
   const int group = int(a.l.group), head_dim = int(a.l.head_dim);
   const int64_t nq = a.cu[it.seq + 1] - a.cu[it.seq], len = a.lens[it.seq];
   const int rows = int(it.j1 - it.j0) * group;
@@ -114,7 +116,10 @@ void prefill_item(Scratch<C, QT>& s, const PrefillArgs<T>& a, const PrefillItem&
                         rows, s.visible.data(), s.lo.data());
   w.full = !a.causal;
   w.amx = amx;
-  attend(s, w, s.lo[0] / kTile * kTile, s.visible[rows - 1], a.convert);
+#if defined(PAGEDSERVE_HAS_AMX)
+  if (!attend_whole(s, w, s.visible[rows - 1], a.convert, p.wide))
+#endif
+    attend(s, w, s.lo[0] / kTile * kTile, s.visible[rows - 1], a.convert);
   for (int64_t j = it.j0; j < it.j1; ++j) {
     const int64_t row0 = (a.cu[it.seq] + j) * a.l.heads + it.head * group;
     for (int g = 0; g < group; ++g) {
@@ -164,7 +169,7 @@ void prefill_typed(const Layer& l, const at::Tensor& query, const at::Tensor& k_
 #if defined(PAGEDSERVE_HAS_AMX)
     if (amx && !p.tiles) p.tiles.emplace();
 #endif
-    prefill_item<T, C, QT>(p.s, a, items[i], amx);
+    prefill_item<T, C, QT>(p, a, items[i], amx);
   });
 }
 
