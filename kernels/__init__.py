@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.kv_quant import QUANTIZED_CACHES
+from kernels.activation import activate
 from kernels.layer_ops import gemma_layer_op, llama_layer_op, llama_layers_op
 from kernels.lora import lora_expand, lora_expand_reference, lora_shrink, lora_shrink_reference
 from kernels.moe import fused_moe, fused_moe_cpu, fused_moe_reference
@@ -54,7 +55,7 @@ from kernels.packed_layout import (PACKED_DIMS, embedding, onednn_linear, over_r
                                    packed_linear, unpack_linear)
 from kernels.quant import dequantize_reference, quant_linear_reference
 from kernels.reference import (
-    activate, attention_features, gelu_tanh_and_mul_reference, keep_layout, no_layer_op, linear_reference,
+    attention_features, gelu_tanh_and_mul_reference, keep_layout, no_layer_op, linear_reference,
     paged_decode_attention_reference, paged_prefill_attention_reference, rms_norm_reference,
     rope_reference, silu_and_mul_reference, store_kvcache_reference,
 )
@@ -185,12 +186,9 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            float_out: bool = False, activation: str | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, like F.linear, then ``activation`` if named
-    (kernels.reference.LINEAR_ACTIVATIONS).  bf16 weights on the CPU go
-    through the compiled op when it is built (fp32 accumulation, output in
-    x's dtype, or float32 with ``float_out``: the logits, whose bf16 rounding
-    would make near-ties exact ties; GELU and ReLU in its epilogue); oneDNN's
-    layout, oneDNN's (the activation its post-op); else F.linear."""
+    """``activation(x @ weight.T + bias)`` (kernels/activation.py).  CPU bf16 weights: the compiled
+    op (fp32 sums; float32 out with ``float_out``, the logits, whose bf16 rounding would make
+    near-ties ties; GELU, ReLU in its epilogue); oneDNN's layout: oneDNN's (+ post-op); else F.linear."""
     # Called ~120 times per decode step: every check here is on the hot path
     # (a 2-D x skips the reshape and view, ~6 us a call on this machine).
     if weight.dim() == PACKED_DIMS:

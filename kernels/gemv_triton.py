@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from kernels.reference import activate, linear_reference
+from kernels.activation import activate
+from kernels.reference import linear_reference
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
 from kernels.quant import is_quant_weight, pack_quant_panels, quant_shape
-from kernels.reference import activate, linear_reference
+from kernels.activation import activate
+from kernels.reference import linear_reference
 
 # -- weights packed for the bf16 dot product ------------------------------------------
 #
@@ -121,7 +122,7 @@ def onednn_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().contiguous().to_mkldnn()
 
 
-# kernels.reference.LINEAR_ACTIVATIONS' names -> oneDNN's post-op and its algorithm.
+# kernels.activation.LINEAR_ACTIVATIONS' names -> oneDNN's post-op and its algorithm.
 ONEDNN_POST_OPS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_pytorch_tanh": ("gelu", "tanh"),
                    "relu": ("relu", "")}
 

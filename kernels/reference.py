@@ -24,11 +24,10 @@ Paged layout (one layer)::
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
+from kernels.activation import activate
 from kernels.kv_quant import (dequantize_rows, is_fp8, is_quantized, quantize_query, quantize_rows,
                               to_fp8)
 
@@ -352,21 +351,6 @@ def no_layer_op(*widths: int) -> None:
     """A backend's ``llama_layer_op`` where no op runs a whole layer:
     the model runs its layers op by op."""
     return None
-
-
-# A layer's activation by HF's hidden_act name, as HF's ACT2FN computes it:
-# what a linear applies to its own output when asked (kernels.linear's
-# ``activation``: an encoder's up projection).
-LINEAR_ACTIVATIONS = {
-    "gelu": F.gelu,  # exact: x * Phi(x), through erf (BERT, XLM-RoBERTa)
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "relu": F.relu,
-}
-
-
-def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """``y`` through the named activation (LINEAR_ACTIVATIONS; None: ``y`` itself)."""
-    return y if activation is None else LINEAR_ACTIVATIONS[activation](y)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

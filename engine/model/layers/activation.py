@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine.model.layers.linear import Linear, all_reduce
-from kernels.reference import LINEAR_ACTIVATIONS
+from kernels.activation import LINEAR_ACTIVATIONS
 
 # HF's hidden_act names -> the kernel backend's fused act(gate) * up.
 ACTIVATIONS = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.reference import activate
+from kernels.activation import activate
 
 
 class Linear(nn.Linear):
@@ -29,7 +29,7 @@ class Linear(nn.Linear):
         bf16 layers are 15 GB of pages that are never touched)."""
 
     def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
-        """The product, then `activation` (kernels.reference.LINEAR_ACTIVATIONS:
+        """The product, then `activation` (kernels.activation.LINEAR_ACTIVATIONS:
         in the compiled op's epilogue where it has it; after the adapters' rows)."""
         if self.lora is None:
             return self.kernels.linear(x, self.weight, self.bias, activation=activation)

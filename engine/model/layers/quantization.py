@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kernels.quant import QUANT_TYPES, is_quant_weight, quant_parts, quant_shape, quantize_weight
-from kernels.reference import activate
+from kernels.activation import activate
 
 # What --quantization can quantize a float checkpoint into at load.
 LOAD_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
