@@ -27,7 +27,7 @@ PACK_LANES = 16
 def pack_linear(weight: torch.Tensor, torch_float32: bool = True) -> torch.Tensor:
     """``weight`` [out, in] in the layout ``linear`` multiplies fastest: packed
     as above where the compiled ops have the packed linear (bf16 weights, a CPU
-    with AVX512-BF16 or AVX2, out a multiple of 16), else ``weight`` itself.  ``linear``,
+    with AVX-512 or AVX2, out a multiple of 16), else ``weight`` itself.  ``linear``,
     ``unpack_linear`` and ``embedding`` take either.
 
     A float32 weight keeps torch's matmul (MKL's sgemm, whose sums are HF's

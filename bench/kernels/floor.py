@@ -234,7 +234,8 @@ def machine_isa() -> dict:
     from kernels.cpu import ops as cpu_ops
 
     flags = cpu_ops.cpuinfo_flags()
-    cpu = "avx512_bf16" if "avx512_bf16" in flags else "avx2" if "avx2" in flags else "other"
+    cpu = ("avx512_bf16" if "avx512_bf16" in flags else "avx512_vnni" if "avx512_vnni" in flags
+           else "avx2" if "avx2" in flags else "other")
     return {"cpu": cpu, "engine_cpu_kernels": cpu_ops.requested_isa(),
             "aten_capability": torch.backends.cpu.get_cpu_capability()}
 

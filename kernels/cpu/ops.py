@@ -1,13 +1,19 @@
 """Building and loading the compiled CPU ops (``kernels/cpu/csrc/``): paged
 attention, and linear layers over bf16 weights.
 
-One source, three builds, chosen by the running CPU at load time::
+One source, four builds, chosen by the running CPU at load time::
 
     isa          compiler flags                             pair length
     avx512bf16   -mavx512f/bw/vl/dq -mavx512bf16 -mavx512vnni       32
                  -mfma -mf16c
+    avx512       -mavx512f/bw/vl/dq -mavx512vnni -mfma -mf16c       32
     avx2         -mavx2 -mfma -mf16c                                16
     portable     none (the compiler's baseline)                     16
+
+The avx512 build is the AVX-512 one for CPUs with VNNI but no BF16 (Cascade
+Lake, Ice Lake, and hypervisors that hide AVX512-BF16 from their guests):
+512-bit vectors and the int8 dot product, with bf16 weights widened to fp32
+for FMAs where the avx512bf16 build multiplies them as they are.
 
 The avx512bf16 build also carries AMX tile code (``csrc/amx.h``; ``amx_rows.h``
 for GGUF decode batches), taken at run time where the CPU has AMX-TILE and
@@ -30,7 +36,7 @@ Nothing is compiled at import; ``python -m kernels.cpu.ops`` compiles ahead
 of time (``make install`` runs it), else the first call of an op does
 (about half a minute on two cores, then 0.01 s to load from the cache).
 
-``PAGEDSERVE_CPU_KERNELS`` = auto (default) | avx512bf16 | avx2 | portable | off
+``PAGEDSERVE_CPU_KERNELS`` = auto (default) | avx512bf16 | avx512 | avx2 | portable | off
 forces a build, or the pure-PyTorch path.  When the build fails (no compiler,
 no ninja) the PyTorch path serves, after one warning.
 """
@@ -64,12 +70,15 @@ ISA_FLAGS = {
     # VNNI: the quantized linear's int8 dot product (every AVX512-BF16 CPU has it).
     "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
                    "-mavx2", "-mfma", "-mf16c", "-DPAGEDSERVE_ISA_AVX512BF16"],
+    # No BF16: VNNI is the floor (the int8 strips and rows need it).
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+               "-mavx2", "-mfma", "-mf16c", "-DPAGEDSERVE_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DPAGEDSERVE_ISA_AVX2"],
     "portable": [],
 }
 # Elements per vector pair (two fp32 vectors): a head_dim, or a linear layer's
 # in_features, must be a multiple of it for a build to take it.
-PAIR_LENGTH = {"avx512bf16": 32, "avx2": 16, "portable": 16}
+PAIR_LENGTH = {"avx512bf16": 32, "avx512": 32, "avx2": 16, "portable": 16}
 ISAS = tuple(ISA_FLAGS)
 
 
@@ -105,13 +114,15 @@ def _torch_probe(name: str) -> bool:
 # on every attention call cost ~100 us (30 layers: 3 ms of a decode step).
 @functools.lru_cache(maxsize=1)
 def isa_for_this_cpu() -> str:
-    """The best build this CPU runs: avx512bf16, avx2 or portable."""
+    """The best build this CPU runs: avx512bf16, avx512, avx2 or portable."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "portable"
     flags = cpuinfo_flags()  # empty where /proc is missing: trust torch's probes
-    if _torch_probe("_is_avx512_bf16_supported") and (
-            not flags or {"avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"} <= flags):
+    avx512 = not flags or {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"} <= flags
+    if _torch_probe("_is_avx512_bf16_supported") and avx512:
         return "avx512bf16"
+    if _torch_probe("_is_avx512_supported") and _torch_probe("_is_vnni_supported") and avx512:
+        return "avx512"
     if _torch_probe("_is_avx2_supported") and (not flags or {"fma", "f16c"} <= flags):
         return "avx2"
     return "portable"

@@ -9,7 +9,7 @@ before it with NaN: the op must skip them, not mask them (a V row read under
 a zero weight still turns the output NaN).  That it reads only about the
 window's bytes shows in `pagedserve bench kernels --kernels window`.
 
-Each test runs every build this CPU runs (avx512bf16, avx2, portable, or
+Each test runs every build this CPU runs (avx512bf16, avx512, avx2, portable, or
 the part of that list it supports) on the same inputs, so the reference runs
 once for all of them.  Builds other than this CPU's best are compiled on
 first use (~20 s each, then cached under $XDG_CACHE_HOME/pagedserve/cpu_kernels).

@@ -29,7 +29,7 @@ FEATURES = ((32, 16), (64, 48), (576, 112), (1536, 592))  # (in, out)
 @pytest.fixture(scope="module")
 def ops(compiled_cpu_ops):
     if not hasattr(compiled_cpu_ops, "linear_bf16_packed"):
-        pytest.skip(f"the {compiled_cpu_ops.isa()} build has no packed linear (needs AVX512-BF16 or AVX2)")
+        pytest.skip(f"the {compiled_cpu_ops.isa()} build has no packed linear (needs AVX-512 or AVX2)")
     return compiled_cpu_ops
 
 

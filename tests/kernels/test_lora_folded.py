@@ -22,10 +22,11 @@ from kernel_cases import case_seed
 from kernels.quant import pack_quant_panels, pack_quant_weight
 from lora_cases import SLOTS, make_ids
 
-# Tokens below kManyRows (32 on AVX512-BF16, 48 on AVX2, 8 portable) fold;
-# bf16 tokens on AVX512-BF16 below kVnniManyRows (8), past which they take
-# the int8 strips (quant_linear.h).
-LAST_FOLDED = {"avx512bf16": 31, "avx2": 47, "portable": 7}
+# Tokens fold below the count from which a call takes strips (quant_linear.h's
+# takes_strips): float32 tokens on AVX512-BF16 below kManyRows (32); bf16
+# tokens there, every token on the avx512 build (kVnniManyRows) and on AVX2
+# (kMaddubsManyRows) below 8, past which they take the int8 strips; 8 portable.
+LAST_FOLDED = {"avx512bf16": 31, "avx512": 7, "avx2": 7, "portable": 7}
 LAST_FOLDED_BF16 = {"avx512bf16": 7}
 
 
@@ -91,7 +92,7 @@ def test_folded_rows_are_the_three_ops_in_turn(builds, shape, dtype, session_see
 def test_adapters_over_panels_are_the_three_ops_in_turn(builds, tokens, session_seed):
     """A blob in 16-row panels (kernels/quant.py) is not folded: the linear,
     then the adapters' two ops, the same numbers."""
-    ops = builds.get("avx512bf16")
+    ops = builds.get("avx512bf16") or builds.get("avx512")
     if ops is None:
         pytest.skip("panels are multiplied by the AVX512-VNNI build; this CPU does not run it")
     slices = (0, 192, 384)

@@ -1,7 +1,7 @@
 """Multi-LoRA shrink / expand (kernels/lora.py) on the CPU, on fresh random inputs:
 
 * the references against the contract's per-row formula in float64;
-* every compiled build this CPU runs (kernels/cpu/csrc/lora.h: avx512bf16,
+* every compiled build this CPU runs (kernels/cpu/csrc/lora.h: avx512bf16, avx512,
   avx2, portable) against the references: ids in runs with -1 among them,
   1, 5 and 64 rows (runs longer than a work item's), ranks 4, 16, 48,
   widths 64, 576 and 100 (a scalar tail), float32 and bf16, scale 0.5, a

@@ -395,9 +395,9 @@ def test_panels_dequantize_bit_for_bit(builds, types, session_seed):
 @pytest.mark.parametrize("types", PANEL_PARTS, ids="+".join)
 @pytest.mark.parametrize("shape", [(1, 768), (3, 768), (13, 768), (16, 768), (128, 768), (5, 8192)])
 def test_panels_product_is_within_the_activation_bound(builds, shape, types, session_seed):
-    """The AVX512-VNNI build multiplies panels at every token count (its int8
-    strips; tokens rounded per 256 against K-quants, per 32 against the legacy
-    types); the other builds refuse them."""
+    """The AVX512-VNNI builds (avx512bf16, avx512) multiply panels at every
+    token count (their int8 strips; tokens rounded per 256 against K-quants,
+    per 32 against the legacy types); the other builds refuse them."""
     rows, in_features = shape
     generator = torch.Generator().manual_seed(session_seed)
     blob = _blob(generator, types, 48, in_features, zero_rows=2)
@@ -408,7 +408,7 @@ def test_panels_product_is_within_the_activation_bound(builds, shape, types, ses
         expected = quant_linear_reference(x, blob, bias, True)
         bound = _bound(x, blob, torch.float32, expected)
         for isa, ops in builds.items():
-            if isa != "avx512bf16":
+            if isa not in ("avx512bf16", "avx512"):
                 with pytest.raises(RuntimeError, match="16-row panels"):
                     ops.quant_linear(x, paneled, bias, True)
                 continue
@@ -465,7 +465,7 @@ def test_tokens_the_rounding_keeps_give_the_float_product(builds, type_name, ses
             tight = x.float().abs() @ magnitude_of * 2.0**-17 + 1e-30
             for isa, ops in builds.items():
                 forms = []
-                if isa == "avx2" or (isa == "avx512bf16" and dtype == torch.bfloat16 and not ops.amx()):
+                if isa in ("avx2", "avx512") or (isa == "avx512bf16" and dtype == torch.bfloat16 and not ops.amx()):
                     forms.append(("file order", blob))
                 if paneled is not None and ops.quant_panels():
                     forms.append(("panels", paneled))

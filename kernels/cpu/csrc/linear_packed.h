@@ -1,6 +1,6 @@
 // Linear layers over bf16 weights packed at load time (kernels.pack_linear):
 // y = x W^T (+ bias, then an activation: epilogue.h), bf16 x, fp32 sums.
-// AVX512-BF16 and AVX2 builds.
+// AVX512-BF16, AVX-512 (fp32 FMAs, as AVX2's) and AVX2 builds.
 //
 // Why: linear.h's dot-product tiles keep one vector accumulator per (token,
 // feature) whose lanes hold partial sums over different inputs, so every tile
@@ -52,7 +52,7 @@
 
 #include "vec.h"
 
-#if defined(PAGEDSERVE_HAS_DPBF16) || defined(PAGEDSERVE_ISA_AVX2)
+#if defined(PAGEDSERVE_HAS_DPBF16) || defined(PAGEDSERVE_ISA_AVX512) || defined(PAGEDSERVE_ISA_AVX2)
 #define PAGEDSERVE_HAS_PACKED_LINEAR 1
 
 #include <ATen/Parallel.h>
@@ -79,6 +79,11 @@ using XT = bf16_t;                     // the tiles read bf16 tokens as they are
 constexpr int kRows = 8;               // tokens per tile
 constexpr int kCols = 3;               // blocks per tile: 24 accumulators + 3 weights of 32 registers
 constexpr int kOneRowCols = 6;         // one token: more blocks, more dot_accs in flight
+#elif defined(PAGEDSERVE_ISA_AVX512)
+using XT = float;                      // tokens in fp32, converted once per call
+constexpr int kRows = 8;               // 8 x 2 accumulators + 2 x 2 weights + 2 broadcasts of 32
+constexpr int kCols = 2;
+constexpr int kOneRowCols = 6;         // one token: 6 accumulators, two dependent FMAs each per pair
 #else
 using XT = float;                      // tokens in fp32, converted once per call
 constexpr int kRows = 5;               // 5 x 2 accumulators + 2 x 2 weights + 2 broadcasts: all 16

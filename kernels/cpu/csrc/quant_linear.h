@@ -24,7 +24,7 @@
 // (tests/kernels/test_quant_linear.py).
 //
 // Up to kManyRows - 1 tokens (31 on AVX512-BF16; bf16 tokens on
-// AVX512-VNNI up to kVnniManyRows - 1, 7; AVX2 up to kMaddubsManyRows - 1,
+// AVX512-VNNI, and every token on the avx512 build, up to kVnniManyRows - 1, 7; AVX2 up to kMaddubsManyRows - 1,
 // 7, or 47 with PAGEDSERVE_QUANT_STRIPS=bf16), quant_gemv.h's rows (every
 // type; AVX512: quant_lanes.h), up to 4 tokens a pass.  The portable build
 // takes tiles: R tokens x C weight rows; a weight sub-block is decoded once
@@ -87,7 +87,9 @@ constexpr int64_t kVnniManyRows = 8;  // kAmxManyRows (16): quant_strips.h
 // its Q8_0 head 0.56x, Llama-1B's Q4_K up 0.76x and Q6_K down 0.79x (a
 // first-generation Zen EPYC, 2026-12-04, docs/performance.md).
 constexpr int64_t kMaddubsManyRows = 8;
-#if defined(PAGEDSERVE_ISA_AVX512BF16)
+// The avx512 build (VNNI, no BF16) sends float32 tokens to the int8 strips
+// from kVnniManyRows too: its de-quantized strips widen to fp32, as AVX2's did.
+#if defined(PAGEDSERVE_ISA_AVX512BF16) || defined(PAGEDSERVE_ISA_AVX512)
 constexpr int64_t kManyRows = 32;
 #elif defined(__AVX2__)
 constexpr int64_t kManyRows = 48;
@@ -221,7 +223,7 @@ inline bool takes_strips(const Blob& blob, int64_t M, bool bf16_x) {
   if (bf16_x && M >= kAmxManyRows && amx_takes(blob)) return true;
 #endif
 #if defined(PAGEDSERVE_QUANT_VNNI)
-  if (bf16_x && M >= kVnniManyRows && !dequantized_strips_asked()) return true;
+  if ((bf16_x || !linear::kDotBf16) && M >= kVnniManyRows && !dequantized_strips_asked()) return true;
 #endif
 #if defined(PAGEDSERVE_QUANT_MADDUBS)
   if (M >= kMaddubsManyRows && !dequantized_strips_asked()) return true;

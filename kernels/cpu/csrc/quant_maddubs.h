@@ -38,7 +38,7 @@
 #include "quant_strip_run.h"
 #include "quant_tokens.h"
 
-#if defined(__AVX2__) && !defined(PAGEDSERVE_ISA_AVX512BF16)
+#if defined(__AVX2__) && !defined(PAGEDSERVE_ISA_AVX512BF16) && !defined(PAGEDSERVE_ISA_AVX512)
 #define PAGEDSERVE_QUANT_MADDUBS 1
 
 #include <ATen/Parallel.h>

@@ -103,6 +103,15 @@ template <typename Q>
 inline void dequantize32_bf16(const uint8_t* block, int j, const float* wd, float wm, bf16_t* out) {
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
   _mm512_storeu_si512(out, dequantize32_bf16_vec<Q>(block, j, wd, wm));
+#elif defined(PAGEDSERVE_ISA_AVX512)
+  // The same products and sums, rounded by integer arithmetic (vec::store_bf16).
+  const __m256i q = Q::q_avx2(block, j);
+  for (int h = 0; h < 2; ++h) {
+    const __m128i half = h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+    __m512 v = _mm512_mul_ps(_mm512_set1_ps(wd[h]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half)));
+    if (Q::kMin) v = _mm512_add_ps(v, _mm512_set1_ps(wm));
+    vec::store_bf16(out + 16 * h, vec::F{v});
+  }
 #elif defined(__AVX2__)
   const __m256i q = Q::q_avx2(block, j);
   for (int k = 0; k < 4; ++k) {
@@ -263,6 +272,12 @@ inline void run_many(const Blob& blob, const TX* x, int64_t M, const float* bias
   }
 #if defined(PAGEDSERVE_QUANT_MADDUBS)
   if (!dequantized_strips_asked()) return maddubs::run(blob, x, M, bias, out);
+#endif
+#if defined(PAGEDSERVE_QUANT_VNNI)
+  // Without the bf16 dot product (the avx512 build) the int8 strips take
+  // float32 tokens too: the de-quantized strips would widen to fp32.
+  if constexpr (!linear::kDotBf16)
+    if (!dequantized_strips_asked()) return vnni::run(blob, x, M, bias, out);
 #endif
   if constexpr (linear::kDotBf16 && std::is_same_v<TX, bf16_t>) {
 #if defined(PAGEDSERVE_HAS_AMX)

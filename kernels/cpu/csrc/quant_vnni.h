@@ -41,7 +41,7 @@
 
 #include "quant_lanes.h"
 
-#if defined(PAGEDSERVE_QUANT_LANES) && defined(PAGEDSERVE_ISA_AVX512BF16)
+#if defined(PAGEDSERVE_QUANT_LANES) && (defined(PAGEDSERVE_ISA_AVX512BF16) || defined(PAGEDSERVE_ISA_AVX512))
 #define PAGEDSERVE_QUANT_VNNI 1
 
 #include <ATen/Parallel.h>

@@ -12,6 +12,9 @@
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
 #include "vec_avx512.h"
 #define PAGEDSERVE_ISA_NAME "avx512bf16"
+#elif defined(PAGEDSERVE_ISA_AVX512)
+#include "vec_avx512.h"
+#define PAGEDSERVE_ISA_NAME "avx512"
 #elif defined(PAGEDSERVE_ISA_AVX2)
 #include "vec_avx2.h"
 #define PAGEDSERVE_ISA_NAME "avx2"

@@ -1,9 +1,12 @@
-// AVX-512 (F, BW, VL, DQ) + AVX512-BF16: 16 fp32 lanes.
+// AVX-512 (F, BW, VL, DQ) + VNNI, with or without AVX512-BF16: 16 fp32 lanes.
 //
 // Same loader layout as the AVX2 build, twice as wide: a pair is 32
 // elements, bf16 split into even and odd elements by a shift and an and.
-// Q.K in bf16 does not convert at all: _mm512_dpbf16_ps multiplies 32 bf16
-// pairs and accumulates in fp32 (dot8_bf16 below).
+// With AVX512-BF16 (PAGEDSERVE_HAS_DPBF16) Q.K in bf16 does not convert at
+// all: _mm512_dpbf16_ps multiplies 32 bf16 pairs and accumulates in fp32
+// (dot8_bf16 below); without it (the avx512 build) every kernel takes its
+// fp32 path, as on AVX2.  Rounding to bf16 is integer arithmetic either way,
+// so both builds store the same bits.
 #pragma once
 
 #include <immintrin.h>
@@ -15,8 +18,10 @@
 #include "reduce8_avx.h"
 #include "types.h"
 
+#if defined(PAGEDSERVE_ISA_AVX512BF16)
 #define PAGEDSERVE_HAS_DPBF16 1
-#define PAGEDSERVE_HAS_VNNI 1  // the build's -mavx512vnni: every AVX512-BF16 CPU has it
+#endif
+#define PAGEDSERVE_HAS_VNNI 1  // the build's -mavx512vnni (ops.py asks every AVX-512 CPU for it)
 #define PAGEDSERVE_HAS_I8_DOTS 1  // an int8 cache's Q.K in integers (pack_words16, dots_i8)
 
 namespace pagedserve::vec {
@@ -171,6 +176,7 @@ inline void store_pair(fp16_t* p, F a, F b) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + W), _mm512_cvtps_ph(b.v, _MM_FROUND_TO_NEAREST_INT));
 }
 
+#if defined(PAGEDSERVE_HAS_DPBF16)
 // Raw bf16 (natural order, 2W elements) for the dot-product instruction:
 // dot_acc(acc, a, b) adds a[2i] * b[2i] + a[2i+1] * b[2i+1] to lane i, with
 // exact products (a bf16 times a bf16 fits an fp32) and fp32 sums.
@@ -187,6 +193,7 @@ inline BH broadcast_pair(const bf16_t* p) {
   std::memcpy(&word, p, sizeof(word));
   return {(__m512bh)_mm512_set1_epi32(word)};
 }
+#endif
 
 // W fp32 lanes -> W bf16, rounded to nearest even; NaN stays NaN.
 inline void store_bf16(bf16_t* p, F a) {
@@ -224,6 +231,7 @@ inline void transpose16(__m512i (&r)[16]) {
 inline void store_to(float* p, F a) { store(p, a); }
 inline void store_to(bf16_t* p, F a) { store_bf16(p, a); }
 
+#if defined(PAGEDSERVE_HAS_DPBF16)
 // Eight bf16 dot products of one query row (raw bf16, natural order) with
 // eight K rows, head_dim a multiple of 32: no conversion, one instruction
 // per 32 elements.
@@ -240,6 +248,7 @@ inline void dot8_bf16(const bf16_t* q, const bf16_t* const* k, int head_dim, flo
   }
   reduce8(acc, out);
 }
+#endif
 
 // An int8 cache's K in token lanes, for vpdpbusd (the VNNI build's Q.K).
 // Sixteen rows of `bytes` codes (a multiple of 32) become 32-bit words, the

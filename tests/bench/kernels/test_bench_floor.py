@@ -43,7 +43,7 @@ def test_floor_report_fields(floor_report):
                 "decode", "chunked_ratio", "weights_bytes", "weights_mb", "read_gbps", "floor_ms_per_token",
                 "measured_ms_per_token", "ratio", "target_ratio", "meets_target"):
         assert key in report, key
-    assert report["isa"]["cpu"] in ("avx512_bf16", "avx2", "other")
+    assert report["isa"]["cpu"] in ("avx512_bf16", "avx512_vnni", "avx2", "other")
     assert report["torch_threads"] >= 1 and report["read"]["threads"] >= 1
     assert report["target_ratio"] == 1.5
 
