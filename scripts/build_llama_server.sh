@@ -98,25 +98,30 @@ has_option() {
 # GGML_NATIVE=OFF: no -march=native; the ISA is spelled out below instead, so the
 #   binary does not depend on what the build host's cpuid happens to report and
 #   the explicit GGML_AVX* switches take effect (NATIVE=ON ignores them).
-# AVX/AVX2/FMA/F16C/AVX512(+VBMI,VNNI,BF16): what this benchmark CPU supports.
-#   If the host has no AVX512F they are turned off (else: SIGILL at startup).
+# AVX/AVX2/FMA/F16C/AVX512(+VBMI,VNNI,BF16): what this benchmark CPU supports,
+#   each AVX-512 extension only where /proc/cpuinfo names it (else: SIGILL at
+#   startup, or a build that uses what the CPU does not advertise: a guest
+#   whose hypervisor hides AVX512-BF16 has AVX512F and VNNI without it).
 # AMX_*=OFF: ggml's AMX path crashes. On a CPU without AMX it must; on a 2-vCPU
 #   Xeon with AMX (2026-12-01) this tree's build died too, SIGILL at its first
 #   tile instruction (tilezero in tinygemm_kernel_amx, in an OpenMP worker).
 # BUILD_SHARED_LIBS=OFF: one self-contained binary, no libllama/libggml to ship.
 # Tests/examples off; only the four tools above are built.
-AVX512=ON
-if [ -r /proc/cpuinfo ] && ! grep -qw avx512f /proc/cpuinfo; then
-    log "warning: host CPU has no avx512f; building without AVX512"
-    AVX512=OFF
+has_flag() { [ ! -r /proc/cpuinfo ] || grep -qw "$1" /proc/cpuinfo; }
+on_if() { if has_flag "$1"; then echo ON; else echo OFF; fi; }
+AVX512=$(on_if avx512f)
+[ "$AVX512" = ON ] || log "warning: host CPU has no avx512f; building without AVX512"
+VBMI=OFF; VNNI=OFF; BF16=OFF
+if [ "$AVX512" = ON ]; then
+    VBMI=$(on_if avx512vbmi); VNNI=$(on_if avx512_vnni); BF16=$(on_if avx512_bf16)
 fi
 ARGS=(
     -DCMAKE_BUILD_TYPE=Release
     -DBUILD_SHARED_LIBS=OFF
     -DGGML_NATIVE=OFF
     -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
-    -DGGML_AVX512="$AVX512" -DGGML_AVX512_VBMI="$AVX512"
-    -DGGML_AVX512_VNNI="$AVX512" -DGGML_AVX512_BF16="$AVX512"
+    -DGGML_AVX512="$AVX512" -DGGML_AVX512_VBMI="$VBMI"
+    -DGGML_AVX512_VNNI="$VNNI" -DGGML_AVX512_BF16="$BF16"
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
