@@ -138,6 +138,7 @@ template <typename T, typename QT>
 struct Scratch {
   Scratch(int max_rows, int head_dim, bool convert)
       : q(size_t(max_rows) * head_dim), kf(convert ? size_t(kTile) * head_dim : 0),
+        kt(std::is_same_v<QT, float> && vec::W == 16 ? size_t(kTile) * head_dim : 0),
         vf(convert ? size_t(kTile) * head_dim : 0), scores(size_t(max_rows) * kTile), part_m(max_rows),
         part_l(max_rows), part_acc(size_t(max_rows) * head_dim), tot_m(max_rows), tot_l(max_rows),
         tot_acc(size_t(max_rows) * head_dim), zero_f(head_dim, 0.0f), zero_t(row_elements<T>(head_dim), T{}),
@@ -146,6 +147,7 @@ struct Scratch {
         q_codes(is_q8<T> && !std::is_same_v<QT, int8_t> ? head_dim : 0) {}
   Buffer<QT> q;                      // rows x head_dim, loader layout when QT is float
   Buffer<float> kf, vf;              // one head's tile of K / V converted to fp32
+  Buffer<float> kt;                  // an encoder's fp32 K tile transposed (attention_tile.h)
   Buffer<float> scores;              // rows x kTile: scores, then weights
   Buffer<float> part_m, part_l, part_acc;  // running state in this partition
   Buffer<float> tot_m, tot_l, tot_acc;     // folded over partitions

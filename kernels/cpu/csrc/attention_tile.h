@@ -140,6 +140,68 @@ void full_tile_scores(Scratch<T, QT>& s, size_t base, const bf16_t* const* k, co
 }
 #endif
 
+// Q.K of an encoder's rows in fp32 (float32 models; bf16 ones where the build
+// has no bf16 dot product, their K tile converted to fp32 first): the tile's
+// K transposed once, kt[d * kTile + t] = k[t][d], so a row's scores take one
+// FMA per element and W tokens, finished in token lanes.  dot8 sums W
+// elements of one token a vector and ends every 8 tokens in horizontal sums
+// (reduce8), which at head_dim 64 cost more than the multiplies: dot8 was
+// the largest part of a float32 BERT batch's attention.  The sums run in
+// another order than dot8's, so only rows that meet no other path take it,
+// as full_scores: an encoder's.  q and K share their layout (natural for a
+// float32 cache, convert_row's where bf16 was converted), so the dot is the same.
+// AVX-512 builds only: on AVX2 a transpose element by element cost what the
+// horizontal sums saved (a float32 BERT call's attention 1,355 -> 1,331-1,369
+// ms, docs/performance.md), so AVX2 keeps dot8.
+#if defined(__AVX512F__)
+constexpr bool kEncoderDotsF32 = true;
+inline void transpose_k(const float* const* k, int head_dim, float* kt) {
+  for (int t0 = 0; t0 < kTile; t0 += 16)  // tokens past the tile's end read the zero row
+    for (int d0 = 0; d0 < head_dim; d0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(k[t0 + i] + d0);
+      vec::transpose16(r);  // r[d]: element d0 + d of the 16 tokens
+      for (int d = 0; d < 16; ++d) _mm512_storeu_si512(kt + (d0 + d) * kTile + t0, r[d]);
+    }
+}
+#else
+constexpr bool kEncoderDotsF32 = false;
+inline void transpose_k(const float* const*, int, float*) {}
+#endif
+
+// Raw dots of R rows (q: R rows of head_dim) with the transposed tile.
+template <int R>
+inline void full_dots_f32(const float* q, const float* kt, int head_dim, float* s) {
+  constexpr int V = kTile / vec::W;  // vectors of tokens a tile: 2 (AVX-512), 4 (AVX2)
+  vec::F acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vec::zero();
+  for (int d = 0; d < head_dim; ++d) {
+    vec::F kv[V];
+    for (int v = 0; v < V; ++v) kv[v] = vec::load(kt + d * kTile + v * vec::W);
+    for (int r = 0; r < R; ++r) {
+      const vec::F qd = vec::set1(q[r * head_dim + d]);
+      for (int v = 0; v < V; ++v) acc[r][v] = vec::fma(qd, kv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) vec::store(s + r * kTile + v * vec::W, acc[r][v]);
+}
+
+// Rows [first, last) of one head: K transposed once, then kRows rows at a time.
+template <typename T>
+void full_tile_dots_f32(Scratch<T, float>& s, size_t base, const float* const* k, const Tile& t,
+                        int head_dim) {
+  constexpr int kRows = 6;  // 6 x 2 accumulators of 32 registers
+  float* kt = s.kt.data();
+  transpose_k(k, head_dim, kt);
+  int r = t.first;
+  for (; r + kRows <= t.last; r += kRows)
+    full_dots_f32<kRows>(&s.q[(base + r) * head_dim], kt, head_dim, &s.scores[(base + r) * kTile]);
+  for (; r < t.last; ++r)
+    full_dots_f32<1>(&s.q[(base + r) * head_dim], kt, head_dim, &s.scores[(base + r) * kTile]);
+}
+
 // Q.K, softmax and P.V of rows [first, rows) of one head over a tile of n tokens.
 // KT / VT: what Q.K and P.V read, the raw cache rows or their fp32 copies;
 // either way the arithmetic is the same, only where the conversion happens moves.
@@ -157,6 +219,7 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
   const size_t base = size_t(head) * w.rows;
   auto n_for = [&](int r) { return int(std::min<int64_t>(t.n, w.visible[r] - t.t0)); };
   bool scored = false;  // by full_tile_scores, for every row at once
+  bool dotted = false;  // raw dots by full_tile_dots_f32, for every row at once
 #ifdef PAGEDSERVE_HAS_DPBF16
   if constexpr (std::is_same_v<QT, bf16_t> && std::is_same_v<KT, bf16_t>) {
     if (w.full && w.lo == nullptr && w.cap2 == 0.0f && ks == nullptr && s.kf.data() != nullptr) {
@@ -165,6 +228,12 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
     }
   }
 #endif
+  if constexpr (kEncoderDotsF32 && std::is_same_v<QT, float> && std::is_same_v<KT, float>) {
+    if (w.full && w.lo == nullptr && ks == nullptr) {  // head_dim: a multiple of the pair, 32
+      full_tile_dots_f32(s, base, k, t, head_dim);
+      dotted = true;
+    }
+  }
   for (int r = t.first; r < t.last; ++r) {
     float* scores = &s.scores[(base + r) * kTile];
     if (!scored) {
@@ -172,7 +241,7 @@ void tile_step(Scratch<T, QT>& s, const Work<T>& w, int head, const KT* const* k
       if constexpr (is_q8<T>) qs = s.q_scale[base + r];
       const int lo = w.lo ? int(std::max<int64_t>(0, w.lo[r] - t.t0)) : 0;
       if constexpr (!std::is_same_v<QT, int8_t>)
-        dot_row(&s.q[(base + r) * head_dim], k, lo, n_for(r), head_dim, scores);
+        if (!dotted) dot_row(&s.q[(base + r) * head_dim], k, lo, n_for(r), head_dim, scores);
       finish_scores(scores, lo, n_for(r), w.scale2 * qs, w.cap_scale * qs, w.cap2, ks);
     }
     softmax_row(scores, s.part_m[base + r], s.part_l[base + r], &s.part_acc[(base + r) * head_dim],
