@@ -35,6 +35,17 @@ namespace quant {
 // a buffer the size of linear.h's strip, and every token meets it there. The
 // activations stay bf16 (not 8-bit) on this path.
 
+#if defined(PAGEDSERVE_ISA_AVX512BF16) || defined(PAGEDSERVE_ISA_AVX512)
+// Half h (16 of the 32 codes q of a sub-block) de-quantized in fp32:
+// wd[h] * q (+ wm), the products and sums both AVX-512 builds round to bf16.
+template <typename Q>
+inline __m512 dequantize16_f32(__m256i q, int h, const float* wd, float wm) {
+  const __m128i half = h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+  const __m512 v = _mm512_mul_ps(_mm512_set1_ps(wd[h]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half)));
+  return Q::kMin ? _mm512_add_ps(v, _mm512_set1_ps(wm)) : v;
+}
+#endif
+
 #if defined(PAGEDSERVE_ISA_AVX512BF16)
 // 32 de-quantized weights of one sub-block in one vector: one instruction
 // rounds all 32 to bf16 (nearest even; it reads fp32 denormals as zero,
@@ -42,13 +53,7 @@ namespace quant {
 template <typename Q>
 inline __m512i dequantize32_bf16_vec(const uint8_t* block, int j, const float* wd, float wm) {
   const __m256i q = Q::q_avx2(block, j);
-  __m512 v[2];
-  for (int h = 0; h < 2; ++h) {
-    const __m128i half = h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
-    v[h] = _mm512_mul_ps(_mm512_set1_ps(wd[h]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half)));
-    if (Q::kMin) v[h] = _mm512_add_ps(v[h], _mm512_set1_ps(wm));
-  }
-  return (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+  return (__m512i)_mm512_cvtne2ps_pbh(dequantize16_f32<Q>(q, 1, wd, wm), dequantize16_f32<Q>(q, 0, wd, wm));
 }
 
 // 4-bit codes by table: a scale's 16 values, wd * (i - centre) (+ wm) for
@@ -106,12 +111,7 @@ inline void dequantize32_bf16(const uint8_t* block, int j, const float* wd, floa
 #elif defined(PAGEDSERVE_ISA_AVX512)
   // The same products and sums, rounded by integer arithmetic (vec::store_bf16).
   const __m256i q = Q::q_avx2(block, j);
-  for (int h = 0; h < 2; ++h) {
-    const __m128i half = h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
-    __m512 v = _mm512_mul_ps(_mm512_set1_ps(wd[h]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half)));
-    if (Q::kMin) v = _mm512_add_ps(v, _mm512_set1_ps(wm));
-    vec::store_bf16(out + 16 * h, vec::F{v});
-  }
+  for (int h = 0; h < 2; ++h) vec::store_bf16(out + 16 * h, vec::F{dequantize16_f32<Q>(q, h, wd, wm)});
 #elif defined(__AVX2__)
   const __m256i q = Q::q_avx2(block, j);
   for (int k = 0; k < 4; ++k) {
