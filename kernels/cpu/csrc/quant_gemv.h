@@ -18,14 +18,16 @@
 // halves of four sub-blocks in one 128-bit lane and their second halves in
 // the other, which the 16 scales meet in two vectors.
 //
-// That is the AVX2 build's form.  The AVX512 build (with VNNI) takes
-// quant_lanes.h's instead, for every type: 64 weights a dpbusd and no sum
-// across lanes until a row ends.  XScales, row_dot and four_rows are the
-// entry for both.
+// That is the AVX2 build's form, but for Q4_0 and Q4_1, which go two blocks a
+// vector with no sum across lanes until a row ends (pair_step).  The AVX512
+// build (with VNNI) takes quant_lanes.h's instead, for every type: 64 weights
+// a dpbusd and no sum across lanes until a row ends.  XScales, row_dot and
+// four_rows are the entry for both.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "quant_act.h"
@@ -107,6 +109,68 @@ inline __m256i sum_lanes8(const __m256i (&v)[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+// Q4_0 and Q4_1 go two blocks a vector instead (pair_step).
+template <typename Q>
+constexpr bool kPairs = std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1>;
+
+// pair_step's pair p of a group: lanes 0-3 read block 2p, lanes 4-7 block 2p + 1.
+inline __m256 pair_scales(__m256 s, int p) {
+  return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1,
+                                                       2 * p + 1, 2 * p + 1));
+}
+
+// group_step for the 4-bit legacy types, two blocks a vector and nothing
+// summed across lanes until the row ends (quant_lanes.h's idea in 256 bits).
+// Why: group_step's per-group work was port-5 work on Intel (the nibbles'
+// 128-bit inserts, sum_lanes8's six hadds and two permutes), which left a
+// one-token Q4_1 row of the AVX2 build bound by that port.  Here a pair of
+// blocks loads as one vector (block 2p's 16 bytes low, 2p + 1's high), its
+// low nibbles are the two blocks' first 16 codes and its high nibbles their
+// last 16, so their maddubs with the token's codes in the same order add in
+// int16 (at most 2 x 2 x 15 x 127), one madd leaves lanes 0-3 block 2p's
+// sum and lanes 4-7 block 2p + 1's, and one conversion and one FMA by the
+// pair's scales serve both blocks.  The codes go in unsigned (0..15): Q4_0's
+// centre comes off as a min, -8 d times the token's d * sum(q) (XScales::s).
+// A short group's missing block re-reads its pair's first (its scale is 0).
+template <typename Q, bool kFull, int R>
+__attribute__((always_inline)) inline void pair_step(const uint8_t* g, int count, const XBlock* x,
+                                                     const XScales& xs, int64_t m0, int64_t x0, __m256 (&acc)[R],
+                                                     __m256 (&mins)[R]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i lo[4], hi[4];
+  auto second = [&](int p) { return kFull || 2 * p + 1 < count ? 1 : 0; };
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) {
+    if (!kFull && 2 * p >= count) continue;
+    const uint8_t* a = g + 2 * p * Q::kBytes + Q::kQs;
+    const __m256i v = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(a + second(p) * Q::kBytes),
+                                          reinterpret_cast<const __m128i*>(a));
+    lo[p] = _mm256_and_si256(v, low);
+    hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  }
+  __m256 wd, wm;
+  group_scales<Q>(g, kFull ? 8 : count, wd, wm);
+  if (!Q::kMin) wm = _mm256_mul_ps(wd, _mm256_set1_ps(-float(Q::kCentre)));
+  for (int r = 0; r < R; ++r) {
+    const XBlock* xr = x + (m0 + r) * xs.stride + x0;
+    const __m256 s = _mm256_mul_ps(wd, _mm256_loadu_ps(xs.d.data() + (m0 + r) * xs.padded + x0));
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      if (!kFull && 2 * p >= count) continue;
+      const int8_t* xa = xr[2 * p].q;
+      const int8_t* xb = xr[2 * p + second(p)].q;
+      const __m256i xl = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(xb),
+                                             reinterpret_cast<const __m128i*>(xa));
+      const __m256i xh = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(xb + 16),
+                                             reinterpret_cast<const __m128i*>(xa + 16));
+      const __m256i sums = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh)), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), pair_scales(s, p), acc[r]);
+    }
+    mins[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs.s.data() + (m0 + r) * xs.padded + x0), mins[r]);
+  }
+}
+
 // The `count` sub-blocks of the group at g (all 8, or fewer in a legacy
 // row's last group), decoded once, times R tokens' blocks (x, token r at
 // x + (m0 + r) * xs.stride) into acc[r] and mins[r].
@@ -114,6 +178,7 @@ template <typename Q, bool kFull, int R>
 __attribute__((always_inline)) inline void group_step(const uint8_t* g, int count, const XBlock* x,
                                                       const XScales& xs, int64_t m0, int64_t x0, __m256 (&acc)[R],
                                                       __m256 (&mins)[R]) {
+  if constexpr (kPairs<Q>) return pair_step<Q, kFull, R>(g, count, x, xs, m0, x0, acc, mins);
   __m256i q[8];
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j)
