@@ -252,8 +252,16 @@ struct Q6_K {
 // time, the same bits (docs/performance.md).
 // The AVX512 build's rows use quant_lanes.h's legacy_scales, 16-bit permutes
 // that AVX2 does not have.
+//
+// Inlined into the rows (pair_step; group_step at one token): out of line,
+// its call and its branches on `count` (a constant there: 8, or a short last
+// group's length) were a tenth of the AVX2 build's one-token samples on the
+// default file, SmolLM2's gate_up took 1.5x the time and its Q8_0 head 1.2x
+// (docs/performance.md).  group_scales_call keeps it out of line for
+// group_step's several tokens, whose larger step spilled with it inside
+// (the Q8_0 head 1.07x the time at four tokens).
 template <typename Q>
-inline void group_scales(const uint8_t* g, int count, __m256& wd, __m256& wm) {
+__attribute__((always_inline)) inline void group_scales(const uint8_t* g, int count, __m256& wd, __m256& wm) {
   static_assert(Q::kSubs == 1, "K-quants have their own group_scales");
   // lanes past `count` read nothing and stay 0 (a row's last group)
   int32_t w[8];
@@ -269,6 +277,11 @@ inline void group_scales(const uint8_t* g, int count, __m256& wd, __m256& wm) {
   const __m256i halves = _mm256_permute4x64_epi64(split, 0xD8);  // d0..d7 | m0..m7
   wd = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
   wm = Q::kMin ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)) : _mm256_setzero_ps();
+}
+
+template <typename Q>
+__attribute__((noinline)) void group_scales_call(const uint8_t* g, int count, __m256& wd, __m256& wm) {
+  group_scales<Q>(g, count, wd, wm);
 }
 
 template <>

@@ -185,7 +185,8 @@ __attribute__((always_inline)) inline void group_step(const uint8_t* g, int coun
     q[j] = !kFull && j >= count ? _mm256_setzero_si256()
                                 : Q::q_avx2(g + (j / Q::kSubs) * Q::kBytes, j % Q::kSubs);
   __m256 wd, wm;
-  group_scales<Q>(g, kFull ? 8 : count, wd, wm);
+  if constexpr (R == 1 || Q::kSubs > 1) group_scales<Q>(g, kFull ? 8 : count, wd, wm);
+  else group_scales_call<Q>(g, kFull ? 8 : count, wd, wm);
   for (int r = 0; r < R; ++r) {
     const XBlock* xr = x + (m0 + r) * xs.stride + x0;
     __m256i dots[8];
