@@ -181,10 +181,7 @@ class ModelRunner:
         """memory() of every tensor-parallel rank, in rank order (here: this one)."""
         return [self.memory()]
 
-    @property
-    def failure(self) -> str | None:
-        """None: one process has no workers to lose (the tensor-parallel runner has)."""
-        return None
+    failure = None  # one process has no workers to lose (the tensor-parallel runner has)
 
     def close(self) -> None:
         """Nothing to stop in one process (the tensor-parallel runner stops its workers)."""
@@ -334,7 +331,9 @@ class ModelRunner:
                                 inputs.meta)
         if not inputs.sample_rows.numel():
             return None
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+        if not header[6] == header[1] == header[2]:  # else every row is a decode that samples, in order
+            hidden = hidden[inputs.sample_rows]
+        return self.model.compute_logits(hidden)
 
     def use_configured_threads(self) -> None:
         """Apply --num-threads in whichever thread steps the engine: an OpenMP

@@ -137,38 +137,47 @@ def payload_length(header: list[int]) -> int:
 
 
 def decode_step(header: list[int], payload: torch.Tensor) -> StepInputs:
-    """Tensors on the payload's device; views of it where the dtype allows."""
+    """Tensors on the payload's device; views of it where the dtype allows.
+
+    The int32 fields (block tables, lengths, cu_seqlens) lie end to end in the
+    payload, so they take one conversion, cut into views after it: at one
+    stream a step is short and each small torch call, on caches the weights
+    just streamed through, costs several microseconds (docs/performance.md)."""
     _, tokens, decodes, decode_width, prefills, prefill_width, sampled, copies = header[:8]
     window, window_decode_width, window_prefill_width, window_copies = header[8:12]
-    sizes = [tokens, tokens, tokens, decodes * decode_width, decodes,
-             prefills * prefill_width, prefills + 1, prefills, sampled, 2 * copies]
+    ints = decodes * (decode_width + 1) + prefills * (prefill_width + 2) + 1
+    sizes = [tokens, tokens, tokens, ints, sampled, 2 * copies]
     if window:
         sizes += [tokens, decodes * window_decode_width, prefills * window_prefill_width,
                   2 * window_copies]
     if header[12]:
         sizes.append(tokens)
-    parts = payload.split(sizes)
-    (input_ids, positions, slots, decode_tables, decode_lens, prefill_tables,
-     cu_seqlens, prefill_lens, sample_rows, pairs) = parts[:10]
-    int32 = torch.int32
+    parts = torch.split_with_sizes(payload, sizes)
+    input_ids, positions, slots, int_part, sample_rows, pairs = parts[:6]
+    decode_tables, decode_lens, prefill_tables, cu_seqlens, prefill_lens = torch.split_with_sizes(
+        int_part.to(torch.int32),
+        [decodes * decode_width, decodes, prefills * prefill_width, prefills + 1, prefills])
     meta = AttentionMetadata(
         slot_mapping=slots,
         num_decode_tokens=decodes,
-        decode_block_tables=decode_tables.view(decodes, decode_width).to(int32),
-        decode_context_lens=decode_lens.to(int32),
-        prefill_block_tables=prefill_tables.view(prefills, prefill_width).to(int32),
-        prefill_cu_seqlens_q=cu_seqlens.to(int32),
-        prefill_context_lens=prefill_lens.to(int32),
+        decode_block_tables=decode_tables.view(decodes, decode_width),
+        decode_context_lens=decode_lens,
+        prefill_block_tables=prefill_tables.view(prefills, prefill_width),
+        prefill_cu_seqlens_q=cu_seqlens,
+        prefill_context_lens=prefill_lens,
     )
-    pairs = pairs.view(copies, 2)
-    inputs = StepInputs(input_ids, positions, meta, sample_rows, pairs[:, 0], pairs[:, 1])
+    sources = destinations = pairs  # empty when nothing is copied (the usual step)
+    if copies:
+        pairs = pairs.view(copies, 2)
+        sources, destinations = pairs[:, 0], pairs[:, 1]
+    inputs = StepInputs(input_ids, positions, meta, sample_rows, sources, destinations)
     if header[12]:
         inputs.lora_ids = parts[-1]
     if window:
-        window_slots, window_decode, window_prefill, window_pairs = parts[10:14]
+        window_slots, window_decode, window_prefill, window_pairs = parts[6:10]
         meta.window = dataclasses.replace(
             meta, slot_mapping=window_slots,
-            decode_block_tables=window_decode.view(decodes, window_decode_width).to(int32),
-            prefill_block_tables=window_prefill.view(prefills, window_prefill_width).to(int32))
+            decode_block_tables=window_decode.view(decodes, window_decode_width).to(torch.int32),
+            prefill_block_tables=window_prefill.view(prefills, window_prefill_width).to(torch.int32))
         inputs.window_copies = window_pairs.view(window_copies, 2)
     return inputs

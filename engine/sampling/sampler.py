@@ -108,7 +108,9 @@ class Sampler:
         # Columns past vocab_size are LM-head padding (vocabularies are often
         # rounded up for kernel efficiency) and must never be sampled. fp32
         # keeps softmax/cumsum accurate whatever dtype the model ran in.
-        return logits[:, : self.vocab_size].float()
+        if logits.shape[1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        return logits.float()
 
     def _choose_tokens(
         self, logits: torch.Tensor, requests: Sequence[SamplingRequest]

@@ -135,8 +135,15 @@ def runnable_isas() -> tuple[str, ...]:
 
 
 def requested_isa() -> str | None:
-    """The build to use: PAGEDSERVE_CPU_KERNELS, else this CPU's best; None = off."""
-    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    """The build to use: PAGEDSERVE_CPU_KERNELS, else this CPU's best; None = off.
+    Read on every call (the tests switch builds within a process), its meaning cached."""
+    return _isa_of(os.environ.get(ENV_VAR, "auto"))
+
+
+@functools.lru_cache(maxsize=None)
+def _isa_of(value: str) -> str | None:
+    """What a PAGEDSERVE_CPU_KERNELS value asks for."""
+    choice = value.strip().lower() or "auto"
     if choice == "off":
         return None
     if choice == "auto":
@@ -209,7 +216,14 @@ def _reason(exc: Exception) -> str:
 def current_ops():
     """The compiled ops for this process (PAGEDSERVE_CPU_KERNELS, else this
     CPU's best build), or None: turned off, or a failed build (logged once)."""
-    isa = requested_isa()
+    return _ops_of(os.environ.get(ENV_VAR, "auto"))
+
+
+# Several calls a decode step (the final norm, the head, the argmax): what a
+# value of the variable loads is looked up once, not worked out again (~4 us).
+@functools.lru_cache(maxsize=None)
+def _ops_of(value: str):
+    isa = _isa_of(value)
     return None if isa is None else load(isa)
 
 

@@ -78,7 +78,9 @@ def quant_embedding(kernels, input_ids: torch.Tensor, blob: torch.Tensor,
     """The rows of a quantized embedding table for `input_ids`, de-quantized
     (exactly: the file's values) and rounded to the model's dtype. Only the
     looked-up rows are decoded: a step touches a few of the 49152."""
-    rows = kernels.quant_dequantize(blob, input_ids.reshape(-1).long())  # one op: a step's glue runs cold
+    if input_ids.dim() == 1 and input_ids.dtype == torch.long:  # a step's ids: two ops (its glue runs cold)
+        return kernels.quant_dequantize(blob, input_ids).to(dtype)
+    rows = kernels.quant_dequantize(blob, input_ids.reshape(-1).long())
     return rows.to(dtype).view(*input_ids.shape, -1)
 
 

@@ -37,7 +37,8 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and sin for the step's positions, [tokens, head_dim] in the model's
         dtype (as HF rounds them): looked up once per step, shared by every layer."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return (self.cos.index_select(0, positions).to(dtype),
+                self.sin.index_select(0, positions).to(dtype))
 
 
 def rope_parameters(hf_config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
