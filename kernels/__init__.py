@@ -48,7 +48,7 @@ from kernels.cpu import ops as cpu_ops
 from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.kv_quant import QUANTIZED_CACHES
 from kernels.activation import activate
-from kernels.layer_ops import gemma_layer_op, llama_layer_op, llama_layers_op
+from kernels.layer_ops import gemma_layer_op, llama_layer_op, llama_layers_op, llama_stack_args
 from kernels.lora import lora_expand, lora_expand_reference, lora_shrink, lora_shrink_reference
 from kernels.moe import fused_moe, fused_moe_cpu, fused_moe_reference
 from kernels.packed_layout import (PACKED_DIMS, embedding, onednn_linear, over_rows, pack_linear,
@@ -63,7 +63,7 @@ from kernels.reference import (
 __all__ = [
     "BACKEND_NAMES", "KernelBackend", "check_backend_support", "compiled_bf16_linear", "embedding",
     "fused_moe", "gelu_tanh_and_mul", "gemma_layer_op", "get_backend", "linear", "llama_layer_op",
-    "llama_layers_op", "lora_expand", "lora_shrink", "pack_linear", "paged_decode_attention",
+    "llama_layers_op", "llama_stack_args", "lora_expand", "lora_shrink", "pack_linear", "paged_decode_attention",
     "paged_prefill_attention", "quant_dequantize", "quant_linear", "rms_norm", "rope", "silu_and_mul",
     "store_kvcache", "unpack_linear",
 ]

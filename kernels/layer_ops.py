@@ -5,6 +5,8 @@ linear's in_features), or None, and the layer runs its modules
 
 from __future__ import annotations
 
+import torch
+
 from kernels.cpu import ops as cpu_ops
 
 
@@ -28,6 +30,15 @@ def llama_layers_op(*widths: int):
     if llama_layer_op(*widths) is None or not hasattr(cpu_ops.current_ops(), "llama_layers"):
         return None
     return cpu_ops.current_ops().llama_layers.default
+
+
+def llama_stack_args(op, weights: list, k_caches: list, v_caches: list, final_norm, per_layer: int):
+    """What every call of the stack op `op` passes unchanged (llama_layer.h's
+    LayerStackArgs, of `op`'s build): `per_layer` weights a layer (12, or 20
+    with the LoRA stacks), each layer's K and V cache, the final norm's
+    weight or None. Built once; a call then hands over one object, not lists."""
+    holder = getattr(torch.classes, op.namespace).LayerStackArgs
+    return holder(weights, k_caches, v_caches, final_norm, per_layer)
 
 
 def gemma_layer_op(*widths: int):

@@ -145,24 +145,36 @@ def test_layer_op_checks_what_it_writes_through_pointers(ops, session_seed):
         ops.llama_layer(hidden, None, *_layer_args(w, dict(step, slots=step["slots"].int()), cos, sin, caches))
 
 
-def _stack_args(ws, step, cos, sin, caches):
-    """llama_layers' arguments: twelve weights a layer, a K and a V cache a layer."""
+def _stack_weights(ws):
+    """Twelve weights a layer, in llama_layer's order."""
+    return [t for w in ws for t in (w["input_norm"], w["qkv"], w["qkv_bias"], w["o"], None, w["post_norm"],
+                                    w["gate_up"], None, w["down"], None, w.get("q_norm"), w.get("k_norm"))]
+
+
+def _stack_args(ops, ws, step, cos, sin, caches, final_norm=None):
+    """llama_layers' arguments after the hidden states: the stack's unchanging
+    ones in one object (its twelve weights a layer, a K and a V cache a layer,
+    the final norm), then the step's."""
+    import kernels
+
     d = step["decode"]
-    weights = [t for w in ws for t in (w["input_norm"], w["qkv"], w["qkv_bias"], w["o"], None, w["post_norm"],
-                                       w["gate_up"], None, w["down"], None, w.get("q_norm"), w.get("k_norm"))]
-    return (weights, cos, sin, [c[0] for c in caches], [c[1] for c in caches], step["slots"], d,
-            step["tables"][:d], step["lens"][:d], step["tables"][d:], step["cu"], step["lens"][d:], HEADS,
-            KV_HEADS, EPS, SCALE)
+    held = kernels.llama_stack_args(ops.llama_layers.default, _stack_weights(ws), [c[0] for c in caches],
+                                    [c[1] for c in caches], final_norm, 12)
+    return (held, cos, sin, step["slots"], d, step["tables"][:d], step["lens"][:d], step["tables"][d:],
+            step["cu"], step["lens"][d:], HEADS, KV_HEADS, EPS, SCALE)
 
 
-def _assert_stack_is_layer_by_layer(ops, ws, step, cos, sin, caches, hidden):
+def _assert_stack_is_layer_by_layer(ops, ws, step, cos, sin, caches, hidden, final_norm=None):
     """The stack op's outputs and caches equal the layer op's called for each
-    layer in turn (the first without a residual) on copies of the caches."""
+    layer in turn (the first without a residual) on copies of the caches,
+    then, with `final_norm`, the norm op over the last output and the stream."""
     theirs = [[c.clone() for c in pair] for pair in caches]
     expected, stream = hidden.clone(), None
     for w, pair in zip(ws, theirs):
         expected, stream = ops.llama_layer(expected, stream, *_layer_args(w, step, cos, sin, pair))
-    out, out_stream = ops.llama_layers(hidden.clone(), *_stack_args(ws, step, cos, sin, caches))
+    if final_norm is not None:
+        expected = ops.rms_norm(expected, final_norm, EPS, stream)
+    out, out_stream = ops.llama_layers(hidden.clone(), *_stack_args(ops, ws, step, cos, sin, caches, final_norm))
     assert torch.equal(out, expected) and torch.equal(out_stream, stream)
     for mine, their in zip(caches, theirs):
         assert torch.equal(mine[0], their[0]) and torch.equal(mine[1], their[1])
@@ -175,9 +187,11 @@ def test_stack_op_is_the_layer_op_layer_by_layer(ops, session_seed, lens, decode
     the layer op called for each in turn (the first without a residual);
     bf16 weights, or blobs (_quantized), or blobs in the layout this build
     multiplies (kernels.pack_linear: 16-row panels on the VNNI build); with
-    or without per-head norms.  A step of decode rows alone over quantized
-    weights runs its layers in one region (kernels/cpu/csrc/team.h); the
-    layer op never does, so the two must agree to the bit."""
+    or without per-head norms; with the model's final norm in the op (after
+    quantized layers, whose decode steps run in one region) or without.  A
+    step of decode rows alone over quantized weights runs its layers in one
+    region (kernels/cpu/csrc/team.h); the layer op never does, so the two
+    must agree to the bit."""
     g = torch.Generator().manual_seed(session_seed)
     step = _step(g, lens, decode)
     ws, caches = [_weights(g, qk_norm) for _ in range(3)], [_caches(g) for _ in range(3)]
@@ -189,7 +203,8 @@ def test_stack_op_is_the_layer_op_layer_by_layer(ops, session_seed, lens, decode
         ws = [dict(w, **{k: kernels.pack_linear(w[k]) for k in ("qkv", "o", "gate_up", "down")}) for w in ws]
     hidden = torch.randn(len(step["slots"]), HIDDEN, generator=g).bfloat16()
     cos, sin = _rope(step["positions"])
-    _assert_stack_is_layer_by_layer(ops, ws, step, cos, sin, caches, hidden)
+    final_norm = (1 + torch.randn(HIDDEN, generator=g) * 0.2).bfloat16() if quantized else None
+    _assert_stack_is_layer_by_layer(ops, ws, step, cos, sin, caches, hidden, final_norm)
 
 
 def test_stack_op_raises_from_its_region_and_serves_after(ops, session_seed):
@@ -202,29 +217,35 @@ def test_stack_op_raises_from_its_region_and_serves_after(ops, session_seed):
     ws, caches = [_quantized(g, _weights(g)) for _ in range(2)], [_caches(g) for _ in range(2)]
     hidden = torch.randn(3, HIDDEN, generator=g).bfloat16()
     cos, sin = _rope(step["positions"])
-    args = list(_stack_args(ws, step, cos, sin, caches))
-    bad = list(args)
     small = torch.zeros(1, BLOCK_SIZE, KV_HEADS, HEAD_DIM).bfloat16()  # layer 1's caches: 16 slots
-    bad[3], bad[4] = [args[3][0], small], [args[4][0], small.clone()]
+    bad = _stack_args(ops, ws, step, cos, sin, [caches[0], [small, small.clone()]])
     with pytest.raises(RuntimeError, match="is outside the cache's 16 slots"):
         ops.llama_layers(hidden.clone(), *bad)
     _assert_stack_is_layer_by_layer(ops, ws, step, cos, sin, caches, hidden)
 
 
-def test_stack_op_checks_its_lists(ops, session_seed):
+def test_stack_op_checks_its_arguments(ops, session_seed):
+    import kernels
+
     g = torch.Generator().manual_seed(session_seed)
     step = _step(g, [7], 1)
     ws, caches = [_weights(g) for _ in range(2)], [_caches(g) for _ in range(2)]
     hidden = torch.randn(1, HIDDEN, generator=g).bfloat16()
     cos, sin = _rope(step["positions"])
-    args = list(_stack_args(ws, step, cos, sin, caches))
+    op, weights = ops.llama_layers.default, _stack_weights(ws)
+    keys, values = [c[0] for c in caches], [c[1] for c in caches]
     with pytest.raises(ValueError, match="2 K caches, 1 V caches and 24 weights"):
-        ops.llama_layers(hidden, *args[:4], args[4][:1], *args[5:])
+        kernels.llama_stack_args(op, weights, keys, values[:1], None, 12)
     with pytest.raises(ValueError, match="2 K caches, 2 V caches and 23 weights"):
-        ops.llama_layers(hidden, args[0][:23], *args[1:])
-    args[0][12 + 3] = None  # the second layer's o_proj
+        kernels.llama_stack_args(op, weights[:23], keys, values, None, 12)
+    with pytest.raises(ValueError, match="12 weights a layer, or 20"):
+        kernels.llama_stack_args(op, weights, keys, values, None, 6)
+    weights[12 + 3] = None  # the second layer's o_proj
     with pytest.raises(ValueError, match="layer 1 weight 3 is None"):
-        ops.llama_layers(hidden, *args)
+        kernels.llama_stack_args(op, weights, keys, values, None, 12)
+    args = _stack_args(ops, ws, step, cos, sin, caches)
+    with pytest.raises(ValueError, match="lora_ids go with LoRA stacks"):
+        ops.llama_layers(hidden, *args, lora_ids=torch.zeros(1, dtype=torch.long))
 
 
 def _quantized(g, w):

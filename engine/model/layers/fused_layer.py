@@ -50,6 +50,7 @@ from engine.model.layers.attention import Attention, PagedAttention
 from engine.model.layers.linear import Linear
 from engine.model.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model.layers.quantization import QuantLinear
+from kernels import llama_stack_args
 from kernels.kv_quant import QUANTIZED_CACHES
 
 
@@ -246,12 +247,22 @@ class Stacked:
     indices: tuple[int, ...] | None  # each layer's cache index, None when they are 0, 1, 2, ...
     paged: PagedAttention  # the first layer's attention: the batch view every layer reads
     lora_weights: list | None  # weights with each layer's Bound.lora after its twelve (None: no adapters)
+    final_norm: torch.Tensor | None  # the model's final norm's weight, run by the op (None: by its module)
+
+    def args(self, kv_cache, lora: bool):
+        """The op's unchanging arguments over these caches (kernels.llama_stack_args)."""
+        keys, values = kv_cache
+        if self.indices is not None:
+            keys, values = [keys[i] for i in self.indices], [values[i] for i in self.indices]
+        weights, per_layer = (self.lora_weights, 20) if lora else (self.weights, 12)
+        return llama_stack_args(self.op, weights, list(keys), list(values), self.final_norm, per_layer)
 
 
-def stack(layers) -> Stacked | None:
+def stack(layers, norm) -> Stacked | None:
     """The layers as one Stacked, or None: some layer is not bound, the
     layers differ in shape or in the view of the batch they read, or the
-    build has no stack op."""
+    build has no stack op. `norm`, the model's final norm, goes in when it
+    is the op's RMSNorm with the layers' eps."""
     bounds = [layer._fused for layer in layers]
     if not bounds or any(b is None or b is UNKNOWN for b in bounds):
         return None
@@ -266,43 +277,60 @@ def stack(layers) -> Stacked | None:
         return None
     indices = tuple(b.paged.layer_index for b in bounds)
     lora = None if first.lora is None else [t for b in bounds for t in (*b.weights, *b.lora)]
+    fused_norm = type(norm) is RMSNorm and norm.eps == first.shape.eps
     return Stacked(op, [w for b in bounds for w in b.weights], first.numbers,
-                   None if indices == tuple(range(len(bounds))) else indices, first.paged, lora)
+                   None if indices == tuple(range(len(bounds))) else indices, first.paged, lora,
+                   norm.weight if fused_norm else None)
 
 
-def run_stacked(stacked: Stacked, step: StepArgs, hidden: torch.Tensor):
-    """(last MLP output, residual) after every layer, in one op."""
+def run_stacked(stacked: Stacked, args, step: StepArgs, hidden: torch.Tensor):
+    """(the final norm's output, or the last MLP output where the op has no
+    final norm; the residual) after every layer, in one op. `args`:
+    stacked.args() over the step's caches, with the adapters' stacks when
+    the step has adapters."""
     _, _, meta = stacked.paged.layer_view(step.kv_cache, step.meta)
-    keys, values = step.kv_cache
-    if stacked.indices is not None:
-        keys, values = [keys[i] for i in stacked.indices], [values[i] for i in stacked.indices]
-    weights, lora = stacked.weights, ()
-    if step.lora_ids is not None:  # twenty weights a layer, and the rows' slots
-        weights, lora = stacked.lora_weights, (step.lora_ids,)
-    return stacked.op(hidden, weights, step.cos, step.sin, keys, values, meta.slot_mapping,
+    lora = () if step.lora_ids is None else (step.lora_ids,)
+    return stacked.op(hidden, args, step.cos, step.sin, meta.slot_mapping,
                       meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
                       meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
                       *stacked.numbers, *lora)
 
 
 class LayerStack:
-    """A model's layer loop: all its layers in one op once each has been
-    bound alike at its first step (`stacked`), else run_layers. `whole`
-    False keeps a call per layer (the tests compare the two)."""
+    """A model's layer loop and its final norm: all its layers (and the norm)
+    in one op once each has been bound alike at its first step (`stacked`),
+    else run_layers and the norm's module. `whole` False keeps a call per
+    layer (the tests compare the two)."""
 
-    def __init__(self, layers) -> None:
+    def __init__(self, layers, norm) -> None:
         self.layers = layers
+        self.norm = norm
         self.stacked = UNKNOWN  # a Stacked, or None, once every layer has had its first step
         self.whole = True
         self.lora = None  # the LoRAContext when the engine serves adapters (engine/model/lora/)
+        # The op's arguments over the caches last seen, with and without adapters:
+        # {has adapters: (kv_cache, the args)}; the runner passes the same caches every step.
+        self._args: dict[bool, tuple] = {}
 
-    def __call__(self, rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
+    def __call__(self, rope_tables, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The final norm's output for every row: the model's last hidden states."""
         layers = self.layers
         step = step_args(rope_tables, hidden, kv_cache, meta, self.lora) if len(layers) else None
         if step is not None and self.whole and all(layer.fuse for layer in layers):
             if self.stacked is UNKNOWN and all(layer._fused is not UNKNOWN for layer in layers):
-                self.stacked = stack(layers)
-            if self.stacked is not UNKNOWN and self.stacked is not None and (
-                    step.lora_ids is None or self.stacked.lora_weights is not None):
-                return run_stacked(self.stacked, step, hidden)
-        return run_layers(layers, step, rope_tables, hidden, kv_cache, meta)
+                self.stacked = stack(layers, self.norm)
+            stacked = self.stacked
+            lora = step.lora_ids is not None
+            if stacked is not UNKNOWN and stacked is not None and (not lora or stacked.lora_weights is not None):
+                hidden, residual = run_stacked(stacked, self._stack_args(stacked, kv_cache, lora), step, hidden)
+                return hidden if stacked.final_norm is not None else self.norm(hidden, residual)[0]
+        hidden, residual = run_layers(layers, step, rope_tables, hidden, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
+
+    def _stack_args(self, stacked: Stacked, kv_cache, lora: bool):
+        held = self._args.get(lora)
+        if held is None or held[0] is not kv_cache:
+            held = self._args[lora] = (kv_cache, stacked.args(kv_cache, lora))
+        return held[1]

@@ -106,8 +106,9 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         self.embed_tokens = VocabParallelEmbedding(part, args.hidden_size, kernels, group)
         self.layers = nn.ModuleList(
             self.LAYER(args, part, i, kernels, group, self.QK_NORM) for i in range(args.num_layers))
-        self.layer_stack = fused_layer.LayerStack(self.layers)  # the loop over them, in one op where it can
         self.norm = self.NORM(args.hidden_size, args.rms_norm_eps, kernels)
+        # The loop over them and the final norm, in one op where it can.
+        self.layer_stack = fused_layer.LayerStack(self.layers, self.norm)
         self.rope = self.make_rope(hf_config, max_positions)
         self.kernels = kernels
         self.lm_head = None
@@ -121,10 +122,7 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         """Hidden states of every scheduled token: [num_tokens, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
         rope_tables = self.rope.tables(positions, hidden.dtype)
-        hidden, residual = self.layer_stack(rope_tables, hidden, kv_cache, meta)
-        if residual is None:  # no layers
-            return self.norm(hidden)
-        return self.norm(hidden, residual)[0]
+        return self.layer_stack(rope_tables, hidden, kv_cache, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary (rank 0's; the other ranks get None)."""

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/custom_class.h>
 
 #include <array>
 #include <cstring>
@@ -207,6 +208,18 @@ inline bool few_decode_rows(const at::Tensor& hidden, int64_t num_decode_tokens,
   return true;
 }
 
+// The next linear's first bytes, fetched by the team's waiting thread while
+// this one runs the serial part before it: a few tokens over a blob in
+// panels (quant_panels.h's fetch_ahead), else nothing.
+inline void fetch_ahead(const at::Tensor& w, int64_t tokens) {
+#if defined(PAGEDSERVE_QUANT_VNNI)
+  if (tokens < quant::panels::kFewTokens && w.scalar_type() == at::kByte && free_team() != nullptr)
+    quant::panels::fetch_ahead(quant::parse(w));
+#else
+  (void)w, (void)tokens;
+#endif
+}
+
 }  // namespace layer_parts
 
 // Returns (this layer's MLP output, the residual stream).  Without a residual
@@ -236,12 +249,14 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const bool first = !(residual.has_value() && residual->defined());
   const at::Tensor stream = first ? hidden : *residual;
+  layer_parts::fetch_ahead(qkv_weight, tokens);
   at::Tensor x = first ? rms_norm(hidden, input_norm, eps, std::nullopt)
                        : rms_norm(hidden, input_norm, eps, stream);
 
   const at::Tensor qkv = layer_parts::adapted_linear(x, qkv_weight, qkv_bias, adapters, 0, q_size, kv_size);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_layer: qkv_proj gives ", qkv.size(1),
               " columns, the heads need ", q_size + 2 * kv_size);
+  layer_parts::fetch_ahead(o_weight, tokens);
   const at::Tensor q = layer_parts::rotate_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                                                      num_kv_heads, head_dim, q_norm, k_norm, eps);
   const layer_parts::Rows rows{num_decode_tokens, decode_block_tables, decode_context_lens,
@@ -249,53 +264,94 @@ inline std::tuple<at::Tensor, at::Tensor> llama_layer(
   const at::Tensor attn = layer_parts::attend(q, k_cache, v_cache, rows, scale, sliding_window, logits_soft_cap);
 
   const at::Tensor o = layer_parts::adapted_linear(attn.view({tokens, q_size}), o_weight, o_bias, adapters, 1);
+  layer_parts::fetch_ahead(gate_up_weight, tokens);
   x = rms_norm(o, post_norm, eps, stream);
-  const at::Tensor gated = silu_and_mul(layer_parts::adapted_linear(x, gate_up_weight, gate_up_bias, adapters, 2));
+  const at::Tensor up = layer_parts::adapted_linear(x, gate_up_weight, gate_up_bias, adapters, 2);
+  layer_parts::fetch_ahead(down_weight, tokens);
+  const at::Tensor gated = silu_and_mul(up);
   return {layer_parts::adapted_linear(gated, down_weight, down_bias, adapters, 3), stream};
 }
 
-// Every layer of a Llama-style stack, in one call: llama_layer for each in
-// turn, so the numbers are the per-layer calls' to the bit.  Why: a call
-// from Python costs ~21 us on a one-stream SmolLM2 step on AVX2 (29
-// arguments parsed and boxed, on code the previous layer's weight stream
-// pushed out of the caches), ~0.6 ms of a ~12 ms step for 30 layers.
-// `weights` holds twelve per layer, in llama_layer's order (input norm, qkv
+// What every call of a Llama-style stack passes unchanged, handed to C++
+// once: `weights`, twelve a layer in llama_layer's order (input norm, qkv
 // weight and bias, o weight and bias, post norm, gate_up weight and bias,
 // down weight and bias, q_norm, k_norm; biases and the per-head norms may be
-// None), and with `lora_ids` eight more, its LoRA stacks in llama_layer's
-// order; layer l reads k_caches[l] and v_caches[l].  Every layer shares the
-// heads, eps, scale and features.
+// None), or twenty with the layer's LoRA stacks after them (A then B of qkv,
+// o, gate_up, down); layer l's K and V caches; and the model's final norm
+// (None: the op returns the last MLP output, not the normed state).  Why:
+// passed as lists, the 360 weights and 60 caches of SmolLM2 were converted
+// from Python objects on every call, ~45 us of a ~4.4 ms one-stream token on
+// the Xeon without BF16 (docs/performance.md).  One class a build (the inline
+// namespace), as several builds load into one process.
+inline namespace PAGEDSERVE_OPS_NS {
+struct LayerStackArgs : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights;  // undefined where None
+  std::vector<at::Tensor> k_caches, v_caches;
+  std::optional<at::Tensor> final_norm;
+  int64_t per_layer;
+
+  LayerStackArgs(const c10::List<std::optional<at::Tensor>>& weight_list, std::vector<at::Tensor> k,
+                 std::vector<at::Tensor> v, std::optional<at::Tensor> norm, int64_t per)
+      : k_caches(std::move(k)), v_caches(std::move(v)), final_norm(std::move(norm)), per_layer(per) {
+    const int64_t layers = int64_t(k_caches.size());
+    TORCH_CHECK_VALUE(per == 12 || per == 20, "llama_layers: 12 weights a layer, or 20 with LoRA stacks; got ",
+                      per);
+    TORCH_CHECK_VALUE(layers > 0 && int64_t(v_caches.size()) == layers &&
+                          int64_t(weight_list.size()) == per * layers,
+                      "llama_layers: ", layers, " K caches, ", v_caches.size(), " V caches and ",
+                      weight_list.size(), " weights; expected one K and one V cache and ", per, " weights a layer");
+    weights.reserve(weight_list.size());
+    for (size_t i = 0; i < weight_list.size(); ++i) {
+      const std::optional<at::Tensor> w = weight_list.get(i);
+      weights.push_back(w.has_value() ? *w : at::Tensor());
+    }
+    for (int64_t l = 0; l < layers; ++l)
+      for (int i : {0, 1, 3, 5, 6, 8})  // the norms and the four projections
+        TORCH_CHECK_VALUE(weights[per * l + i].defined(), "llama_layers: layer ", l, " weight ", i, " is None");
+  }
+  int64_t layers() const { return int64_t(k_caches.size()); }
+};
+}  // inline namespace PAGEDSERVE_OPS_NS
+
+// Every layer of a Llama-style stack, in one call: llama_layer for each in
+// turn, so the numbers are the per-layer calls' to the bit, then the final
+// norm where `stack` holds one (as the model's RMSNorm module would run it).
+// Why: a call from Python costs ~21 us on a one-stream SmolLM2 step on AVX2
+// (29 arguments parsed and boxed, on code the previous layer's weight stream
+// pushed out of the caches), ~0.6 ms of a ~12 ms step for 30 layers.  Every
+// layer shares the heads, eps, scale and features; `lora_ids` is given
+// exactly when `stack` holds the LoRA stacks.  Returns (the last MLP output,
+// or with the final norm the model's normed hidden states; the residual stream).
 inline std::tuple<at::Tensor, at::Tensor> llama_layers(
-    const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& weights, const at::Tensor& cos,
-    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
-    int64_t num_decode_tokens, const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
+    const at::Tensor& hidden, const c10::intrusive_ptr<LayerStackArgs>& stack, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
+    const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
     const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
     const at::Tensor& prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
     int64_t sliding_window, double logits_soft_cap, const std::optional<at::Tensor>& lora_ids) {
-  const int64_t layers = int64_t(k_caches.size());
-  const int64_t kPer = lora_ids.has_value() && lora_ids->defined() ? 20 : 12;  // weights a layer
-  TORCH_CHECK_VALUE(layers > 0 && int64_t(v_caches.size()) == layers && int64_t(weights.size()) == kPer * layers,
-                    "llama_layers: ", layers, " K caches, ", v_caches.size(), " V caches and ", weights.size(),
-                    " weights; expected one K and one V cache and ", kPer, " weights a layer");
-  auto weight = [&](int64_t l, int i) {
-    const std::optional<at::Tensor> w = weights.get(kPer * l + i);
-    TORCH_CHECK_VALUE(w.has_value() && w->defined(), "llama_layers: layer ", l, " weight ", i, " is None");
-    return *w;
+  const LayerStackArgs& args = *stack;
+  const int64_t layers = args.layers(), kPer = args.per_layer;
+  TORCH_CHECK_VALUE((lora_ids.has_value() && lora_ids->defined()) == (kPer == 20),
+                    "llama_layers: lora_ids go with LoRA stacks (20 weights a layer), got ", kPer, " a layer");
+  auto weight = [&](int64_t l, int i) -> const at::Tensor& { return args.weights[kPer * l + i]; };
+  auto optional = [&](int64_t l, int i) {
+    const at::Tensor& w = weight(l, i);
+    return w.defined() ? std::optional<at::Tensor>(w) : std::optional<at::Tensor>();
   };
   auto run = [&]() -> std::tuple<at::Tensor, at::Tensor> {
     at::Tensor h = hidden;
     std::optional<at::Tensor> residual;  // none before the first layer: hidden is the stream
     for (int64_t l = 0; l < layers; ++l) {
-      auto optional = [&](int i) { return weights.get(kPer * l + i); };
-      auto stack = [&](int i) { return i < kPer ? optional(i) : std::optional<at::Tensor>(); };
+      auto stacked = [&](int i) { return i < kPer ? optional(l, i) : std::optional<at::Tensor>(); };
       std::tie(h, residual) = llama_layer(
-          h, residual, weight(l, 0), weight(l, 1), optional(2), weight(l, 3), optional(4), weight(l, 5),
-          weight(l, 6), optional(7), weight(l, 8), optional(9), optional(10), optional(11), cos, sin,
-          k_caches[l], v_caches[l], slot_mapping, num_decode_tokens, decode_block_tables, decode_context_lens,
-          prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, num_heads, num_kv_heads, eps,
-          scale, sliding_window, logits_soft_cap, lora_ids, stack(12), stack(13), stack(14), stack(15),
-          stack(16), stack(17), stack(18), stack(19));
+          h, residual, weight(l, 0), weight(l, 1), optional(l, 2), weight(l, 3), optional(l, 4), weight(l, 5),
+          weight(l, 6), optional(l, 7), weight(l, 8), optional(l, 9), optional(l, 10), optional(l, 11), cos, sin,
+          args.k_caches[l], args.v_caches[l], slot_mapping, num_decode_tokens, decode_block_tables,
+          decode_context_lens, prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, num_heads,
+          num_kv_heads, eps, scale, sliding_window, logits_soft_cap, lora_ids, stacked(12), stacked(13),
+          stacked(14), stacked(15), stacked(16), stacked(17), stacked(18), stacked(19));
     }
+    if (args.final_norm.has_value()) h = rms_norm(h, *args.final_norm, eps, residual);
     return {h, *residual};
   };
   return layer_parts::few_decode_rows(hidden, num_decode_tokens, kPer == 12, layers, weight) ? with_team(run)

@@ -75,6 +75,8 @@ bool quant_panels() {
 }  // namespace pagedserve
 
 #define PAGEDSERVE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define PAGEDSERVE_STRING_(x) #x
+#define PAGEDSERVE_STRING(x) PAGEDSERVE_STRING_(x)  // the namespace's name, in a schema
 
 PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
@@ -106,11 +108,15 @@ PAGEDSERVE_LIBRARY(PAGEDSERVE_OPS_NS, m) {
         "Tensor? gate_up_lora_a=None, Tensor? gate_up_lora_b=None, Tensor? down_lora_a=None, "
         "Tensor? down_lora_b=None) -> (Tensor, Tensor)",
         &pagedserve::llama_layer);
-  m.def("llama_layers(Tensor hidden, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
-        "Tensor(b!)[] v_caches, Tensor slot_mapping, int num_decode_tokens, Tensor decode_block_tables, "
-        "Tensor decode_context_lens, Tensor prefill_block_tables, Tensor prefill_cu_seqlens_q, "
-        "Tensor prefill_context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
-        "int sliding_window=0, float logits_soft_cap=0.0, Tensor? lora_ids=None) -> (Tensor, Tensor)",
+  m.class_<pagedserve::LayerStackArgs>("LayerStackArgs")
+      .def(torch::init<const c10::List<std::optional<at::Tensor>>&, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::optional<at::Tensor>, int64_t>());
+  m.def("llama_layers(Tensor hidden, __torch__.torch.classes." PAGEDSERVE_STRING(PAGEDSERVE_OPS_NS)
+        ".LayerStackArgs stack, Tensor cos, Tensor sin, Tensor slot_mapping, int num_decode_tokens, "
+        "Tensor decode_block_tables, Tensor decode_context_lens, Tensor prefill_block_tables, "
+        "Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, int num_heads, int num_kv_heads, float eps, "
+        "float scale, int sliding_window=0, float logits_soft_cap=0.0, Tensor? lora_ids=None) "
+        "-> (Tensor, Tensor)",
         &pagedserve::llama_layers);
   m.def("gemma_layer(Tensor hidden, Tensor(a!)? residual, Tensor input_norm, Tensor qkv_weight, "
         "Tensor? qkv_bias, Tensor o_weight, Tensor? o_bias, Tensor post_attention_norm, "

@@ -248,34 +248,53 @@ inline void panel_times_tokens_legacy(const uint8_t* panel, int64_t blocks, cons
   for (int t = 0; t < T; ++t) out[t] = f[t];
 }
 
+// The panels a call's threads split (every part's, in order), kGrain at least a thread.
+constexpr int64_t kGrain = 4;
+inline int64_t count(const Blob& blob) {
+  int64_t panels = 0;
+  for (const Part& p : blob.parts) panels += p.rows / kPanelRows;
+  return panels;
+}
+
+// Panel i and its part's type, found by walking the (one to three) parts,
+// not from a list built per call: at one token that list's ~190 pushes cost
+// ~1 us of a layer's serial time (docs/performance.md).
+inline const uint8_t* panel(const Blob& blob, int64_t i, int64_t& type) {
+  for (const Part& p : blob.parts) {
+    const int64_t n = p.rows / kPanelRows;
+    if (i < n) {
+      type = p.type;
+      return p.data + i * kPanelRows * p.row_bytes;
+    }
+    i -= n;
+  }
+  return nullptr;  // not reached: i < count(blob)
+}
+
+// Before the serial part ahead of a one-token call over `blob`: tell the
+// team's waiting thread where the two threads' shares start (team.h's
+// hint).  64 KiB of each: 32 and 128 KiB measured no better on SmolLM2's
+// layers (docs/performance.md).
+inline void fetch_ahead(const Blob& blob) {
+  Team* team = free_team();
+  const int64_t n = count(blob);
+  if (team == nullptr || team->threads() != 2 || !blob.panels || shares(n, kGrain, 2) != 2) return;
+  int64_t type = 0;
+  team->hint(panel(blob, (n + 1) / 2, type), panel(blob, 0, type), 64 << 10);
+}
+
 // y = x W^T (+ bias) for M < kFewTokens tokens over a blob in panels: the
-// threads split the panels (every part's, in order), each runs all tokens.
+// threads split the panels, each runs all tokens.
 template <typename TX, typename TOut>
 inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOut* out) {
   const int64_t K = blob.K, N = blob.N;
   const int per = groups_a_scale(blob);  // 8: K-quants (per 256), 1: the legacy types (per 32)
   const Tokens tokens = quantize_tokens(x, M, K, per, false);
-  // Panel i is found by walking the (one to three) parts, not from a list
-  // built per call: at one token that list's ~190 pushes cost ~1 us of a
-  // layer's serial time (docs/performance.md).
-  int64_t panels = 0;
-  for (const Part& p : blob.parts) panels += p.rows / kPanelRows;
-  auto panel = [&](int64_t i, int64_t& type) {
-    for (const Part& p : blob.parts) {
-      const int64_t n = p.rows / kPanelRows;
-      if (i < n) {
-        type = p.type;
-        return p.data + i * kPanelRows * p.row_bytes;
-      }
-      i -= n;
-    }
-    return static_cast<const uint8_t*>(nullptr);  // not reached: i < panels
-  };
-  pagedserve::parallel_for(0, panels, 4, [&](int64_t i0, int64_t i1) {
+  pagedserve::parallel_for(0, count(blob), kGrain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const __m512 b = bias ? _mm512_loadu_ps(bias + kPanelRows * i) : _mm512_setzero_ps();
       int64_t type = 0;
-      const uint8_t* data = panel(i, type);
+      const uint8_t* data = panel(blob, i, type);
       auto tile = [&](auto count, int64_t m) {
         constexpr int T = decltype(count)::value;
         __m512 f[T];
