@@ -209,15 +209,9 @@ inline bool few_decode_rows(const at::Tensor& hidden, int64_t num_decode_tokens,
 }
 
 // The next linear's first bytes, fetched by the team's waiting thread while
-// this one runs the serial part before it: a few tokens over a blob in
-// panels (quant_panels.h's fetch_ahead), else nothing.
+// this one runs the serial part before it (quant_linear.h's fetch_ahead).
 inline void fetch_ahead(const at::Tensor& w, int64_t tokens) {
-#if defined(PAGEDSERVE_QUANT_VNNI)
-  if (tokens < quant::panels::kFewTokens && w.scalar_type() == at::kByte && free_team() != nullptr)
-    quant::panels::fetch_ahead(quant::parse(w));
-#else
-  (void)w, (void)tokens;
-#endif
+  if (w.scalar_type() == at::kByte && free_team() != nullptr) quant::fetch_ahead(quant::parse(w), tokens, true);
 }
 
 }  // namespace layer_parts

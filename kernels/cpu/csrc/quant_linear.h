@@ -232,6 +232,36 @@ inline bool takes_strips(const Blob& blob, int64_t M, bool bf16_x) {
   return M >= kManyRows;
 }
 
+// Before the serial part ahead of a call of M tokens over `blob` (llama_layer.h):
+// where the two threads' shares of it start, for the team's waiting thread to
+// fetch into its L2 (team.h's hint), 64 KiB of each.  Panels split as
+// quant_panels.h's run splits them, rows in run's tiles of 4 (below); many
+// tokens (the strips) are not hinted.  Measured on SmolLM2's layers: 32 and
+// 128 KiB no better than 64 (docs/performance.md).
+constexpr size_t kFetchAheadBytes = 64 << 10;
+inline void fetch_ahead(const Blob& blob, int64_t M, bool bf16_x) {
+  Team* team = free_team();
+  if (team == nullptr || team->threads() != 2 || blob.parts.empty()) return;
+  const uint8_t* second = nullptr;
+#if defined(PAGEDSERVE_QUANT_VNNI)
+  if (blob.panels) second = M < panels::kFewTokens ? panels::second_share(blob) : nullptr;
+#endif
+  if (!blob.panels && !takes_strips(blob, M, bf16_x)) {
+    int64_t tiles = 0;
+    for (const Part& p : blob.parts) tiles += (p.rows + 3) / 4;
+    int64_t tile = shares(tiles, 4, 2) == 2 ? (tiles + 1) / 2 : tiles;
+    for (const Part& p : blob.parts) {
+      const int64_t n = (p.rows + 3) / 4;
+      if (tile < n) {
+        second = p.data + 4 * tile * p.row_bytes;
+        break;
+      }
+      tile -= n;
+    }
+  }
+  if (second != nullptr) team->hint(second, blob.parts[0].data, kFetchAheadBytes);
+}
+
 // Nothing folded around a call's rows: the plain linear.
 struct NoFold {};
 

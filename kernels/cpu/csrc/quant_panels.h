@@ -271,16 +271,12 @@ inline const uint8_t* panel(const Blob& blob, int64_t i, int64_t& type) {
   return nullptr;  // not reached: i < count(blob)
 }
 
-// Before the serial part ahead of a one-token call over `blob`: tell the
-// team's waiting thread where the two threads' shares start (team.h's
-// hint).  64 KiB of each: 32 and 128 KiB measured no better on SmolLM2's
-// layers (docs/performance.md).
-inline void fetch_ahead(const Blob& blob) {
-  Team* team = free_team();
+// Where run's second thread starts (its split of the panels among two
+// threads), or nullptr where one thread takes them all.
+inline const uint8_t* second_share(const Blob& blob) {
   const int64_t n = count(blob);
-  if (team == nullptr || team->threads() != 2 || !blob.panels || shares(n, kGrain, 2) != 2) return;
   int64_t type = 0;
-  team->hint(panel(blob, (n + 1) / 2, type), panel(blob, 0, type), 64 << 10);
+  return shares(n, kGrain, 2) == 2 ? panel(blob, (n + 1) / 2, type) : nullptr;
 }
 
 // y = x W^T (+ bias) for M < kFewTokens tokens over a blob in panels: the
