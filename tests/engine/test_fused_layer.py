@@ -103,6 +103,33 @@ def test_smollm2_fused_layers_give_the_same_numbers(smollm2_short_path, engine_a
     _same_with_and_without(llm, monkeypatch)
     bound = [layer._fused for layer in llm.engine.runner.model.layers]
     assert None not in bound and len({one.shape for one in bound}) == 1
+    assert llm.engine.runner.model.layer_stack.stacked.final_norm is not None  # the op runs it
+
+
+def test_a_final_norm_of_another_eps_runs_its_module(smollm2_short_path, monkeypatch):
+    """The stack op runs the model's final norm with the layers' eps: a final
+    norm of another eps stays with its module, and the numbers stay the modules'."""
+    _compiled_ops_or_skip()
+    llm = LLM(str(smollm2_short_path), dtype="bfloat16")
+    llm.engine.runner.model.norm.eps = 1e-2
+    _same_with_and_without(llm, monkeypatch)
+    assert llm.engine.runner.model.layer_stack.stacked.final_norm is None
+
+
+def test_the_stack_op_writes_the_caches_it_is_given(smollm2_short_path, monkeypatch):
+    """The op's arguments are built once per set of caches: handed another set,
+    the same step writes (and reads) those, not the first set."""
+    _compiled_ops_or_skip()
+    llm = LLM(str(smollm2_short_path), dtype="bfloat16")
+    runner = llm.engine.runner
+    first, _ = _generate(llm, "stack", monkeypatch)
+    old = [c for part in runner.layer_caches for c in part]
+    before = [c.clone() for c in old]
+    runner.layer_caches = tuple(tuple(torch.zeros_like(c) for c in part) for part in runner.layer_caches)
+    again, _ = _generate(llm, "stack", monkeypatch)
+    assert again == first
+    assert all(c.count_nonzero() > 0 for part in runner.layer_caches for c in part)
+    assert all(torch.equal(c, b) for c, b in zip(old, before))  # the first set untouched
 
 
 @pytest.mark.parametrize("cache, dtype", [("int8", torch.int8), ("fp8", torch.float8_e4m3fn)])
