@@ -232,33 +232,40 @@ inline bool takes_strips(const Blob& blob, int64_t M, bool bf16_x) {
   return M >= kManyRows;
 }
 
+// A one-token call's rows go to the threads in tiles of 4 rows, every
+// part's in order, at least kTileGrain tiles a thread (run, below).
+constexpr int64_t kTileGrain = 4;
+inline int64_t row_tiles(const Part& p) { return (p.rows + 3) / 4; }
+
+// Where run's second thread starts over file-order rows (its split of the
+// tiles among two threads), or nullptr where one thread takes them all.
+inline const uint8_t* second_row_share(const Blob& blob) {
+  int64_t tiles = 0;
+  for (const Part& p : blob.parts) tiles += row_tiles(p);
+  if (shares(tiles, kTileGrain, 2) != 2) return nullptr;
+  int64_t tile = (tiles + 1) / 2;
+  for (const Part& p : blob.parts) {
+    if (tile < row_tiles(p)) return p.data + 4 * tile * p.row_bytes;
+    tile -= row_tiles(p);
+  }
+  return nullptr;  // not reached: tile < tiles
+}
+
 // Before the serial part ahead of a call of M tokens over `blob` (llama_layer.h):
 // where the two threads' shares of it start, for the team's waiting thread to
 // fetch into its L2 (team.h's hint), 64 KiB of each.  Panels split as
-// quant_panels.h's run splits them, rows in run's tiles of 4 (below); many
-// tokens (the strips) are not hinted.  Measured on SmolLM2's layers: 32 and
-// 128 KiB no better than 64 (docs/performance.md).
+// quant_panels.h's run splits them, rows as run below; many tokens (the
+// strips) are not hinted.  Measured on SmolLM2's layers: 32 and 128 KiB no
+// better than 64 (docs/performance.md).
 constexpr size_t kFetchAheadBytes = 64 << 10;
 inline void fetch_ahead(const Blob& blob, int64_t M, bool bf16_x) {
   Team* team = free_team();
   if (team == nullptr || team->threads() != 2 || blob.parts.empty()) return;
   const uint8_t* second = nullptr;
 #if defined(PAGEDSERVE_QUANT_VNNI)
-  if (blob.panels) second = M < panels::kFewTokens ? panels::second_share(blob) : nullptr;
+  if (blob.panels && M < panels::kFewTokens) second = panels::second_share(blob);
 #endif
-  if (!blob.panels && !takes_strips(blob, M, bf16_x)) {
-    int64_t tiles = 0;
-    for (const Part& p : blob.parts) tiles += (p.rows + 3) / 4;
-    int64_t tile = shares(tiles, 4, 2) == 2 ? (tiles + 1) / 2 : tiles;
-    for (const Part& p : blob.parts) {
-      const int64_t n = (p.rows + 3) / 4;
-      if (tile < n) {
-        second = p.data + 4 * tile * p.row_bytes;
-        break;
-      }
-      tile -= n;
-    }
-  }
+  if (!blob.panels && !takes_strips(blob, M, bf16_x)) second = second_row_share(blob);
   if (second != nullptr) team->hint(second, blob.parts[0].data, kFetchAheadBytes);
 }
 
@@ -294,7 +301,7 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
   // a join and the two threads' imbalance at it, and a fused qkv or gate|up
   // blob is 2-3 parts: SmolLM2's layer made 7 regions of its 4 linears.
   std::vector<int64_t> tiles{0};  // tiles[i]: the first tile of part i
-  for (const Part& p : blob.parts) tiles.push_back(tiles.back() + (p.rows + 3) / 4);
+  for (const Part& p : blob.parts) tiles.push_back(tiles.back() + row_tiles(p));
   // visit(part, its first output row, n0, n1) for each part's rows in tiles [t0, t1).
   auto tiles_rows = [&](int64_t t0, int64_t t1, const auto& visit) {
     int64_t first = 0;  // the part's first row in the output
@@ -313,19 +320,19 @@ inline void run(const Blob& blob, const TX* x, int64_t M, const float* bias, TOu
     };
   };
   if constexpr (std::is_same_v<Fold, NoFold>) {
-    pagedserve::parallel_for(0, tiles.back(), 4, [&](int64_t t0, int64_t t1) { tiles_rows(t0, t1, base_rows(NoStep{})); });
+    pagedserve::parallel_for(0, tiles.back(), kTileGrain, [&](int64_t t0, int64_t t1) { tiles_rows(t0, t1, base_rows(NoStep{})); });
   } else {
     TORCH_CHECK(fold != nullptr, "quant_linear: no adapter to fold");
   // Each thread: its base rows (fetching its share of the adapter's bytes as
   // it goes), its share of the shrink, the barrier (h whole), the update of
   // its rows.  The barrier needs every thread of the region at it, which
   // at::parallel_for cannot promise: OpenMP directly, the tiles split as
-  // at::parallel_for splits them (grain 4).
+  // at::parallel_for splits them (kTileGrain).
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t total = tiles.back();
-    const int64_t used = std::min(threads, (total + 3) / 4), chunk = (total + used - 1) / used;
+    const int64_t used = shares(total, kTileGrain, int(threads)), chunk = (total + used - 1) / used;
     const int64_t t0 = std::min(total, tid * chunk), t1 = std::min(total, (tid + 1) * chunk);
     std::vector<std::pair<int64_t, int64_t>> mine;
     tiles_rows(t0, t1, [&](const Part&, int64_t, int64_t n0, int64_t n1) { mine.push_back({n0, n1}); });
